@@ -1,0 +1,64 @@
+"""The stage graph, derived from references between stages (never declared twice)."""
+
+from __future__ import annotations
+
+from flows.spec import BASE, Pipeline
+
+
+def upstream_of(pipeline: Pipeline) -> dict[str, list[str]]:
+    """stage -> the stages it reads outputs from (``base`` is not a stage)."""
+    return {
+        name: [t for t in dict.fromkeys(config.references().values()) if t != BASE]
+        for name, config in pipeline.stages.items()
+    }
+
+
+def topological_order(pipeline: Pipeline) -> list[str]:
+    """Stages in dependency order; ties keep declaration order. The spec has no cycles."""
+    edges = upstream_of(pipeline)
+    order, done = [], set()
+
+    def visit(name):
+        if name in done:
+            return
+        for upstream in edges[name]:
+            visit(upstream)
+        done.add(name)
+        order.append(name)
+
+    for name in pipeline.stages:
+        visit(name)
+    return order
+
+
+def ancestors(pipeline: Pipeline, stage: str) -> set[str]:
+    edges, found, todo = upstream_of(pipeline), set(), [stage]
+    while todo:
+        for upstream in edges[todo.pop()]:
+            if upstream not in found:
+                found.add(upstream)
+                todo.append(upstream)
+    return found
+
+
+def descendants(pipeline: Pipeline, stage: str) -> set[str]:
+    edges = upstream_of(pipeline)
+    found, changed = set(), True
+    while changed:
+        changed = False
+        for name, ups in edges.items():
+            if name not in found and (stage in ups or found & set(ups)):
+                found.add(name)
+                changed = True
+    return found
+
+
+def render_graph(pipeline: Pipeline) -> str:
+    """One line per stage in run order: ``name (kind) <- upstream, ...``."""
+    lines = []
+    for name in topological_order(pipeline):
+        config = pipeline.stages[name]
+        sources = [f"{field}={target}" for field, target in config.references().items()]
+        sources += [f"data={d}({pipeline.data[d].role})" for d in config.dataset_names()]
+        lines.append(f"  {name} ({config.kind}) <- {', '.join(sources)}")
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Fingerprints and the run plan: which stages are reused from MLflow and which run.
+
+A stage's fingerprint hashes its canonical config, the run ids of the upstream stages
+whose outputs it reads (so rerunning anything upstream makes it stale), the content keys
+of its datasets and base model, its reward specs, the pipeline seed and the posttrain
+version. The plan is decided before anything is launched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flows import __version__
+from flows.graph import ancestors, descendants, topological_order, upstream_of
+from flows.spec import BASE, LoadedPipeline
+from stages.data import data_key
+from stages.models import PathModelSpec, base_model_key
+
+
+class PlanError(Exception):
+    """The requested run cannot start (e.g. ``--only`` without cached upstream outputs)."""
+
+
+@dataclass
+class RunOptions:
+    only: str | None = None
+    from_stage: str | None = None
+    force: list[str] = field(default_factory=list)
+    no_cache: bool = False
+
+    def check(self, loaded: LoadedPipeline) -> None:
+        names = list(loaded.spec.stages)
+        for flag, stage in (("--only", self.only), ("--from", self.from_stage), *(("--force", s) for s in self.force)):
+            if stage is not None and stage not in names:
+                raise PlanError(f"{flag} {stage}: no such stage; stages: {', '.join(names)}")
+        if self.only and self.from_stage:
+            raise PlanError("--only and --from cannot be combined")
+
+
+@dataclass
+class Decision:
+    stage: str
+    action: str  # "run", "cached" or "skip"
+    reason: str
+    cached_run_id: str | None = None
+    fingerprint: str | None = None
+
+
+def base_model_identity(loaded: LoadedPipeline) -> str:
+    spec = loaded.spec.model
+    if isinstance(spec, PathModelSpec):
+        path = Path(spec.path) if Path(spec.path).is_absolute() else loaded.base_dir / spec.path
+        digest = hashlib.sha256(str(path.resolve()).encode())
+        for item in sorted(path.glob("*")):
+            if item.is_file():
+                stat = item.stat()
+                digest.update(f"{item.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        return "path:" + digest.hexdigest()[:16]
+    return "init:" + base_model_key(spec, loaded.spec.seed)
+
+
+def fingerprint(loaded: LoadedPipeline, stage: str, upstream_runs: dict[str, str]) -> str:
+    """``upstream_runs``: stage name -> the run id whose outputs this execution reads."""
+    spec = loaded.spec
+    config = spec.stages[stage]
+    references = {
+        field_name: (base_model_identity(loaded) if target == BASE else upstream_runs[target])
+        for field_name, target in config.references().items()
+    }
+    payload = {
+        "stage": stage,
+        "config": config.model_dump(mode="json"),
+        "seed": spec.seed,
+        "upstream": references,
+        "data": {name: data_key(spec.data[name], loaded.base_dir) for name in config.dataset_names()},
+        "rewards": {name: r.model_dump(mode="json") for name, r in loaded.rewards_for(config.reward_names()).items()},
+        "version": __version__,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def plan_run(loaded: LoadedPipeline, options: RunOptions, tracker, experiment_id: str) -> list[Decision]:
+    """Decide, for every stage in graph order, whether to reuse a cached run or run it."""
+    options.check(loaded)
+    pipeline = loaded.spec
+    order = topological_order(pipeline)
+    edges = upstream_of(pipeline)
+
+    selected = set(order)
+    if options.only:
+        selected = {options.only} | ancestors(pipeline, options.only)
+    forced: set[str] = set()
+    if options.no_cache:
+        forced = set(order)
+    if options.from_stage:
+        forced |= {options.from_stage} | descendants(pipeline, options.from_stage)
+    forced |= set(options.force)
+    if options.only:
+        forced.add(options.only)
+
+    decisions: dict[str, Decision] = {}
+    for stage in order:
+        if stage not in selected:
+            decisions[stage] = Decision(stage, "skip", f"not selected (--only {options.only})")
+            continue
+        rerunning = [u for u in edges[stage] if decisions[u].action == "run"]
+        if stage in forced:
+            decisions[stage] = Decision(stage, "run", "forced")
+        elif rerunning:
+            decisions[stage] = Decision(stage, "run", f"upstream {', '.join(rerunning)} reruns")
+        else:
+            upstream_runs = {u: decisions[u].cached_run_id for u in edges[stage]}
+            fp = fingerprint(loaded, stage, upstream_runs)
+            hit = tracker.find_cached(experiment_id, stage, fp)
+            if hit is None:
+                decisions[stage] = Decision(stage, "run", "no finished run with this fingerprint", fingerprint=fp)
+            else:
+                decisions[stage] = Decision(stage, "cached", "same fingerprint", hit.info.run_id, fp)
+
+    if options.only:
+        missing = [s for s in order if s in selected and s != options.only and decisions[s].action == "run"]
+        if missing:
+            raise PlanError(
+                f"--only {options.only} needs the cached outputs of {', '.join(missing)}, and there are none "
+                f"that match the current spec; run the pipeline first (or use --from {missing[0]})"
+            )
+    return [decisions[s] for s in order]

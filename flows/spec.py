@@ -1,0 +1,459 @@
+"""The pipeline spec: YAML -> typed pydantic models, with every error reported at once.
+
+Each error names its YAML path (``stages.grpo.kl_beta``) and, where the file has it, its
+line. Structural errors (unknown keys, wrong types, out-of-range values) and semantic ones
+(unknown references, cycles, heldout data feeding training, rewards that do not import,
+data files that do not parse) are collected together so a user fixes a file in one pass.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
+
+from stages.data import DataError, DataSpec, FileData, load_records
+from stages.models import ModelSpec, PathModelSpec, check_checkpoint_dir
+from stages.registry import STAGE_KINDS
+from stages.rewards import BUILTIN_REWARDS, RewardError, RewardSpec, load_reward_fn
+
+BASE = "base"  # the reserved name of the pipeline's own model
+
+
+def _stage_kind(value) -> str | None:
+    if isinstance(value, BaseModel):
+        return getattr(value, "kind", None)
+    return value.get("kind") if isinstance(value, dict) else None
+
+
+StageSpec = Annotated[
+    Union[tuple(Annotated[config, Tag(kind)] for kind, config in STAGE_KINDS.items())],
+    Discriminator(_stage_kind),
+]
+
+
+class Pipeline(BaseModel):
+    """One post-training pipeline: a base model, datasets, rewards and stages."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Pipeline name; also the MLflow experiment name.",
+    )
+    seed: int = Field(0, description="Seed for model initialisation and for stages that set none.")
+    model: ModelSpec = Field(description="The base model every chain starts from (`base` in stage references).")
+    data: dict[str, DataSpec] = Field(min_length=1, description="Datasets by name, each with a role.")
+    rewards: dict[str, RewardSpec] = Field(
+        default_factory=dict, description="Named rewards; built-in names may also be used directly."
+    )
+    stages: dict[str, StageSpec] = Field(min_length=1, description="Stages by name; references form the graph.")
+
+
+# ------------------------------------------------------------------ errors
+
+
+@dataclass
+class SpecIssue:
+    path: str
+    message: str
+    line: int | None = None
+
+    def render(self, source: str) -> str:
+        where = f"{source}:{self.line}: " if self.line else f"{source}: "
+        return f"{where}{self.path + ': ' if self.path else ''}{self.message}"
+
+
+class SpecError(Exception):
+    """A pipeline that must not run; holds every issue found."""
+
+    def __init__(self, source: str, issues: list[SpecIssue]):
+        self.source = source
+        self.issues = issues
+        super().__init__("\n".join(issue.render(source) for issue in issues))
+
+
+@dataclass
+class LoadedPipeline:
+    spec: Pipeline
+    path: Path
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent.resolve()
+
+    def rewards_for(self, names: list[str]) -> dict[str, RewardSpec]:
+        """Reward specs by name: declared ones, else the built-in of that name."""
+        return {n: self.spec.rewards.get(n) or RewardSpec(fn=n) for n in names}
+
+
+# ------------------------------------------------------------------ YAML with line numbers
+
+
+def _line_index(text: str) -> dict[tuple, int]:
+    """YAML path -> 1-based line where that key (or item) starts."""
+    lines: dict[tuple, int] = {}
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+
+    def walk(node, path):
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                child = path + (key.value,)
+                lines[child] = key.start_mark.line + 1
+                walk(value, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (i,))
+
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _line_for(lines: dict[tuple, int], path: tuple) -> int | None:
+    while path:
+        if path in lines:
+            return lines[path]
+        path = path[:-1]
+    return None
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+# ------------------------------------------------------------------ overrides
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> list[SpecIssue]:
+    """Apply ``dotted.path=value`` overrides in place; values are parsed as YAML scalars."""
+    issues = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            issues.append(SpecIssue("--set", f"{item!r} is not of the form dotted.path=value"))
+            continue
+        parts = key.strip().split(".")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as error:
+            issues.append(SpecIssue(f"--set {key}", f"value {text!r} is not valid YAML ({error})"))
+            continue
+        node = raw
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                issues.append(
+                    SpecIssue(f"--set {key}", f"{'.'.join(parts[: depth + 1])} is not a mapping, cannot set inside it")
+                )
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    return issues
+
+
+# ------------------------------------------------------------------ pydantic errors -> issues
+
+
+def _unwrap(tp):
+    """Strip Annotated / Optional; return (origin type, tagged union members or None)."""
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) in (Union, getattr(__import__("types"), "UnionType", Union)):
+        members = {}
+        for arg in typing.get_args(tp):
+            tag = None
+            if typing.get_origin(arg) is Annotated:
+                tag = next((m.tag for m in typing.get_args(arg)[1:] if isinstance(m, Tag)), None)
+                arg = typing.get_args(arg)[0]
+            if arg is type(None):
+                continue
+            members[tag or getattr(arg, "__name__", str(arg))] = arg
+        if len(members) == 1:
+            return next(iter(members.values())), None
+        return tp, members
+    return tp, None
+
+
+def _walk_loc(loc: tuple, raw: Any) -> tuple[tuple, Any]:
+    """Follow a pydantic error location through Pipeline's types.
+
+    Returns the user-facing path (union tags dropped) and the model class at the end,
+    so unknown keys can be matched against that model's real fields.
+    """
+    tp: Any = Pipeline
+    path: list = []
+    i = 0
+    while i < len(loc):
+        tp, members = _unwrap(tp)
+        elem = loc[i]
+        if members is not None:
+            if elem in members:  # pydantic puts the union tag into the location
+                tp = members[elem]
+                i += 1
+                continue
+            tp = next(iter(members.values()))
+        origin = typing.get_origin(tp)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            path.append(elem)
+            info = tp.model_fields.get(elem)
+            tp = info.annotation if info else None
+            raw = raw.get(elem) if isinstance(raw, dict) else None
+        elif origin is dict:
+            path.append(elem)
+            tp = typing.get_args(tp)[1]
+            raw = raw.get(elem) if isinstance(raw, dict) else None
+        elif origin is list:
+            path.append(elem)
+            tp = typing.get_args(tp)[0]
+            raw = raw[elem] if isinstance(raw, list) and isinstance(elem, int) and elem < len(raw) else None
+        else:
+            path.append(elem)
+            tp = None
+        i += 1
+    tp, members = _unwrap(tp) if tp is not None else (None, None)
+    if members is not None:
+        tp = next(iter(members.values()))
+    return tuple(path), tp
+
+
+def _did_you_mean(word: str, options) -> str:
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _describe(error: dict, model_cls) -> str:
+    kind = error["type"]
+    value = error.get("input")
+    ctx = error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        options = list(model_cls.model_fields) if isinstance(model_cls, type) and issubclass(model_cls, BaseModel) else []
+        allowed = f"; allowed: {', '.join(options)}" if options else ""
+        return f"unknown key{_did_you_mean(error['loc'][-1], options)}{allowed}"
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "union_tag_invalid":
+        known = sorted(STAGE_KINDS)
+        return f"unknown stage kind {ctx.get('tag')!r}{_did_you_mean(ctx.get('tag'), known)}; known kinds: {', '.join(known)}"
+    if kind == "union_tag_not_found":
+        return f"a stage needs `kind:` (one of {', '.join(sorted(STAGE_KINDS))})"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"must be {bounds[kind]} {limit} (got {value!r})"
+    message = error["msg"].removeprefix("Value error, ")
+    if kind in ("model_source", "data_source"):
+        return message
+    if isinstance(value, (dict, list)):
+        return message
+    return f"{message} (got {value!r})"
+
+
+def _issues_from_validation(error: ValidationError, raw: dict, lines) -> list[SpecIssue]:
+    issues = []
+    for item in error.errors():
+        path, model_cls = _walk_loc(tuple(item["loc"]), raw)
+        if item["type"] == "extra_forbidden":
+            parent_path, parent_cls = _walk_loc(tuple(item["loc"][:-1]), raw)
+            model_cls = parent_cls
+        issues.append(SpecIssue(_dotted(path), _describe(item, model_cls), _line_for(lines, path)))
+    return issues
+
+
+# ------------------------------------------------------------------ semantic checks
+
+
+def _partial(adapter: TypeAdapter, values: dict) -> dict:
+    """The entries that validate on their own (so semantic checks run despite other errors)."""
+    good = {}
+    for name, value in (values or {}).items():
+        try:
+            good[name] = adapter.validate_python(value)
+        except ValidationError:
+            pass
+    return good
+
+
+def _lenient_stages(raw_stages: dict) -> dict:
+    """Every stage of a known kind, validated if it can be, else built without validation.
+
+    So a stage with a bad learning rate still has its references, datasets and rewards
+    checked: the user sees all of a file's errors in one pass.
+    """
+    adapter, stages = TypeAdapter(StageSpec), {}
+    for name, value in raw_stages.items():
+        try:
+            stages[name] = adapter.validate_python(value)
+        except ValidationError:
+            config_cls = STAGE_KINDS.get(_stage_kind(value))
+            if config_cls is not None:
+                known = {k: v for k, v in value.items() if k in config_cls.model_fields}
+                stages[name] = config_cls.model_construct(**known)
+    return stages
+
+
+def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
+    issues: list[SpecIssue] = []
+
+    def add(path: tuple, message: str):
+        issues.append(SpecIssue(_dotted(path), message, _line_for(lines, path)))
+
+    raw_stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
+    raw_data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    raw_rewards = raw.get("rewards") if isinstance(raw.get("rewards"), dict) else {}
+    stages = _lenient_stages(raw_stages)
+    data = _partial(TypeAdapter(DataSpec), raw_data)
+    rewards = _partial(TypeAdapter(RewardSpec), raw_rewards)
+
+    for name in raw_stages:
+        if name == BASE:
+            add(("stages", name), f"`{BASE}` is reserved for the pipeline's model; rename this stage")
+        elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", str(name)):
+            add(("stages", name), "stage names may hold only letters, digits, '_' and '-'")
+
+    for name, config in stages.items():
+        for field_name, target in config.references().items():
+            where = ("stages", name, field_name)
+            if not isinstance(target, str):
+                continue  # a type error, already reported
+            if target == name:
+                add(where, f"stage {name!r} refers to itself")
+            elif target != BASE and target not in raw_stages:
+                options = [BASE, *raw_stages]
+                add(where, f"unknown stage {target!r}{_did_you_mean(target, options)}; stages: {', '.join(options)}")
+            elif target in stages and not stages[target].produces_checkpoint:
+                add(where, f"stage {target!r} ({stages[target].kind}) produces no checkpoint to use here")
+        for data_name in config.dataset_names():
+            if not isinstance(data_name, str):
+                continue
+            where = ("stages", name, "data")
+            if data_name not in raw_data:
+                add(where, f"unknown dataset {data_name!r}{_did_you_mean(data_name, raw_data)}; datasets: {', '.join(raw_data)}")
+            elif config.trains and isinstance(raw_data[data_name], dict) and raw_data[data_name].get("role") == "heldout":
+                add(where, f"dataset {data_name!r} has role heldout and cannot feed training stage {name!r} "
+                           "(leakage guard: heldout data is only ever evaluated)")
+        for i, reward_name in enumerate(config.reward_names()):
+            if not isinstance(reward_name, str):
+                continue
+            if reward_name not in raw_rewards and reward_name not in BUILTIN_REWARDS:
+                options = [*raw_rewards, *BUILTIN_REWARDS]
+                add(("stages", name, "rewards", i),
+                    f"unknown reward {reward_name!r}{_did_you_mean(reward_name, options)}; "
+                    f"declare it under `rewards:` or use a built-in ({', '.join(BUILTIN_REWARDS)})")
+
+    for name, spec in rewards.items():
+        try:
+            load_reward_fn(spec.fn)
+        except RewardError as error:
+            add(("rewards", name, "fn"), str(error))
+
+    for name, spec in data.items():
+        if isinstance(spec, FileData):
+            try:
+                load_records(spec, base_dir)
+            except DataError as error:
+                add(("data", name, "path"), str(error))
+
+    model = raw.get("model")
+    if isinstance(model, dict) and "path" in model:
+        try:
+            spec = TypeAdapter(ModelSpec).validate_python(model)
+        except ValidationError:
+            spec = None
+        if isinstance(spec, PathModelSpec):
+            path = Path(spec.path) if Path(spec.path).is_absolute() else base_dir / spec.path
+            problem = check_checkpoint_dir(path)
+            if problem:
+                add(("model", "path"), problem)
+
+    edges = {n: [t for t in c.references().values() if isinstance(t, str) and t in raw_stages]
+             for n, c in stages.items()}
+    for cycle in find_cycles(edges):
+        add(("stages", cycle[0]), "dependency cycle: " + " -> ".join(cycle))
+    return issues
+
+
+def find_cycles(edges: dict[str, list[str]]) -> list[list[str]]:
+    """Each distinct cycle in a stage -> upstream graph, as a closed path."""
+    cycles, seen_sets = [], set()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in edges.get(node, []):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                key = frozenset(cycle)
+                if key not in seen_sets:
+                    seen_sets.add(key)
+                    cycles.append(cycle)
+            elif state.get(nxt) is None and nxt in edges:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in edges:
+        if state.get(node) is None:
+            visit(node)
+    return cycles
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> LoadedPipeline:
+    """Read, override and validate a pipeline file; raise SpecError with every issue."""
+    path = Path(path)
+    source = str(path)
+    overrides = list(overrides or [])
+    if not path.is_file():
+        raise SpecError(source, [SpecIssue("", "pipeline file does not exist" if not path.exists() else "not a file")])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SpecError(source, [SpecIssue("", f"cannot read the file ({error})")]) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        problem = getattr(error, "problem", None) or str(error)
+        line = mark.line + 1 if mark else None
+        column = f", column {mark.column + 1}" if mark else ""
+        raise SpecError(source, [SpecIssue("", f"YAML syntax error{column}: {problem}", line)]) from None
+    if raw is None:
+        raise SpecError(source, [SpecIssue("", "the file is empty; a pipeline needs name, model, data and stages")])
+    if not isinstance(raw, dict):
+        raise SpecError(source, [SpecIssue("", f"a pipeline is a mapping of keys, not a {type(raw).__name__}", 1)])
+
+    lines = _line_index(text)
+    issues = apply_overrides(raw, overrides)
+    spec = None
+    try:
+        spec = Pipeline.model_validate(raw)
+    except ValidationError as error:
+        issues.extend(_issues_from_validation(error, raw, lines))
+    issues.extend(_semantic_issues(raw, path.parent.resolve(), lines))
+    if issues:
+        overridden = {item.partition("=")[0].strip() for item in overrides}
+        for issue in issues:
+            if any(issue.path == key or issue.path.startswith(key + ".") for key in overridden):
+                issue.message += " (from --set)"
+                issue.line = None
+        raise SpecError(source, issues)
+    return LoadedPipeline(spec=spec, path=path.resolve(), overrides=overrides)

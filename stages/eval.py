@@ -1,0 +1,187 @@
+"""Stage kind ``eval``: held-out evaluation at fixed sampling settings.
+
+k attempts per prompt are sampled in one batched call at a fixed temperature, top-p,
+token budget and seed. Reported: unbiased pass@k (Chen et al. 2021, eq. 1) for k = 1,
+powers of two and k = attempts; the mean combined reward; the format-error rate (the
+verifier could not parse an answer at all, kept apart from "wrong"); the truncation rate
+(hit the budget); the mean completion length. The settings are logged beside the scores
+and hashed into the tag ``posttrain.eval_settings``: scores are comparable only within one
+hash. Prompts with no correct attempt are written as a failure-case JSONL a later round can
+train on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from stages.data import prompt_messages, read_materialized
+from stages.generation import HFGenerateBackend, SamplingSettings
+from stages.models import load_model_and_tokenizer
+from stages.rewards import RewardSpec, score_completions
+
+EVAL_SETTINGS_TAG = "posttrain.eval_settings"
+
+
+class EvalConfig(BaseModel):
+    """Evaluate a checkpoint on a dataset with rewards, at fixed sampling settings."""
+
+    model_config = ConfigDict(extra="forbid")
+    trains: ClassVar[bool] = False
+    produces_checkpoint: ClassVar[bool] = False
+
+    kind: Literal["eval"] = Field(description="Stage kind.")
+    model: str = Field(description="Stage whose checkpoint is evaluated, or `base` for the pipeline's model.")
+    data: str = Field(description="Dataset (name under `data:`) to evaluate on.")
+    rewards: list[str] = Field(
+        ["exact_answer"], min_length=1, description="Rewards (names under `rewards:` or built-ins) to score with."
+    )
+    verifier: str | None = Field(
+        None, description="Reward that decides correctness for pass@k; default the first of `rewards`."
+    )
+    success_threshold: float = Field(1.0, description="An attempt is correct when the verifier scores at least this.")
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Fixed sampling settings.")
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N prompts of the dataset.")
+    prompt_batch_size: int = Field(64, ge=1, description="Prompts per generate call (each with all its attempts).")
+    sample_table_rows: int = Field(50, ge=0, description="Prompts shown in the logged sample table.")
+
+    @model_validator(mode="after")
+    def _verifier_is_a_reward(self):
+        if self.verifier is not None and self.verifier not in self.rewards:
+            raise ValueError(f"verifier {self.verifier!r} must be one of rewards {self.rewards}")
+        return self
+
+    def references(self) -> dict[str, str]:
+        return {"model": self.model}
+
+    def dataset_names(self) -> list[str]:
+        return [self.data]
+
+    def reward_names(self) -> list[str]:
+        return list(self.rewards)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError(f"k ({k}) must be <= n ({n})")
+    if n - c < k:
+        return 1.0
+    # product form of the binomial ratio, numerically stable (Chen et al. 2021)
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_k_values(attempts: int) -> list[int]:
+    """k = 1, every power of two below attempts, and attempts itself."""
+    ks = {1, attempts}
+    k = 2
+    while k < attempts:
+        ks.add(k)
+        k *= 2
+    return sorted(ks)
+
+
+def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, RewardSpec]) -> str:
+    """Everything that changes a score except the checkpoint itself."""
+    payload = {
+        "sampling": config.sampling.model_dump(mode="json"),
+        "data": Path(data_path).name,  # content-keyed file name
+        "max_prompts": config.max_prompts,
+        "rewards": {name: spec.model_dump(mode="json") for name, spec in rewards.items()},
+        "verifier": config.verifier or config.rewards[0],
+        "success_threshold": config.success_threshold,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run(config: EvalConfig, inputs: dict, ctx) -> dict:
+    """Sample, score and summarise; returns the failure-case file and the metrics."""
+    rewards: dict[str, RewardSpec] = inputs["rewards"]
+    records = read_materialized(Path(inputs["data"]))
+    if config.max_prompts:
+        records = records[: config.max_prompts]
+    prompts = [prompt_messages(r) for r in records]
+    answers = [r.get("answer") for r in records]
+    sampling = config.sampling
+    verifier = config.verifier or config.rewards[0]
+
+    settings_id = settings_hash(config, Path(inputs["data"]), rewards)
+    ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
+    ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id})
+
+    model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]), for_generation=True)
+    with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
+        backend = HFGenerateBackend(model, tokenizer, config.prompt_batch_size, progress=bar)
+        samples = backend.generate(prompts, sampling)
+
+    k = sampling.attempts
+    flat_texts = [s.text for group in samples for s in group]
+    columns = {
+        "answer": [a for a in answers for _ in range(k)],
+        "prompts": [p for p in prompts for _ in range(k)],
+    }
+    scored = score_completions(rewards, flat_texts, columns)
+    by_name = {c.name: c for c in scored.components}
+    verdict = by_name[verifier]
+    correct = [s >= config.success_threshold for s in verdict.scores]
+
+    metrics = summarise(samples, correct, scored, verdict.parsed, k)
+    ctx.log_metrics(metrics)
+
+    failures_path = ctx.output_file("failures.jsonl")
+    rows, failures = [], 0
+    with open(failures_path, "w", encoding="utf-8") as handle:
+        for i, (prompt, answer, group) in enumerate(zip(prompts, answers, samples)):
+            span = range(i * k, (i + 1) * k)
+            case = {
+                "messages": prompt,
+                "answer": answer,
+                "attempts": [s.text for s in group],
+                "rewards": [scored.total[j] for j in span],
+                "correct": [correct[j] for j in span],
+                "parsed": [verdict.parsed[j] for j in span],
+                "truncated": [s.truncated for s in group],
+            }
+            if not any(case["correct"]):
+                failures += 1
+                handle.write(json.dumps(case) + "\n")
+            if len(rows) < config.sample_table_rows:
+                rows.append(
+                    {
+                        "prompt": prompt[-1]["content"],
+                        "expected": answer,
+                        "attempts": json.dumps(case["attempts"]),
+                        "rewards": json.dumps(case["rewards"]),
+                        "correct": sum(case["correct"]),
+                    }
+                )
+    ctx.log_metrics({"failure_cases": float(failures)})
+    ctx.log_table(rows, "samples.json")
+    for component in scored.components:
+        if component.errors:  # the offending samples, so a broken reward is never a silent zero
+            error_rows = [{"completion": flat_texts[i], "error": message} for i, message in component.errors[:50]]
+            ctx.log_table(error_rows, f"reward_errors_{component.name}.json")
+    return {"failures": str(failures_path), "metrics": metrics}
+
+
+def summarise(samples, correct: list[bool], scored, parsed: list[bool], k: int) -> dict[str, float]:
+    """Per-prompt correct counts → mean pass@k; plus reward, format, truncation, length."""
+    n_prompts = len(samples)
+    counts = [sum(correct[i * k : (i + 1) * k]) for i in range(n_prompts)]
+    flat = [s for group in samples for s in group]
+    metrics = {
+        f"pass_at_{kk}": sum(pass_at_k(k, c, kk) for c in counts) / n_prompts for kk in pass_k_values(k)
+    }
+    metrics["reward_mean"] = sum(scored.total) / len(scored.total)
+    for component in scored.components:
+        metrics[f"reward/{component.name}/mean"] = sum(component.scores) / len(component.scores)
+        metrics[f"reward/{component.name}/errors"] = float(len(component.errors))
+    metrics["format_error_rate"] = 1.0 - sum(parsed) / len(parsed)
+    metrics["truncated_rate"] = sum(s.truncated for s in flat) / len(flat)
+    metrics["completion_tokens_mean"] = sum(len(s.token_ids) for s in flat) / len(flat)
+    return metrics

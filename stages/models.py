@@ -1,0 +1,193 @@
+"""Base models: a tiny Llama-style model built locally from a seed, or any local checkpoint.
+
+The tiny model uses a character-level tokenizer with a chat template, so a pipeline can
+fine-tune, sample and evaluate a real transformers checkpoint with no network and in
+seconds on a CPU. Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+# The assistant's end-of-turn token is inside {% generation %} so assistant-only loss
+# teaches the model to stop (TRL checks for exactly this).
+TINY_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "<|assistant|>{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"
+    "{%- else -%}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+TINY_SPECIAL_TOKENS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+class TinyModelSpec(BaseModel):
+    """A small Llama-style model initialised from the pipeline seed, built locally."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    init: Literal["tiny"] = Field(description="Build a tiny Llama-style model locally (no download).")
+    hidden_size: int = Field(96, ge=8, le=4096, description="Width of the residual stream.")
+    num_layers: int = Field(3, ge=1, le=64, description="Number of transformer blocks.")
+    num_heads: int = Field(4, ge=1, le=64, description="Attention heads (hidden_size must divide by it).")
+    intermediate_size: int = Field(256, ge=8, le=16384, description="Width of each MLP.")
+    max_positions: int = Field(256, ge=16, le=32768, description="Longest sequence the model accepts.")
+
+    def model_post_init(self, __context) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
+
+
+class PathModelSpec(BaseModel):
+    """Any local Hugging Face checkpoint directory (config, weights and tokenizer)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="Directory of a Hugging Face checkpoint; relative to the pipeline file.")
+
+
+def _model_source(value) -> str | None:
+    if isinstance(value, TinyModelSpec):
+        return "init"
+    if isinstance(value, PathModelSpec):
+        return "path"
+    if isinstance(value, dict):
+        for key in ("init", "path"):
+            if key in value:
+                return key
+    return None
+
+
+ModelSpec = Annotated[
+    Union[Annotated[TinyModelSpec, Tag("init")], Annotated[PathModelSpec, Tag("path")]],
+    Discriminator(
+        _model_source,
+        custom_error_type="model_source",
+        custom_error_message="model needs exactly one source: {init: tiny} or {path: DIR}",
+    ),
+]
+
+
+def build_tiny_tokenizer():
+    """A character-level fast tokenizer over printable ASCII with the chat special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    characters = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {token: i for i, token in enumerate(TINY_SPECIAL_TOKENS + characters)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(TINY_SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|end|>",
+        additional_special_tokens=TINY_SPECIAL_TOKENS[2:5],
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.padding_side = "left"  # generation pads on the left; trainers set their own side
+    return tokenizer
+
+
+def build_tiny_model(spec: TinyModelSpec, seed: int, out_dir: Path) -> Path:
+    """Initialise the tiny model deterministically from ``seed`` and save it with its tokenizer."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def base_model_key(spec, seed: int) -> str:
+    """Content key of a base model: its spec (and seed for initialised models)."""
+    payload = spec.model_dump(mode="json")
+    if isinstance(spec, TinyModelSpec):
+        payload["seed"] = seed
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resolve_base_checkpoint(spec, seed: int, cache_dir: Path, base_dir: Path) -> Path:
+    """Return a checkpoint dir for the pipeline's base model, building it once if needed.
+
+    Built models are cached under ``cache_dir`` by content key and published atomically
+    (built in a temporary dir, then renamed), so a killed build never leaves a half model.
+    """
+    if isinstance(spec, PathModelSpec):
+        path = Path(spec.path)
+        return path if path.is_absolute() else (base_dir / path).resolve()
+    target = cache_dir / f"tiny-{base_model_key(spec, seed)}"
+    if (target / "config.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache_dir))
+    try:
+        build_tiny_model(spec, seed, staging)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another process published the same model first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def check_checkpoint_dir(path: Path) -> str | None:
+    """Why ``path`` is not a usable checkpoint directory, or None if it looks like one."""
+    if not path.exists():
+        return f"model path {str(path)!r} does not exist"
+    if not path.is_dir():
+        return f"model path {str(path)!r} is not a directory"
+    if not (path / "config.json").exists():
+        return f"model path {str(path)!r} has no config.json (not a Hugging Face checkpoint)"
+    return None
+
+
+def load_model_and_tokenizer(path: Path, *, for_generation: bool = False):
+    """Load a causal LM and its tokenizer from a local checkpoint dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if for_generation:
+        tokenizer.padding_side = "left"
+        model.eval()
+    return model, tokenizer

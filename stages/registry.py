@@ -1,0 +1,24 @@
+"""The stage kinds posttrain knows: kind name -> (config model, module with ``run``)."""
+
+from __future__ import annotations
+
+import importlib
+
+from stages.eval import EvalConfig
+from stages.sft import SFTStageConfig
+
+STAGE_KINDS = {
+    "sft": SFTStageConfig,
+    "eval": EvalConfig,
+}
+
+# Metrics shown in the run summary, per kind (first ones matter most).
+HEADLINE_METRICS = {
+    "sft": ["first_loss", "final_loss", "steps"],
+    "eval": ["pass_at_1", "pass_at_*", "reward_mean", "format_error_rate", "truncated_rate"],
+}
+
+
+def stage_runner(kind: str):
+    """The ``run(config, inputs, ctx)`` function of a stage kind (imported lazily: torch is slow)."""
+    return importlib.import_module(f"stages.{kind}").run

@@ -1,0 +1,212 @@
+"""Reward functions: a registry of built-ins, dotted paths to user functions, weighted sums.
+
+A reward function follows TRL's shape, ``fn(completions, **columns) -> scores``, where
+``completions`` are the sampled texts and the columns include ``answer`` (reference answers)
+and ``prompts`` (the chat messages). It may return plain scores, or a ``RewardOutput``
+that also says per completion whether it could be parsed at all, so that "could not parse"
+is never mistaken for "wrong". An exception inside a reward is counted and reported with
+the offending sample, never turned into a silent zero.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RewardSpec(BaseModel):
+    """A named reward: a built-in or a user function, with its weight and arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fn: str = Field(description="Built-in name (e.g. exact_answer) or dotted path `pkg.module:function`.")
+    weight: float = Field(1.0, description="Weight of this component in the combined reward.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function.")
+
+
+@dataclass
+class RewardOutput:
+    scores: list[float]
+    parsed: list[bool]
+
+
+class RewardError(ValueError):
+    """A reward that cannot be loaded or that broke its contract."""
+
+
+# ---------------------------------------------------------------- built-ins
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def extract_integer(text: str, mode: str = "strict") -> str | None:
+    """The integer answer in ``text``: the whole reply (strict) or its last integer."""
+    text = text.strip()
+    if mode == "strict":
+        return text if _INTEGER.fullmatch(text) else None
+    found = _INTEGER.findall(text)
+    return found[-1] if found else None
+
+
+def exact_answer(completions: list[str], answer: list[str | None], extract: str = "strict", **_) -> RewardOutput:
+    """1.0 when the extracted answer equals the reference, 0.0 when wrong; unparsable apart.
+
+    ``extract``: ``strict`` (the reply is exactly an integer) or ``last_number``.
+    """
+    if extract not in ("strict", "last_number"):
+        raise RewardError(f"exact_answer: extract must be 'strict' or 'last_number', got {extract!r}")
+    scores, parsed = [], []
+    for text, reference in zip(completions, answer):
+        value = extract_integer(text, extract)
+        parsed.append(value is not None)
+        ok = value is not None and reference is not None and int(value) == int(reference)
+        scores.append(1.0 if ok else 0.0)
+    return RewardOutput(scores, parsed)
+
+
+def regex_format(completions: list[str], pattern: str = r"-?\d+", **_) -> RewardOutput:
+    """1.0 when the whole completion matches ``pattern``, else 0.0."""
+    compiled = re.compile(pattern, re.DOTALL)
+    scores = [1.0 if compiled.fullmatch(text.strip()) else 0.0 for text in completions]
+    return RewardOutput(scores, [True] * len(completions))
+
+
+def length_penalty(completions: list[str], target_chars: int = 0, per_char: float = 0.01, **_) -> list[float]:
+    """Minus ``per_char`` for every character beyond ``target_chars``."""
+    return [-per_char * max(0, len(text) - target_chars) for text in completions]
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
+    "exact_answer": exact_answer,
+    "regex_format": regex_format,
+    "length_penalty": length_penalty,
+}
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_reward_fn(name: str) -> Callable[..., Any]:
+    """Resolve a built-in name or a dotted path (``pkg.mod:fn`` or ``pkg.mod.fn``)."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+    elif "." in name:
+        module_name, _, attr = name.rpartition(".")
+    else:
+        raise RewardError(
+            f"unknown reward {name!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
+            "and not a dotted path like `my_pkg.rewards:score`"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        raise RewardError(f"reward {name!r}: cannot import module {module_name!r} ({error})") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise RewardError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
+    check_signature(name, fn)
+    return fn
+
+
+def check_signature(name: str, fn: Any) -> None:
+    """A reward takes completions first and accepts the data columns as keywords."""
+    if not callable(fn):
+        raise RewardError(f"reward {name!r} is not callable")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise RewardError(f"reward {name!r} must take the completions as its first argument: fn(completions, **columns)")
+    required_extra = [p.name for p in positional[1:] if p.default is p.empty]
+    unknown = [n for n in required_extra if n not in ("answer", "prompts")]
+    if unknown or not (takes_kwargs or "answer" in [p.name for p in params]):
+        raise RewardError(
+            f"reward {name!r} has signature {inspect.signature(fn)}; expected fn(completions, **columns) "
+            "(columns: answer, prompts)"
+        )
+
+
+# ---------------------------------------------------------------- scoring
+
+
+@dataclass
+class ComponentScores:
+    name: str
+    weight: float
+    scores: list[float]
+    parsed: list[bool]
+    errors: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass
+class ScoredBatch:
+    components: list[ComponentScores]
+    total: list[float]
+
+    @property
+    def error_count(self) -> int:
+        return sum(len(c.errors) for c in self.components)
+
+
+def _normalise_output(name: str, result: Any, expected: int) -> RewardOutput:
+    if isinstance(result, RewardOutput):
+        output = result
+    elif isinstance(result, tuple) and len(result) == 2:
+        output = RewardOutput(list(result[0]), [bool(p) for p in result[1]])
+    else:
+        scores = list(result)
+        output = RewardOutput(scores, [True] * len(scores))
+    if len(output.scores) != expected or len(output.parsed) != expected:
+        raise RewardError(f"reward {name!r} returned {len(output.scores)} scores for {expected} completions")
+    scores = []
+    for value in output.scores:
+        value = float(value)
+        if math.isnan(value):
+            raise RewardError(f"reward {name!r} returned NaN")
+        scores.append(value)
+    return RewardOutput(scores, output.parsed)
+
+
+def score_component(name: str, spec: RewardSpec, completions: list[str], columns: dict[str, list]) -> ComponentScores:
+    """Score a batch; if the function raises, isolate the failing samples one by one."""
+    fn = load_reward_fn(spec.fn)
+    try:
+        output = _normalise_output(name, fn(completions, **columns, **spec.kwargs), len(completions))
+        return ComponentScores(name, spec.weight, output.scores, output.parsed)
+    except RewardError:
+        raise
+    except Exception:
+        pass
+    scores, parsed, errors = [], [], []
+    for i, text in enumerate(completions):
+        single = {key: [values[i]] for key, values in columns.items()}
+        try:
+            output = _normalise_output(name, fn([text], **single, **spec.kwargs), 1)
+            scores.append(output.scores[0])
+            parsed.append(output.parsed[0])
+        except RewardError:
+            raise
+        except Exception as error:  # counted and reported, scored 0 and marked unparsed
+            errors.append((i, f"{type(error).__name__}: {error}"))
+            scores.append(0.0)
+            parsed.append(False)
+    return ComponentScores(name, spec.weight, scores, parsed, errors)
+
+
+def score_completions(
+    specs: dict[str, RewardSpec], completions: list[str], columns: dict[str, list]
+) -> ScoredBatch:
+    components = [score_component(name, spec, completions, columns) for name, spec in specs.items()]
+    total = [sum(c.weight * c.scores[i] for c in components) for i in range(len(completions))]
+    return ScoredBatch(components, total)
