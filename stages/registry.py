@@ -5,16 +5,19 @@ from __future__ import annotations
 import importlib
 
 from stages.eval import EvalConfig
+from stages.rl import RLStageConfig
 from stages.sft import SFTStageConfig
 
 STAGE_KINDS = {
     "sft": SFTStageConfig,
+    "rl": RLStageConfig,
     "eval": EvalConfig,
 }
 
 # Metrics shown in the run summary, per kind (first ones matter most).
 HEADLINE_METRICS = {
     "sft": ["first_loss", "final_loss", "steps"],
+    "rl": ["reward/mean", "kl", "steps"],
     "eval": ["pass_at_1", "pass_at_*", "reward_mean", "format_error_rate", "truncated_rate"],
 }
 

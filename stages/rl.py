@@ -1,0 +1,127 @@
+"""Stage kind ``rl``: learning from rewards, with a KL anchor to a reference policy.
+
+``algorithm: grpo`` runs TRL's ``GRPOTrainer`` (stages/grpo.py); ``algorithm: ppo`` runs
+posttrain's own compact PPO with a critic (stages/ppo.py), since TRL removed its PPO
+trainer. Both log the same metric names (DESIGN.md): ``reward/mean``,
+``reward/<component>/mean``, ``reward/zero_variance_group_frac``, ``kl``, ``entropy``,
+``clip_frac``, ``ratio/mean``, ``completion/mean_tokens``, ``completion/truncated_frac``,
+plus sample-completion tables every ``sample_every`` steps and a PNG of the reward and KL
+curves at the end.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Fields that mean something for one algorithm only; setting one for the other is an error.
+GRPO_ONLY = ("advantage", "loss")
+PPO_ONLY = ("gamma", "lam", "vf_coef", "cliprange_value", "ppo_epochs", "minibatch_size",
+            "whiten_advantages", "kl_target", "kl_horizon", "critic_lr")
+
+
+class RLStageConfig(BaseModel):
+    """Reinforcement learning against rewards with a KL anchor (GRPO or PPO)."""
+
+    model_config = ConfigDict(extra="forbid")
+    trains: ClassVar[bool] = True
+    produces_checkpoint: ClassVar[bool] = True
+
+    kind: Literal["rl"] = Field(description="Stage kind.")
+    algorithm: Literal["grpo", "ppo"] = Field(description="grpo (TRL GRPOTrainer) or ppo (posttrain's, with a critic).")
+    policy: str = Field(description="Stage whose checkpoint the policy starts from, or `base`.")
+    reference: str | None = Field(
+        None, description="Stage whose checkpoint anchors the KL penalty; default the policy's starting checkpoint."
+    )
+    data: str = Field(description="Prompts to train on (name under `data:`); must not be `heldout`.")
+    rewards: list[str] = Field(min_length=1, description="Rewards (names under `rewards:` or built-ins), summed by weight.")
+    kl_beta: float = Field(0.02, ge=0.0, description="Weight of the KL penalty to the reference policy (0 disables it).")
+    group_size: int = Field(8, ge=1, le=256, description="Completions sampled per prompt (GRPO needs >= 2).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per optimizer step.")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    lr: float = Field(5e-4, gt=0, le=1.0, description="Policy learning rate.")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature of rollouts.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass of rollouts.")
+    max_completion_tokens: int = Field(8, ge=1, description="Token budget per rollout; hitting it is truncation.")
+    clip_epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Clip range of the importance ratio.")
+    seed: int | None = Field(None, description="Stage seed; default the pipeline seed.")
+    sample_every: int = Field(25, ge=1, description="Log a table of sample completions every N steps.")
+    check_rewards: bool = Field(False, description="Run `check-reward` cases before training; refuse on a violation.")
+    reward_errors: Literal["fail", "score"] = Field(
+        "fail", description="On a reward exception: fail the stage after `max_reward_errors`, or score 0 and count."
+    )
+    max_reward_errors: int = Field(0, ge=0, description="Reward exceptions tolerated before the stage fails.")
+    use_vllm: bool = Field(False, description="Generate with vLLM (TRL colocate mode); GPU workers only.")
+
+    # GRPO
+    advantage: Literal["group_centered", "group_normalized"] = Field(
+        "group_centered",
+        description="group_centered: reward minus the group mean (the seeds' unstandardised centring); "
+        "group_normalized: also divided by the group's standard deviation.",
+    )
+    loss: Literal["grpo", "dr_grpo", "dapo", "cispo"] = Field("dapo", description="GRPO-family loss (TRL loss_type).")
+
+    # PPO
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
+    vf_coef: float = Field(0.1, ge=0.0, description="PPO: weight of the value loss.")
+    cliprange_value: float = Field(0.2, gt=0.0, description="PPO: clip range of value predictions.")
+    ppo_epochs: int = Field(4, ge=1, description="PPO: passes over each rollout batch.")
+    minibatch_size: int = Field(16, ge=1, description="PPO: sequences per minibatch.")
+    whiten_advantages: bool = Field(True, description="PPO: whiten advantages per rollout batch.")
+    kl_target: float | None = Field(None, gt=0.0, description="PPO: adapt kl_beta toward this KL (None: fixed).")
+    kl_horizon: int = Field(10000, ge=1, description="PPO: horizon of the adaptive KL controller.")
+    critic_lr: float | None = Field(None, gt=0, description="PPO: critic learning rate; default lr.")
+
+    @model_validator(mode="after")
+    def _algorithm_fields(self):
+        defaults = type(self).model_fields
+        wrong = PPO_ONLY if self.algorithm == "grpo" else GRPO_ONLY
+        set_wrong = [name for name in wrong if name in self.model_fields_set and getattr(self, name) != defaults[name].default]
+        if set_wrong:
+            raise ValueError(f"{', '.join(set_wrong)} only apply to algorithm "
+                             f"{'ppo' if self.algorithm == 'grpo' else 'grpo'}, not {self.algorithm}")
+        if self.algorithm == "grpo" and self.group_size < 2:
+            raise ValueError(f"grpo needs group_size >= 2 to compare completions of a prompt (got {self.group_size})")
+        return self
+
+    def references(self) -> dict[str, str]:
+        refs = {"policy": self.policy}
+        if self.reference is not None:
+            refs["reference"] = self.reference
+        return refs
+
+    def dataset_names(self) -> list[str]:
+        return [self.data]
+
+    def reward_names(self) -> list[str]:
+        return list(self.rewards)
+
+
+def run(config: RLStageConfig, inputs: dict, ctx) -> dict:
+    if config.algorithm == "grpo":
+        from stages.grpo import train_grpo
+
+        return train_grpo(config, inputs, ctx)
+    from stages.ppo import train_ppo
+
+    return train_ppo(config, inputs, ctx)
+
+
+def log_curves(ctx, history: list[dict[str, float]], name: str = "curves.png") -> None:
+    """A PNG of reward and KL per step, logged to the stage's run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.plot(steps, [h.get("reward/mean", float("nan")) for h in history], color="tab:green")
+    left.set(title="reward/mean", xlabel="step")
+    right.plot(steps, [h.get("kl", float("nan")) for h in history], color="tab:red")
+    right.set(title="kl to reference", xlabel="step")
+    fig.tight_layout()
+    ctx.log_figure(fig, name)
+    plt.close(fig)

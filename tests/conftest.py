@@ -1,0 +1,58 @@
+"""Shared fixtures: an isolated POSTTRAIN_HOME (real SQLite MLflow store) per test, one
+Prefect test-harness server per session, and a tiny model built once."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "pipelines" / "quickstart.yaml"
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    """A fresh $POSTTRAIN_HOME with the embedded defaults (local MLflow SQLite store)."""
+    path = tmp_path / "home"
+    monkeypatch.setenv("POSTTRAIN_HOME", str(path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """Prefect's real test harness: a throwaway API server for the whole session."""
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    from stages.models import TinyModelSpec, resolve_base_checkpoint
+
+    cache = tmp_path_factory.mktemp("models")
+    return resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=32, num_layers=1, num_heads=2,
+                                                 intermediate_size=64), 0, cache, cache)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def run_cli(*argv: str) -> int:
+    from flows.cli import main
+
+    return main(list(argv))
