@@ -30,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check a pipeline and print its stage graph; runs nothing")
     with_overrides(validate)
 
+    check = commands.add_parser("check-reward", help="score the pipeline's known reward cases; exit 1 on a violation")
+    with_overrides(check)
+    check.add_argument("--reward", metavar="NAME", action="append", default=[],
+                       help="check only this reward (repeatable); default every reward with cases")
+
     run = commands.add_parser("run", help="run a pipeline (cached stages are reused)")
     with_overrides(run)
     picks = run.add_mutually_exclusive_group()
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from flows.home import configure_environment
 
     configure_environment()  # before Prefect or MLflow are imported
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # logs and CI get full rows
 
     from flows.spec import SpecError, load_pipeline
 
@@ -68,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         console.print("stage graph (run order):")
         console.print(render_graph(loaded.spec), highlight=False, markup=False)
         return EXIT_OK
+
+    if args.command == "check-reward":
+        from flows.checks import check_rewards_command
+
+        return check_rewards_command(loaded, args.reward, console)
 
     from flows.lineage import PlanError, RunOptions
     from flows.pipeline import print_summary, run_from_cli

@@ -84,6 +84,7 @@ def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[st
         path = materialize(spec.data[name], loaded.base_dir, home / "cache" / "data")
         inputs["data" if i == 0 else f"data_{name}"] = str(path)
     inputs["rewards"] = loaded.rewards_for(config.reward_names())
+    inputs["reward_checks"] = {n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks}
     return inputs
 
 
@@ -110,7 +111,8 @@ def execute_stage(loaded, stage, upstream_runs, upstream_outputs, tracker, exper
     started = time.perf_counter()
     try:
         inputs = resolve_inputs(loaded, stage, upstream_outputs, home)
-        tracker.log_params(run_id, {f"input.{k}": v for k, v in inputs.items() if k != "rewards"})
+        tracker.log_params(run_id, {f"input.{k}": v for k, v in inputs.items()
+                                    if k not in ("rewards", "reward_checks")})
         ctx = MlflowStageContext(tracker, run_id, work_dir, getattr(config, "seed", None) or loaded.spec.seed, console)
         stage_runner(config.kind)(config, inputs, ctx)
         tracker.publish_outputs(run_id, loaded.spec.name, stage, ctx.staged)

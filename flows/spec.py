@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 from stages.data import DataError, DataSpec, FileData, load_records
 from stages.models import ModelSpec, PathModelSpec, check_checkpoint_dir
 from stages.registry import STAGE_KINDS
-from stages.rewards import BUILTIN_REWARDS, RewardError, RewardSpec, load_reward_fn
+from stages.rewards import BUILTIN_REWARDS, RewardCase, RewardError, RewardSpec, load_reward_fn
 
 BASE = "base"  # the reserved name of the pipeline's own model
 
@@ -54,6 +54,11 @@ class Pipeline(BaseModel):
         default_factory=dict, description="Named rewards; built-in names may also be used directly."
     )
     stages: dict[str, StageSpec] = Field(min_length=1, description="Stages by name; references form the graph.")
+    reward_checks: dict[str, list[RewardCase]] = Field(
+        default_factory=dict,
+        description="Known cases per reward (successes, failures, malformed, shortcuts) that "
+        "`posttrain check-reward` and `check_rewards: true` verify before training.",
+    )
 
 
 # ------------------------------------------------------------------ errors
@@ -354,6 +359,18 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
                 add(("stages", name, "rewards", i),
                     f"unknown reward {reward_name!r}{_did_you_mean(reward_name, options)}; "
                     f"declare it under `rewards:` or use a built-in ({', '.join(BUILTIN_REWARDS)})")
+
+    raw_checks = raw.get("reward_checks") if isinstance(raw.get("reward_checks"), dict) else {}
+    for reward_name in raw_checks:
+        if reward_name not in raw_rewards and reward_name not in BUILTIN_REWARDS:
+            add(("reward_checks", reward_name), f"unknown reward {reward_name!r}"
+                f"{_did_you_mean(reward_name, [*raw_rewards, *BUILTIN_REWARDS])}")
+    for name, config in stages.items():
+        if getattr(config, "check_rewards", False) is True:
+            names = [r for r in config.reward_names() if isinstance(r, str)]
+            if not any(r in raw_checks for r in names):
+                add(("stages", name, "check_rewards"),
+                    f"check_rewards is on, but `reward_checks:` declares no cases for any of {', '.join(names)}")
 
     for name, spec in rewards.items():
         try:

@@ -100,8 +100,15 @@ def build_tiny_tokenizer():
         additional_special_tokens=TINY_SPECIAL_TOKENS[2:5],
     )
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    tokenizer.padding_side = "left"  # generation pads on the left; trainers set their own side
+    set_padding_side(tokenizer, "left")  # generation pads on the left; trainers set their own side
     return tokenizer
+
+
+def set_padding_side(tokenizer, side: str) -> None:
+    """Set the padding side so that it also survives save_pretrained (transformers 5 drops the
+    attribute itself on save; init_kwargs is what gets written)."""
+    tokenizer.padding_side = side
+    tokenizer.init_kwargs["padding_side"] = side
 
 
 def build_tiny_model(spec: TinyModelSpec, seed: int, out_dir: Path) -> Path:

@@ -82,8 +82,21 @@ def length_penalty(completions: list[str], target_chars: int = 0, per_char: floa
     return [-per_char * max(0, len(text) - target_chars) for text in completions]
 
 
+def _lazy(path: str) -> Callable[..., Any]:
+    """A built-in kept in its own module, imported on first use (math-verify and SymPy import
+    slowly, and stages.rewards_code imports this module)."""
+
+    def call(completions, **columns):
+        return load_reward_fn(path)(completions, **columns)
+
+    call.__name__ = path.rpartition(":")[2]
+    return call
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "exact_answer": exact_answer,
+    "math_answer": _lazy("stages.rewards_math:math_answer"),
+    "code_tests": _lazy("stages.rewards_code:code_tests"),
     "regex_format": regex_format,
     "length_penalty": length_penalty,
 }
@@ -210,3 +223,65 @@ def score_completions(
     components = [score_component(name, spec, completions, columns) for name, spec in specs.items()]
     total = [sum(c.weight * c.scores[i] for c in components) for i in range(len(completions))]
     return ScoredBatch(components, total)
+
+
+# ---------------------------------------------------------------- known cases (check-reward)
+
+
+class RewardCase(BaseModel):
+    """A completion whose reward is known before training: the score range it must get."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    case: str = Field(description="What the case is: success, failure, malformed or shortcut.",
+                      pattern="^(success|failure|malformed|shortcut)$")
+    completion: str = Field(description="The model's reply to score.")
+    answer: str | None = Field(None, description="Reference answer handed to the reward.")
+    prompt: str | None = Field(None, description="User message the completion answers (optional).")
+    min: float | None = Field(None, description="The score must be at least this.")
+    max: float | None = Field(None, description="The score must be at most this.")
+    parsed: bool | None = Field(None, description="Whether the reward must report the completion as parsed.")
+
+    def model_post_init(self, __context) -> None:
+        if self.min is None and self.max is None and self.parsed is None:
+            raise ValueError("a reward case needs an expectation: min, max and/or parsed")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+
+
+@dataclass
+class CaseResult:
+    reward: str
+    case: RewardCase
+    score: float
+    parsed: bool
+    error: str | None
+
+    @property
+    def completion_repr(self) -> str:
+        return repr(self.case.completion)[:200]
+
+    @property
+    def violations(self) -> list[str]:
+        problems = []
+        if self.error:
+            problems.append(f"raised {self.error}")
+        if self.case.min is not None and self.score < self.case.min:
+            problems.append(f"score {self.score:g} < min {self.case.min:g}")
+        if self.case.max is not None and self.score > self.case.max:
+            problems.append(f"score {self.score:g} > max {self.case.max:g}")
+        if self.case.parsed is not None and self.parsed != self.case.parsed:
+            problems.append(f"parsed={self.parsed}, expected {self.case.parsed}")
+        return problems
+
+
+def check_reward_cases(name: str, spec: RewardSpec, cases: list[RewardCase]) -> list[CaseResult]:
+    """Score every known case of one reward; a result with violations means do not train on it."""
+    completions = [c.completion for c in cases]
+    columns = {
+        "answer": [c.answer for c in cases],
+        "prompts": [[{"role": "user", "content": c.prompt or ""}] for c in cases],
+    }
+    scored = score_component(name, spec, completions, columns)
+    errors = dict(scored.errors)
+    return [CaseResult(name, case, scored.scores[i], scored.parsed[i], errors.get(i)) for i, case in enumerate(cases)]

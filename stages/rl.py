@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
-GRPO_ONLY = ("advantage", "loss")
+GRPO_ONLY = ("advantage", "loss", "use_vllm")
 PPO_ONLY = ("gamma", "lam", "vf_coef", "cliprange_value", "ppo_epochs", "minibatch_size",
             "whiten_advantages", "kl_target", "kl_horizon", "critic_lr")
 
@@ -38,8 +38,9 @@ class RLStageConfig(BaseModel):
     rewards: list[str] = Field(min_length=1, description="Rewards (names under `rewards:` or built-ins), summed by weight.")
     kl_beta: float = Field(0.02, ge=0.0, description="Weight of the KL penalty to the reference policy (0 disables it).")
     group_size: int = Field(8, ge=1, le=256, description="Completions sampled per prompt (GRPO needs >= 2).")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per optimizer step.")
-    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step (each sampled group_size times).")
+    max_steps: int = Field(100, ge=1, description="Training steps: GRPO optimizer steps; PPO rollout batches, "
+                           "each followed by ppo_epochs passes of minibatch updates.")
     lr: float = Field(5e-4, gt=0, le=1.0, description="Policy learning rate.")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature of rollouts.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass of rollouts.")
@@ -70,7 +71,7 @@ class RLStageConfig(BaseModel):
     ppo_epochs: int = Field(4, ge=1, description="PPO: passes over each rollout batch.")
     minibatch_size: int = Field(16, ge=1, description="PPO: sequences per minibatch.")
     whiten_advantages: bool = Field(True, description="PPO: whiten advantages per rollout batch.")
-    kl_target: float | None = Field(None, gt=0.0, description="PPO: adapt kl_beta toward this KL (None: fixed).")
+    kl_target: float | None = Field(None, gt=0.0, description="PPO: adapt kl_beta toward this KL, in nats per completion (None: fixed).")
     kl_horizon: int = Field(10000, ge=1, description="PPO: horizon of the adaptive KL controller.")
     critic_lr: float | None = Field(None, gt=0, description="PPO: critic learning rate; default lr.")
 
@@ -99,7 +100,28 @@ class RLStageConfig(BaseModel):
         return list(self.rewards)
 
 
+class RewardCheckFailed(RuntimeError):
+    """A reward failed its declared known cases: training on it would waste the budget."""
+
+
+def verify_rewards(inputs: dict, ctx) -> None:
+    """Run the declared reward cases; refuse to train on any violation (logged as a table)."""
+    from stages.rewards import check_reward_cases
+
+    results = [r for name, cases in inputs.get("reward_checks", {}).items()
+               for r in check_reward_cases(name, inputs["rewards"][name], cases)]
+    ctx.log_table([{"reward": r.reward, "case": r.case.case, "completion": r.completion_repr, "score": r.score,
+                    "parsed": r.parsed, "violations": "; ".join(r.violations)} for r in results],
+                  "reward_checks.json")
+    bad = [r for r in results if r.violations]
+    if bad:
+        lines = [f"{r.reward} [{r.case.case}] {r.case.completion!r}: {'; '.join(r.violations)}" for r in bad]
+        raise RewardCheckFailed(f"{len(bad)} reward check(s) failed, not training:\n" + "\n".join(lines))
+
+
 def run(config: RLStageConfig, inputs: dict, ctx) -> dict:
+    if config.check_rewards:
+        verify_rewards(inputs, ctx)
     if config.algorithm == "grpo":
         from stages.grpo import train_grpo
 

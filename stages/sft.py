@@ -57,19 +57,9 @@ class SFTStageConfig(BaseModel):
         return []
 
 
-def _metrics_callback(ctx):
-    from transformers import TrainerCallback
-
-    class ForwardToTracking(TrainerCallback):
-        """Forwards the trainer's logs (loss, learning rate, grad norm) to the stage's run."""
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            values = {k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))}
-            renamed = {("lr" if k == "learning_rate" else k): v for k, v in values.items()}
-            if renamed:
-                ctx.log_metrics(renamed, step=state.global_step)
-
-    return ForwardToTracking()
+def rename_metrics(logs: dict) -> dict[str, float]:
+    values = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float))}
+    return {("lr" if k == "learning_rate" else k): v for k, v in values.items()}
 
 
 def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
@@ -77,7 +67,8 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from stages.models import load_model_and_tokenizer
+    from stages.models import load_model_and_tokenizer, set_padding_side
+    from stages.trainer_callbacks import quiet_trainer, tracking_callback
 
     seed = ctx.seed if config.seed is None else config.seed
     model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]))
@@ -106,13 +97,13 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
         seed=seed,
         data_seed=seed,
         dataloader_num_workers=0,
-        disable_tqdm=False,
     )
     ctx.log_params({"examples": len(records), "resolved_seed": seed})  # the config itself is logged by flows
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[_metrics_callback(ctx)],
+        callbacks=[tracking_callback(ctx, rename_metrics, f"sft: {args.max_steps} steps")],
     )
+    quiet_trainer(trainer)
     started = time.perf_counter()
     result = trainer.train()
     seconds = time.perf_counter() - started
@@ -129,6 +120,6 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
 
     checkpoint = ctx.output_dir("checkpoint")
     trainer.model.save_pretrained(checkpoint)
-    tokenizer.padding_side = "left"
+    set_padding_side(tokenizer, "left")
     tokenizer.save_pretrained(checkpoint)
     return {"checkpoint": str(checkpoint), "metrics": metrics}

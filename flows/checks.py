@@ -1,0 +1,37 @@
+"""``posttrain check-reward``: known cases scored before any training budget is spent."""
+
+from __future__ import annotations
+
+import sys
+
+from stages.rewards import check_reward_cases
+
+
+def check_rewards_command(loaded, only: list[str], console) -> int:
+    """Print a table of every declared case; 0 if all hold, 1 on a violation, 2 if nothing to check."""
+    from rich.table import Table
+
+    checks = loaded.spec.reward_checks
+    names = only or list(checks)
+    missing = [n for n in names if n not in checks]
+    if missing or not names:
+        declared = ", ".join(checks) or "none"
+        print(f"{loaded.path}: no reward_checks declared for {', '.join(missing) or 'any reward'} "
+              f"(declared: {declared}); nothing was checked", file=sys.stderr)
+        return 2
+    results = [r for name in names for r in check_reward_cases(name, loaded.rewards_for([name])[name], checks[name])]
+    table = Table(title=f"reward checks · {loaded.spec.name}")
+    for column in ("reward", "case", "completion", "answer", "score", "parsed", "expected", "verdict"):
+        table.add_column(column)
+    for r in results:
+        expected = ", ".join(part for part in (
+            f">= {r.case.min:g}" if r.case.min is not None else "",
+            f"<= {r.case.max:g}" if r.case.max is not None else "",
+            f"parsed={r.case.parsed}" if r.case.parsed is not None else "") if part)
+        verdict = "ok" if not r.violations else "VIOLATION: " + "; ".join(r.violations)
+        table.add_row(r.reward, r.case.case, r.completion_repr, str(r.case.answer), f"{r.score:g}", str(r.parsed),
+                      expected, verdict, style="red" if r.violations else None)
+    console.print(table)
+    bad = sum(1 for r in results if r.violations)
+    console.print(f"{len(results)} cases, {bad} violation{'s' if bad != 1 else ''}")
+    return 1 if bad else 0

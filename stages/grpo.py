@@ -1,0 +1,221 @@
+"""GRPO with TRL's ``GRPOTrainer``, configured from an ``rl`` stage.
+
+What we map, and where it departs from DeepSeekMath's GRPO:
+- ``advantage: group_centered`` is TRL's ``scale_rewards="none"``: reward minus the group
+  mean, not divided by the group's std (the seeds' unstandardised centring; Dr. GRPO
+  argues the std division biases toward easy and hard prompts). ``group_normalized`` is
+  ``scale_rewards="group"``, the paper's choice.
+- ``loss`` selects TRL's ``loss_type``: grpo (per-sequence mean, the paper), dr_grpo,
+  dapo (token-level normalisation over the batch; TRL's default) or cispo (clipped
+  importance-sampling weights, gradient through every token).
+- ``kl_beta`` is TRL's ``beta``: the k3 KL estimate to the reference added to the loss
+  (not to the reward, unlike PPO/InstructGPT). 0 loads no reference model.
+- One generation per optimizer step (``prompts_per_step × group_size`` completions), so the
+  policy is on-policy and the importance ratio is 1 up to numerics; we log its mean anyway.
+
+Each reward component is wrapped so parse failures and exceptions are counted per step
+(``reward/<name>/unparsed_frac``, ``reward/errors``) and the policy in
+``reward_errors`` is applied, instead of TRL seeing a silent number.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stages.data import prompt_messages, read_materialized
+from stages.rewards import RewardSpec, score_component
+
+# TRL's metric names -> ours (DESIGN.md)
+METRIC_NAMES = {
+    "reward": "reward/mean",
+    "reward_std": "reward/std",
+    "frac_reward_zero_std": "reward/zero_variance_group_frac",
+    "kl": "kl",
+    "entropy": "entropy",
+    "clip_ratio/region_mean": "clip_frac",
+    "cispo_clip_ratio": "clip_frac",
+    "completions/mean_length": "completion/mean_tokens",
+    "completions/clipped_ratio": "completion/truncated_frac",
+    "ratio/mean": "ratio/mean",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "learning_rate": "lr",
+}
+
+
+def rename_metrics(logs: dict) -> dict[str, float]:
+    renamed = {}
+    for key, value in logs.items():
+        if not isinstance(value, (int, float)):
+            continue
+        if key in METRIC_NAMES:
+            renamed[METRIC_NAMES[key]] = float(value)
+        elif key.startswith("rewards/") and key.endswith("/mean"):
+            renamed["reward/" + key[len("rewards/"):]] = float(value)
+        elif key.startswith("reward/"):
+            renamed[key] = float(value)
+    return renamed
+
+
+class RewardErrorBudget:
+    """Counts reward exceptions across the stage and enforces the stage's policy."""
+
+    def __init__(self, policy: str, limit: int):
+        self.policy, self.limit, self.count = policy, limit, 0
+
+    def record(self, name: str, errors: list[tuple[int, str]], completions: list[str]) -> None:
+        self.count += len(errors)
+        if errors and self.policy == "fail" and self.count > self.limit:
+            index, message = errors[0]
+            raise RuntimeError(
+                f"reward {name!r} raised {self.count} time(s) (limit {self.limit}); first offending completion "
+                f"{completions[index]!r}: {message}"
+            )
+
+
+def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, metrics_sink):
+    """A TRL reward function (``prompts, completions, **columns``) around one of our rewards."""
+
+    def reward(prompts, completions, completion_ids=None, **columns):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scored = score_component(name, spec, texts, {"answer": columns.get("answer"), "prompts": prompts})
+        budget.record(name, scored.errors, texts)
+        sink = metrics_sink()
+        if sink is not None:
+            sink[f"reward/{name}/unparsed_frac"].append(1.0 - sum(scored.parsed) / len(texts))
+            sink["reward/errors"].append(float(budget.count))
+        return scored.scores
+
+    reward.__name__ = name
+    return reward
+
+
+def _trainer_class():
+    import torch
+    from trl import GRPOTrainer
+
+    class PosttrainGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer that also logs the importance ratio's mean and sample tables."""
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            self._last_logps = result[0]
+            return result
+
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            logps = getattr(self, "_last_logps", None)
+            if logps is not None and self.model.training:
+                old = inputs.get("old_per_token_logps")
+                mask = inputs["completion_mask"].float()
+                ratio = torch.exp(logps.detach() - (logps.detach() if old is None else old))
+                mean = ((ratio * mask).sum() / mask.sum().clamp(min=1.0)).item()
+                self._metrics["train"]["ratio/mean"].append(mean)
+            return loss
+
+    return PosttrainGRPOTrainer
+
+
+def sample_rows(logs, limit: int = 32) -> list[dict]:
+    """The latest completions TRL kept, with their rewards and advantages, as table rows."""
+    def text(x):
+        return str(x[-1]["content"] if isinstance(x, list) else x)
+
+    rows = [
+        {"prompt": text(p), "completion": text(c), "advantage": float(a),
+         **{f"reward/{name}": float(values[i]) for name, values in logs["rewards"].items()}}
+        for i, (p, c, a) in enumerate(zip(logs["prompt"], logs["completion"], logs["advantages"]))
+    ]
+    return rows[-limit:]
+
+
+def build_grpo_config(config, output_dir: Path, seed: int):
+    import torch
+    from trl import GRPOConfig
+
+    cuda = torch.cuda.is_available()
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        max_steps=config.max_steps,
+        learning_rate=config.lr,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=config.prompts_per_step * config.group_size,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=config.group_size,
+        max_completion_length=config.max_completion_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        beta=config.kl_beta,
+        loss_type=config.loss,
+        scale_rewards="none" if config.advantage == "group_centered" else "group",
+        epsilon=config.clip_epsilon,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        data_seed=seed,
+        use_cpu=not cuda,
+        bf16=cuda and torch.cuda.is_bf16_supported(),
+        gradient_checkpointing=False,
+        use_vllm=config.use_vllm,
+        vllm_mode="colocate",
+        log_completions=False,
+        dataloader_num_workers=0,
+    )
+
+
+def train_grpo(config, inputs: dict, ctx) -> dict:
+    from datasets import Dataset
+
+    from stages.models import load_model_and_tokenizer, set_padding_side
+    from stages.rl import log_curves
+    from stages.trainer_callbacks import quiet_trainer, tracking_callback
+
+    seed = config.seed if config.seed is not None else ctx.seed
+    model, tokenizer = load_model_and_tokenizer(Path(inputs["policy"]))
+    tokenizer.padding_side = "left"
+    # TRL builds the KL reference from the policy's `_name_or_path`: point it at the anchor.
+    model.config._name_or_path = str(inputs.get("reference") or inputs["policy"])
+
+    records = read_materialized(Path(inputs["data"]))
+    dataset = Dataset.from_list([{"prompt": prompt_messages(r), "answer": r.get("answer")} for r in records])
+    rewards: dict[str, RewardSpec] = inputs["rewards"]
+    budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
+    holder: dict = {}
+    reward_funcs = [make_reward_func(name, spec, budget, lambda: holder.get("metrics"))
+                    for name, spec in rewards.items()]
+
+    args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
+    args.reward_weights = [spec.weight for spec in rewards.values()]
+    trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+                               processing_class=tokenizer)
+    holder["metrics"] = trainer._metrics["train"]
+    history: list[dict] = []
+
+    def on_metrics(state, metrics):
+        if "reward/mean" not in metrics:  # the end-of-training summary log, not a step
+            return
+        history.append({"step": state.global_step, **metrics})
+        if state.global_step % config.sample_every == 0 or state.global_step == state.max_steps:
+            ctx.log_table(sample_rows(trainer._logs), f"samples/step_{state.global_step:05d}.json")
+
+    trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics))
+    quiet_trainer(trainer)
+    ctx.log_params({"prompts": len(records), "resolved_seed": seed,
+                    "generation_batch": config.prompts_per_step * config.group_size})
+    trainer.train()
+
+    log_curves(ctx, history)
+    last = history[-1] if history else {}
+    metrics = {"steps": float(trainer.state.global_step), "reward_errors": float(budget.count)}
+    for key in ("reward/mean", "kl"):
+        if key in last:
+            metrics[f"final_{key.replace('/', '_')}"] = last[key]
+    ctx.log_metrics(metrics)
+
+    checkpoint = ctx.output_dir("checkpoint")
+    trainer.model.config._name_or_path = str(checkpoint)
+    trainer.model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    return {"checkpoint": str(checkpoint), "metrics": metrics}

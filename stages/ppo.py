@@ -1,0 +1,404 @@
+"""posttrain's compact PPO with a critic (``kind: rl, algorithm: ppo``).
+
+TRL removed its PPOTrainer, so this module owns the loop, top to bottom: sample a rollout
+batch through the project's generation backend, score it with the declared rewards, turn
+reward minus a KL penalty into per-token rewards, estimate advantages with GAE(gamma,
+lambda) from a learned critic, then take ``ppo_epochs`` passes of minibatches with the
+clipped surrogate and the clipped value loss. The maths is in stages/rl_math.py.
+
+Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al. 2022):
+- No pretraining-mix term (InstructGPT's PPO-ptx): the only anchor is the KL penalty.
+- The KL penalty is the per-token k1 estimate, log pi(y_t) - log pi_ref(y_t), subtracted
+  from every token's reward; the task score is added at the last completion token only.
+  Both log-probs are of the tempered distributions (logits / temperature), the ones the
+  tokens were sampled from.
+- The importance ratio's denominator is the log-prob recorded by the sampler, not a
+  recomputed forward pass. The two agree to float error (logged as
+  ``logprob/sampler_gap``) when ``top_p`` is 1; with ``top_p < 1`` the sampler's log-probs
+  are of the nucleus-truncated distribution, while training uses the full tempered one.
+- The critic is a separate network (a copy of the policy's transformer backbone plus a
+  zero-initialised scalar head), initialised from the policy checkpoint; no shared trunk.
+  Its loss is added with ``vf_coef`` but each network has its own AdamW optimiser
+  (``critic_lr``), so the coefficient only scales the critic's gradient.
+- Losses are token-level means over the minibatch (every real completion token weighs the
+  same, DAPO-style), not per-sequence means.
+- Advantages are whitened over the whole rollout batch (``whiten_advantages``); rewards are
+  not normalised. No entropy bonus. Dropout is off throughout (the policy stays in eval
+  mode) so the training forward pass reproduces the sampler's distribution.
+- Gradients are clipped to norm 1.0 for each network; no learning-rate schedule.
+- Adaptive KL (Ziegler et al. 2019) steers ``kl/sequence`` (mean summed k1 per completion,
+  the quantity the reward penalises) toward ``kl_target``. The logged ``kl`` is the
+  token-level mean of the k3 estimator, the same quantity the GRPO stage logs as ``kl``.
+- ``reward/errors`` is the cumulative count of reward-function exceptions in the stage.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from stages.data import prompt_messages, read_materialized
+from stages.generation import HFGenerateBackend, Sample, SamplingSettings
+from stages.models import load_model_and_tokenizer, set_padding_side
+from stages.rewards import RewardSpec, ScoredBatch, score_completions
+from stages.rl import RLStageConfig, log_curves
+from stages.rl_math import (
+    AdaptiveKLController,
+    FixedKLController,
+    gae,
+    is_zero_variance,
+    kl_estimators,
+    masked_mean,
+    masked_whiten,
+    ppo_policy_loss,
+    ppo_value_loss,
+)
+
+SAMPLE_TABLE_ROWS = 16
+MAX_GRAD_NORM = 1.0
+
+
+# ---------------------------------------------------------------- models
+
+
+class ValueModel(nn.Module):
+    """The critic: a transformer backbone and a scalar head, one value per position."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)  # start at V = 0: early advantages are rewards-to-go
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_policy_checkpoint(cls, path: Path) -> "ValueModel":
+        """The policy's backbone (``model.model`` of a causal LM), without its LM head."""
+        from transformers import AutoModelForCausalLM
+
+        causal_lm = AutoModelForCausalLM.from_pretrained(path)
+        return cls(causal_lm.base_model, causal_lm.config.hidden_size)
+
+    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+
+def load_frozen_reference(path: Path) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.requires_grad_(False)
+    return model
+
+
+# ---------------------------------------------------------------- rollouts
+
+
+@dataclass
+class Rollout:
+    """One rollout batch of B sequences: prompts left-padded to P, completions right-padded to T.
+
+    Every completion starts at column P, so the logits at columns P-1 .. P+T-2 predict the
+    completion tokens. Built from recorded token ids only, never from decoded text.
+    """
+
+    input_ids_B_L: torch.Tensor
+    attention_mask_B_L: torch.Tensor
+    completion_ids_B_T: torch.Tensor
+    mask_B_T: torch.Tensor
+    sample_logprobs_B_T: torch.Tensor
+    samples: list[Sample]
+    prompt_index: list[int]
+
+    @property
+    def position_ids_B_L(self) -> torch.Tensor:
+        # the same positions ``generate`` gives a left-padded batch
+        return (self.attention_mask_B_L.cumsum(-1) - 1).clamp(min=0)
+
+    def to(self, device) -> "Rollout":
+        for name in ("input_ids_B_L", "attention_mask_B_L", "completion_ids_B_T", "mask_B_T", "sample_logprobs_B_T"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+
+def prompt_token_ids(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
+    """Prompt ids exactly as the generation backend encodes them."""
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def build_rollout(prompt_ids: list[list[int]], groups: list[list[Sample]], pad_id: int) -> Rollout:
+    """(prompt ids + sampled ids) per sample, padded into one batch."""
+    flat = [(i, s) for i, group in enumerate(groups) for s in group]
+    width_P = max(len(ids) for ids in prompt_ids)
+    width_T = max(len(s.token_ids) for _, s in flat)
+    n_rows = len(flat)
+    input_ids = torch.full((n_rows, width_P + width_T), pad_id, dtype=torch.long)
+    attention = torch.zeros((n_rows, width_P + width_T), dtype=torch.long)
+    logprobs = torch.zeros((n_rows, width_T))
+    for row, (i, sample) in enumerate(flat):
+        prompt, n_new = prompt_ids[i], len(sample.token_ids)
+        input_ids[row, width_P - len(prompt) : width_P] = torch.tensor(prompt)
+        input_ids[row, width_P : width_P + n_new] = torch.tensor(sample.token_ids)
+        attention[row, width_P - len(prompt) : width_P + n_new] = 1
+        logprobs[row, :n_new] = torch.tensor(sample.logprobs)
+    return Rollout(input_ids, attention, input_ids[:, width_P:], attention[:, width_P:].float(), logprobs,
+                   [s for _, s in flat], [i for i, _ in flat])
+
+
+def completion_logits(model: nn.Module, rollout: Rollout, rows, temperature: float) -> torch.Tensor:
+    """Tempered logits predicting each completion token: B x T x V."""
+    width_T = rollout.completion_ids_B_T.shape[1]
+    out = model(input_ids=rollout.input_ids_B_L[rows], attention_mask=rollout.attention_mask_B_L[rows],
+                position_ids=rollout.position_ids_B_L[rows], logits_to_keep=width_T + 1)
+    return out.logits[:, :-1].float() / temperature
+
+
+def completion_values(critic: ValueModel, rollout: Rollout, rows) -> torch.Tensor:
+    """V(prompt + completion[:t]) for every completion token t: B x T."""
+    width_T = rollout.completion_ids_B_T.shape[1]
+    values_B_L = critic(rollout.input_ids_B_L[rows], rollout.attention_mask_B_L[rows], rollout.position_ids_B_L[rows])
+    return values_B_L[:, -width_T - 1 : -1].float()
+
+
+def token_logprobs(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits_B_T_V, dim=-1).gather(-1, ids_B_T.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits_B_T_V, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+# ---------------------------------------------------------------- rewards and advantages
+
+
+def check_reward_errors(scored: ScoredBatch, texts: list[str], errors_before: int, config: RLStageConfig) -> int:
+    """The cumulative reward-error count; raises once it passes ``max_reward_errors`` (``fail``)."""
+    total = errors_before + scored.error_count
+    if config.reward_errors == "fail" and scored.error_count and total > config.max_reward_errors:
+        component = next(c for c in scored.components if c.errors)
+        index, message = component.errors[0]
+        raise RuntimeError(
+            f"reward {component.name!r} raised {message} on completion {texts[index]!r} "
+            f"({total} reward errors so far, max_reward_errors is {config.max_reward_errors}); "
+            "fix the reward, or set reward_errors: score to score such completions 0 and go on"
+        )
+    return total
+
+
+@dataclass
+class Targets:
+    """What the PPO epochs train toward, all B x T and fixed during the update."""
+
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    k1: torch.Tensor
+    k3: torch.Tensor
+
+
+@torch.no_grad()
+def compute_targets(reference, critic, rollout: Rollout, scores_B: torch.Tensor, beta: float,
+                    config: RLStageConfig) -> Targets:
+    """Per-token reward = -beta * k1 (+ the score at the last token), then GAE and whitening."""
+    everything = slice(None)
+    mask = rollout.mask_B_T
+    ref_logprobs = token_logprobs(completion_logits(reference, rollout, everything, config.temperature),
+                                  rollout.completion_ids_B_T)
+    values = completion_values(critic, rollout, everything) * mask
+    k1, _, k3 = kl_estimators(rollout.sample_logprobs_B_T, ref_logprobs)
+    rewards = -beta * k1 * mask
+    last_B = mask.sum(-1).long() - 1
+    rewards[torch.arange(len(last_B)), last_B] += scores_B.to(rewards)
+    advantages, returns = gae(rewards, values, mask, config.gamma, config.lam)
+    if config.whiten_advantages:
+        advantages = masked_whiten(advantages, mask)
+    return Targets(rollout.sample_logprobs_B_T, values, advantages, returns, k1 * mask, k3 * mask)
+
+
+# ---------------------------------------------------------------- the update
+
+
+def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, config: RLStageConfig,
+               generator: torch.Generator) -> dict[str, float]:
+    """``ppo_epochs`` passes of shuffled minibatches; returns the mean of each statistic."""
+    n_rows = rollout.mask_B_T.shape[0]
+    minibatch = min(config.minibatch_size, n_rows)
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def record(name, value):
+        sums[name] = sums.get(name, 0.0) + float(value)
+        counts[name] = counts.get(name, 0) + 1
+
+    for epoch in range(config.ppo_epochs):
+        order = torch.randperm(n_rows, generator=generator).to(rollout.mask_B_T.device)
+        for start in range(0, n_rows, minibatch):
+            rows = order[start : start + minibatch]
+            mask = rollout.mask_B_T[rows]
+            logits = completion_logits(policy, rollout, rows, config.temperature)
+            logprobs = token_logprobs(logits, rollout.completion_ids_B_T[rows])
+            values = completion_values(critic, rollout, rows)
+            policy_loss, clip_frac, ratio_mean = ppo_policy_loss(
+                logprobs, targets.old_logprobs[rows], targets.advantages[rows], mask, config.clip_epsilon)
+            value_loss, value_clip_frac = ppo_value_loss(
+                values, targets.old_values[rows], targets.returns[rows], mask, config.cliprange_value)
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            (policy_loss + config.vf_coef * value_loss).backward()
+            nn.utils.clip_grad_norm_(policy.parameters(), MAX_GRAD_NORM)
+            nn.utils.clip_grad_norm_(critic.parameters(), MAX_GRAD_NORM)
+            for optimizer in optimizers:
+                optimizer.step()
+            if epoch == 0:  # the rollout policy's own entropy, and how well we reproduce the sampler
+                record("entropy", masked_mean(token_entropy(logits.detach()), mask))
+                if start == 0:
+                    gap = (logprobs.detach() - targets.old_logprobs[rows]).abs() * mask
+                    record("logprob/sampler_gap", gap.max())
+            for name, value in (("policy_loss", policy_loss), ("value_loss", value_loss), ("clip_frac", clip_frac),
+                                ("ratio/mean", ratio_mean), ("value_clip_frac", value_clip_frac)):
+                record(name, value.detach())
+    return {name: sums[name] / counts[name] for name in sums}
+
+
+# ---------------------------------------------------------------- one step, logged
+
+
+def rollout_metrics(rollout: Rollout, scored: ScoredBatch, targets: Targets, group_size: int) -> dict[str, float]:
+    mask = rollout.mask_B_T
+    total = torch.tensor(scored.total)
+    groups = total.view(-1, group_size)
+    metrics = {
+        "reward/mean": float(total.mean()),
+        "reward/zero_variance_group_frac": sum(is_zero_variance(g) for g in groups) / len(groups),
+        "kl": float(masked_mean(targets.k3, mask)),
+        "kl/sequence": float(targets.k1.sum(-1).mean()),
+        "completion/mean_tokens": float(mask.sum(-1).mean()),
+        "completion/truncated_frac": sum(s.truncated for s in rollout.samples) / len(rollout.samples),
+    }
+    for component in scored.components:
+        metrics[f"reward/{component.name}/mean"] = sum(component.scores) / len(component.scores)
+    return metrics
+
+
+def sample_rows(rollout: Rollout, prompts, answers, scored: ScoredBatch) -> list[dict]:
+    rows = []
+    for j, sample in enumerate(rollout.samples[:SAMPLE_TABLE_ROWS]):
+        i = rollout.prompt_index[j]
+        row = {"prompt": prompts[i][-1]["content"], "answer": answers[i], "completion": sample.text,
+               "reward": scored.total[j], "truncated": sample.truncated}
+        row.update({f"reward/{c.name}": c.scores[j] for c in scored.components})
+        rows.append(row)
+    return rows
+
+
+def prompt_batches(records: list[dict], per_step: int, seed: int):
+    """Endless batches of records: a fresh shuffle every pass over the data."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        while len(order) < per_step:
+            order += rng.sample(range(len(records)), len(records))
+        batch, order = order[:per_step], order[per_step:]
+        yield [records[i] for i in batch]
+
+
+@dataclass
+class PPORun:
+    """Everything one PPO stage holds between rollout batches."""
+
+    config: RLStageConfig
+    policy: nn.Module
+    tokenizer: object
+    reference: nn.Module
+    critic: ValueModel
+    optimizers: list
+    kl_control: FixedKLController | AdaptiveKLController
+    rewards: dict[str, RewardSpec]
+    seed: int
+    device: torch.device
+    reward_errors: int = 0
+
+    @classmethod
+    def load(cls, config: RLStageConfig, inputs: dict, seed: int) -> "PPORun":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        policy_path = Path(inputs["policy"])
+        policy, tokenizer = load_model_and_tokenizer(policy_path)
+        policy.to(device).eval()
+        reference = load_frozen_reference(Path(inputs.get("reference") or policy_path)).to(device)
+        critic = ValueModel.from_policy_checkpoint(policy_path).to(device).eval()
+        optimizers = [torch.optim.AdamW(policy.parameters(), lr=config.lr),
+                      torch.optim.AdamW(critic.parameters(), lr=config.critic_lr or config.lr)]
+        kl_control = (FixedKLController(config.kl_beta) if config.kl_target is None
+                      else AdaptiveKLController(config.kl_beta, config.kl_target, config.kl_horizon))
+        return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, inputs["rewards"],
+                   seed, device)
+
+    def step(self, step: int, batch: list[dict], generator: torch.Generator) -> tuple[dict[str, float], list[dict]]:
+        """Sample, score, update on one batch of prompts: the step's metrics and sample rows."""
+        config = self.config
+        prompts = [prompt_messages(r) for r in batch]
+        answers = [r.get("answer") for r in batch]
+        settings = SamplingSettings(temperature=config.temperature, top_p=config.top_p, seed=self.seed + step,
+                                    max_tokens=config.max_completion_tokens, attempts=config.group_size)
+        groups = HFGenerateBackend(self.policy, self.tokenizer, len(prompts)).generate(prompts, settings)
+        rollout = build_rollout(prompt_token_ids(self.tokenizer, prompts), groups, self.tokenizer.pad_token_id)
+        rollout = rollout.to(self.device)
+        texts = [s.text for s in rollout.samples]
+        columns = {"answer": [answers[i] for i in rollout.prompt_index],
+                   "prompts": [prompts[i] for i in rollout.prompt_index]}
+        scored = score_completions(self.rewards, texts, columns)
+        self.reward_errors = check_reward_errors(scored, texts, self.reward_errors, config)
+
+        beta = self.kl_control.value
+        targets = compute_targets(self.reference, self.critic, rollout, torch.tensor(scored.total), beta, config)
+        update = ppo_update(self.policy, self.critic, self.optimizers, rollout, targets, config, generator)
+        metrics = {**rollout_metrics(rollout, scored, targets, config.group_size), **update,
+                   "kl_beta": beta, "reward/errors": float(self.reward_errors)}
+        self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts))
+        return metrics, sample_rows(rollout, prompts, answers, scored)
+
+    def save(self, checkpoint: Path) -> None:
+        self.policy.save_pretrained(checkpoint)
+        set_padding_side(self.tokenizer, "left")
+        self.tokenizer.save_pretrained(checkpoint)
+
+
+def train_ppo(config: RLStageConfig, inputs: dict, ctx) -> dict:
+    """Run PPO on ``inputs['policy']`` against ``inputs['rewards']``; save the policy."""
+    if config.use_vllm:
+        raise ValueError("use_vllm applies to algorithm grpo only: ppo rolls out with the HF generate backend; "
+                         "remove use_vllm from this stage")
+    seed = config.seed if config.seed is not None else ctx.seed
+    torch.manual_seed(seed)
+    run = PPORun.load(config, inputs, seed)
+    records = read_materialized(Path(inputs["data"]))
+    batches = prompt_batches(records, config.prompts_per_step, seed)
+    generator = torch.Generator().manual_seed(seed)  # minibatch order
+    ctx.log_params({"resolved_seed": seed, "prompts": len(records),
+                    "rollout_sequences": config.prompts_per_step * config.group_size})
+
+    history, metrics, started = [], {}, time.perf_counter()
+    with ctx.progress(f"ppo: {config.max_steps} rollout batches", config.max_steps) as bar:
+        for step in range(1, config.max_steps + 1):
+            metrics, rows = run.step(step, next(batches), generator)
+            ctx.log_metrics(metrics, step=step)
+            history.append({"step": step, **metrics})
+            if step in (1, config.max_steps) or step % config.sample_every == 0:
+                ctx.log_table(rows, f"samples/step_{step:05d}.json")
+            bar.advance()
+
+    log_curves(ctx, history)
+    checkpoint = ctx.output_dir("checkpoint")
+    run.save(checkpoint)
+    final = {**metrics, "steps": float(config.max_steps), "train_seconds": time.perf_counter() - started}
+    return {"checkpoint": str(checkpoint), "metrics": final}

@@ -1,0 +1,145 @@
+"""``code_tests``: run the model's Python against test asserts in the sandbox.
+
+Each completion's code (the last ```python fenced block, else the whole reply) runs in
+``stages.sandbox`` followed by the tests: 1.0 when every assert passes, 0.0 otherwise.
+A completion with no code, or code that does not compile, is *unparsed* rather than wrong.
+
+How success is signalled (so that it cannot be faked by a shortcut)
+The sandbox runs a small harness, not the completion itself. The harness reads a fresh
+random nonce, the solution and the tests from files and deletes them, exec()s the
+solution, exec()s the tests in the same namespace, and only then writes the nonce to
+stdout. A run passes only if it exits
+with status 0 *and* the nonce is in stdout. Hence:
+- ``sys.exit(0)``, ``os._exit(0)``, ``quit()`` or killing itself before the tests run
+  ends the process without the nonce: 0.0;
+- printing "OK", or any fixed string, is not the nonce; reading the harness's source,
+  ``/proc/self/cmdline``, stdin or the working dir finds no nonce (and no tests) either;
+- an exception or failed assert anywhere, or a timeout, fails the run.
+Known gap: the solution runs in the harness's interpreter, so code written on purpose to
+introspect the harness (``sys._getframe``, ``gc``) could find the nonce; and an object
+whose ``__eq__`` always returns True passes ``assert f(x) == y``. Write tests that check
+types (``assert type(r) is int and r == 3``) where that matters.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+
+from stages.rewards import RewardOutput
+from stages.sandbox import run_sandboxed
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_PYTHON_TAGS = {"python", "py", "python3"}
+_NONCE_FILE = ".posttrain_nonce"
+_SOLUTION_FILE = "solution.py"
+_TESTS_FILE = "tests.py"
+
+# The harness's source holds no secret. It reads the nonce, the solution and the tests into
+# memory and deletes their files before any solution code runs, so the solution can read
+# neither the nonce nor the tests' expected values from disk.
+_HARNESS = f"""\
+import os as _os
+import sys as _sys
+
+def _take(path):
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    _os.unlink(path)
+    return text
+
+def _main():
+    nonce = _take({_NONCE_FILE!r})
+    solution = compile(_take({_SOLUTION_FILE!r}), {_SOLUTION_FILE!r}, "exec")
+    tests = compile(_take({_TESTS_FILE!r}), {_TESTS_FILE!r}, "exec")
+    write = _os.write
+    namespace = {{"__name__": "__main__", "__builtins__": __builtins__}}
+    exec(solution, namespace)
+    exec(tests, namespace)
+    try:
+        _sys.stdout.flush()
+    except Exception:
+        pass
+    write(1, ("\\n" + nonce + "\\n").encode())
+
+_main()
+"""
+
+
+def extract_code(text: str) -> str | None:
+    """The code in a reply: its last python-tagged fenced block, else its last fenced
+    block, else (no fence at all) the whole text. None when that is empty."""
+    blocks = _FENCE.findall(text)
+    if blocks:
+        tagged = [body for tag, body in blocks if tag.lower() in _PYTHON_TAGS]
+        code = (tagged or [body for _, body in blocks])[-1]
+    else:
+        code = text
+    return code if code.strip() else None
+
+
+def compiles(code: str) -> bool:
+    try:
+        compile(code, "<completion>", "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: NUL bytes
+        return False
+    return True
+
+
+def code_tests(
+    completions: list[str],
+    answer: list[str | None] | None = None,
+    tests: list[str | None] | str | None = None,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    workers: int = 4,
+    **_,
+) -> RewardOutput:
+    """1.0 when the completion's code passes its tests in the sandbox, else 0.0.
+
+    ``tests``: python asserts, per completion (a ``tests`` column) or one string for all
+    (a kwarg); when absent, the ``answer`` column is used as the tests.
+    """
+    per_completion_tests = _tests_per_completion(len(completions), tests, answer)
+    codes = [extract_code(text) for text in completions]
+    parsed = [code is not None and compiles(code) for code in codes]
+
+    def score(i: int) -> float:
+        if not parsed[i]:
+            return 0.0
+        return 1.0 if passes(codes[i], per_completion_tests[i], timeout_s=timeout_s, memory_mb=memory_mb) else 0.0
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        scores = list(pool.map(score, range(len(completions))))
+    return RewardOutput(scores, parsed)
+
+
+def passes(code: str, tests: str, *, timeout_s: float = 5.0, memory_mb: int = 512) -> bool:
+    """Run ``code`` then ``tests`` in the sandbox; True only if the harness reached its end."""
+    nonce = secrets.token_hex(16)
+    result = run_sandboxed(
+        _HARNESS,
+        files={_SOLUTION_FILE: code, _TESTS_FILE: tests, _NONCE_FILE: nonce},
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+    )
+    return result.returncode == 0 and not result.timed_out and nonce in result.stdout.splitlines()
+
+
+def _tests_per_completion(n: int, tests, answer) -> list[str]:
+    if tests is None:
+        tests = answer
+    if tests is None:
+        raise ValueError("code_tests needs tests: a `tests` column, a `tests` kwarg, or the `answer` column")
+    if isinstance(tests, str):
+        tests = [tests] * n
+    tests = list(tests)
+    if len(tests) != n:
+        raise ValueError(f"code_tests: {len(tests)} tests for {n} completions")
+    for i, source in enumerate(tests):
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError(f"code_tests: completion {i} has no tests (got {source!r})")
+        if not compiles(source):
+            raise ValueError(f"code_tests: the tests for completion {i} do not compile: {source[:200]!r}")
+    return tests

@@ -1,0 +1,180 @@
+"""The RL maths posttrain owns: advantages, masks, KL estimators, GAE, PPO losses, KL control.
+
+Small pure torch functions, each checked against hand-computed numbers in
+tests/test_rl_math.py. Shapes live in names: ``G`` a group of completions of one prompt,
+``B`` a batch of sequences, ``T`` completion tokens. Masks are 1 on real completion tokens
+and 0 on padding; sequences are right-padded (a completion's tokens come first).
+
+Conventions worth knowing before comparing numbers with another library:
+- ``group_advantages(normalize=True)`` divides by the unbiased (n - 1) standard deviation,
+  as TRL's GRPO does; ``masked_whiten`` uses the population variance.
+- KL estimators follow Schulman's note "Approximating KL divergence" (2020) with ``p`` the
+  policy being trained (the samples come from it) and ``q`` the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ---------------------------------------------------------------- group advantages
+
+
+def group_advantages(rewards_G: torch.Tensor, normalize: bool, eps: float = 1e-6) -> torch.Tensor:
+    """Reward minus the group mean; with ``normalize`` also divided by the group std (+ eps).
+
+    A group of one completion has no baseline to compare with: its advantage is 0.
+    """
+    rewards_G = rewards_G.float()
+    if rewards_G.numel() < 2:
+        return torch.zeros_like(rewards_G)
+    advantages_G = rewards_G - rewards_G.mean()
+    if normalize:
+        advantages_G = advantages_G / (rewards_G.std() + eps)
+    return advantages_G
+
+
+def is_zero_variance(rewards_G: torch.Tensor, atol: float = 1e-9) -> bool:
+    """True when every completion of the group got the same reward: no within-group signal."""
+    return bool((rewards_G.max() - rewards_G.min()).abs() <= atol)
+
+
+# ---------------------------------------------------------------- masks
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` where ``mask`` is 1; padding (even NaN there) never leaks in.
+
+    An all-zero mask gives 0 rather than NaN.
+    """
+    keep = mask.bool()
+    total = torch.where(keep, x, torch.zeros_like(x))
+    count = keep.to(x.dtype)
+    if dim is None:
+        return total.sum() / count.sum().clamp(min=1.0)
+    return total.sum(dim) / count.sum(dim).clamp(min=1.0)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (population variance); padding set to 0.
+
+    With ``shift_mean=False`` the mean is added back: only the scale changes (used for
+    rewards, whose sign means something).
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+# ---------------------------------------------------------------- KL to the reference
+
+
+def kl_estimators(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token estimators of KL(p || q) from tokens sampled from p (policy), q the reference.
+
+    k1 = log p - log q (unbiased, can be negative); k2 = 0.5 (log p - log q)^2 (biased, low
+    variance); k3 = q/p - 1 - log(q/p) (unbiased, never negative).
+    """
+    log_ratio = ref_logprobs - logprobs  # log q/p
+    k1 = -log_ratio
+    k2 = 0.5 * log_ratio**2
+    k3 = torch.expm1(log_ratio) - log_ratio
+    return k1, k2, k3
+
+
+# ---------------------------------------------------------------- GAE
+
+
+def gae(
+    rewards_B_T: torch.Tensor, values_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) on right-padded sequences.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, where the
+    value after a sequence's last real token is 0 (the episode ends there). Returns
+    (advantages_B_T, returns_B_T = advantages + values), both 0 on padding.
+    """
+    mask_B_T = mask_B_T.to(values_B_T.dtype)
+    values_B_T = values_B_T * mask_B_T
+    rewards_B_T = rewards_B_T * mask_B_T
+    n_tokens = rewards_B_T.shape[1]
+    running_B = torch.zeros_like(values_B_T[:, 0])
+    advantages = [None] * n_tokens
+    for t in reversed(range(n_tokens)):
+        next_value_B = values_B_T[:, t + 1] if t + 1 < n_tokens else torch.zeros_like(running_B)
+        delta_B = rewards_B_T[:, t] + gamma * next_value_B - values_B_T[:, t]
+        running_B = (delta_B + gamma * lam * running_B) * mask_B_T[:, t]
+        advantages[t] = running_B
+    advantages_B_T = torch.stack(advantages, dim=1)
+    return advantages_B_T, (advantages_B_T + values_B_T) * mask_B_T
+
+
+# ---------------------------------------------------------------- PPO losses
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipped surrogate (Schulman et al. 2017, eq. 7), negated, averaged over real tokens.
+
+    Returns (loss, clip_frac, ratio_mean): the share of tokens where the clipped term was the
+    active one, and the mean importance ratio (both detached).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    clip_frac = masked_mean((clipped > unclipped).to(ratio.dtype), mask).detach()
+    return loss, clip_frac, masked_mean(ratio, mask).detach()
+
+
+def ppo_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped within cliprange_value of the old V.
+
+    Returns (loss, value_clip_frac): the share of tokens where the clipped error was larger.
+    """
+    values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    unclipped = (values - returns) ** 2
+    clipped = (values_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    return loss, masked_mean((clipped > unclipped).to(values.dtype), mask).detach()
+
+
+# ---------------------------------------------------------------- KL coefficient
+
+
+class FixedKLController:
+    """A constant KL coefficient, with the adaptive controller's interface."""
+
+    def __init__(self, beta: float):
+        self.value = beta
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019, section 2.2: steer the KL toward ``target`` multiplicatively.
+
+    beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon), where
+    ``n_steps`` is the number of samples since the last update.
+    """
+
+    def __init__(self, beta: float, target: float, horizon: int):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target ({target}) and horizon ({horizon}) must be positive")
+        self.value = beta
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon

@@ -1,0 +1,128 @@
+"""The rl stage with algorithm grpo (TRL GRPOTrainer underneath) and reward checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import QUICKSTART, run_cli
+from stages.data import ArithmeticData, materialize
+from stages.rewards import RewardCase, RewardSpec
+from stages.rl import RewardCheckFailed, RLStageConfig
+
+RL_METRICS = ["reward/mean", "reward/correct/mean", "reward/zero_variance_group_frac", "kl", "entropy",
+              "clip_frac", "ratio/mean", "completion/mean_tokens", "completion/truncated_frac"]
+
+
+@pytest.fixture()
+def ctx_factory(home):
+    from flows.home import configure_environment
+    from flows.tracking import MlflowStageContext, Tracker
+
+    configure_environment()
+    tracker = Tracker(home)
+    experiment = tracker.experiment_id("grpo-tests", None)
+    parent = tracker.start_pipeline_run(experiment, "grpo-tests", {})
+
+    def make(name):
+        run_id = tracker.start_stage_run(experiment, parent, name, {})
+        return MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0)
+
+    return make
+
+
+def grpo_config(**overrides) -> RLStageConfig:
+    fields = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"], kl_beta=0.05,
+                  group_size=4, prompts_per_step=4, max_steps=3, max_completion_tokens=3, sample_every=2)
+    return RLStageConfig(**(fields | overrides))
+
+
+def inputs_for(home, checkpoint, rewards=None, checks=None):
+    data = materialize(ArithmeticData(generator="arithmetic", n=40, role="train"), Path("."), home / "data")
+    return {"policy": str(checkpoint), "data": str(data),
+            "rewards": rewards or {"correct": RewardSpec(fn="exact_answer")}, "reward_checks": checks or {}}
+
+
+def test_grpo_stage_trains_and_logs_the_design_metrics(tiny_checkpoint, ctx_factory, home):
+    from stages import rl
+    from stages.models import load_model_and_tokenizer
+
+    ctx = ctx_factory("grpo")
+    # an untrained model is never right, so add a length reward that varies within groups
+    rewards = {"correct": RewardSpec(fn="exact_answer"),
+               "short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    outputs = rl.run(grpo_config(rewards=["correct", "short"]), inputs_for(home, tiny_checkpoint, rewards), ctx)
+    history = {name: ctx.client.get_metric_history(ctx.run_id, name) for name in RL_METRICS}
+    assert all(len(points) == 3 for points in history.values()), {k: len(v) for k, v in history.items()}
+    assert [p.step for p in history["kl"]] == [1, 2, 3]
+    assert all(p.value == pytest.approx(1.0, abs=1e-4) for p in history["ratio/mean"])  # on-policy
+    before, _ = load_model_and_tokenizer(tiny_checkpoint)
+    after, _ = load_model_and_tokenizer(Path(outputs["checkpoint"]))
+    assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
+    artifacts = {a.path for a in ctx.client.list_artifacts(ctx.run_id)}
+    assert "curves.png" in artifacts
+    tables = {a.path for a in ctx.client.list_artifacts(ctx.run_id, "samples")}
+    assert tables == {"samples/step_00002.json", "samples/step_00003.json"}
+
+
+def test_group_centred_advantages_are_reward_minus_group_mean(tiny_checkpoint, ctx_factory, home, tmp_path):
+    """What TRL computes with advantage: group_centered is the seeds' unstandardised centring."""
+    from stages import rl
+
+    ctx = ctx_factory("grpo-adv")
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    rl.run(grpo_config(max_steps=1, sample_every=1, rewards=["short"]), inputs_for(home, tiny_checkpoint, rewards), ctx)
+    path = ctx.client.download_artifacts(ctx.run_id, "samples/step_00001.json", str(tmp_path))
+    table = json.loads(Path(path).read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert len(rows) == 16
+    spread = 0
+    for start in range(0, 16, 4):
+        group = rows[start:start + 4]
+        mean = sum(r["reward/short"] for r in group) / 4
+        for r in group:
+            assert r["advantage"] == pytest.approx(r["reward/short"] - mean, abs=1e-5)
+        spread += max(r["reward/short"] for r in group) > min(r["reward/short"] for r in group)
+    assert spread  # some group had different rewards, so the check is not trivially zero == zero
+
+
+def test_failing_reward_check_refuses_to_train(tiny_checkpoint, ctx_factory, home):
+    from stages import rl
+
+    lenient = {"correct": RewardSpec(fn="exact_answer", kwargs={"extract": "last_number"})}
+    checks = {"correct": [RewardCase(case="shortcut", answer="7", completion="6 or 7", max=0.0)]}
+    ctx = ctx_factory("grpo-checked")
+    with pytest.raises(RewardCheckFailed, match="shortcut.*'6 or 7': score 1 > max 0"):
+        rl.run(grpo_config(check_rewards=True), inputs_for(home, tiny_checkpoint, lenient, checks), ctx)
+    assert not ctx.staged  # no checkpoint was even started
+
+
+def exploding_reward(completions, **_):
+    raise ValueError("verifier crashed")
+
+
+def test_reward_exception_fails_the_stage_with_the_sample(tiny_checkpoint, ctx_factory, home):
+    from stages import rl
+
+    rewards = {"boom": RewardSpec(fn="test_grpo:exploding_reward")}
+    with pytest.raises(RuntimeError, match="reward 'boom' raised .* first offending completion .*verifier crashed"):
+        rl.run(grpo_config(rewards=["boom"]), inputs_for(home, tiny_checkpoint, rewards), ctx_factory("boom"))
+
+
+def test_algorithm_specific_fields_are_checked():
+    with pytest.raises(ValueError, match="gamma only apply to algorithm ppo"):
+        grpo_config(gamma=0.9)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        grpo_config(group_size=1)
+
+
+def test_check_reward_command(home, capsys):
+    assert run_cli("check-reward", str(QUICKSTART)) == 0
+    assert "6 cases, 0 violations" in capsys.readouterr().out
+    # a reward that reads the last number pays the hedging shortcut: caught before training
+    assert run_cli("check-reward", str(QUICKSTART), "--set", "rewards.correct.kwargs.extract=last_number") == 1
+    assert "VIOLATION: score 1 > max 0" in capsys.readouterr().out
+    assert run_cli("check-reward", str(QUICKSTART), "--reward", "nope") == 2

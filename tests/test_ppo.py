@@ -1,0 +1,160 @@
+"""stages/ppo.py on a real tiny model, with a real MLflow run as its tracking handle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.rewards import RewardSpec
+from stages.rl import RLStageConfig
+
+STEP_METRICS = ["reward/mean", "reward/digits/mean", "reward/errors", "kl", "entropy", "clip_frac", "ratio/mean",
+                "completion/mean_tokens", "completion/truncated_frac", "value_loss", "policy_loss", "kl_beta",
+                "reward/zero_variance_group_frac"]
+
+
+def digit_share(completions, **_):
+    """Share of the completion's characters that are digits: learnable by a random tiny model."""
+    return [sum(c.isdigit() for c in text) / len(text) if text else 0.0 for text in completions]
+
+
+def exploding_reward(completions, **_):
+    raise ZeroDivisionError("the reward divided by zero")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread, and far faster when other jobs share the cores
+    (two spinning OpenMP threads on a busy 2-core box made a PPO step ~20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def ctx_factory(home):
+    from flows.home import configure_environment
+    from flows.tracking import MlflowStageContext, Tracker
+
+    configure_environment()
+    tracker = Tracker(home)
+    experiment = tracker.experiment_id("stage-tests", None)
+    parent = tracker.start_pipeline_run(experiment, "stage-tests", {})
+
+    def make(name):
+        run_id = tracker.start_stage_run(experiment, parent, name, {})
+        return MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0)
+
+    return make
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    with open(path, "w") as handle:
+        for a in range(10):
+            handle.write(json.dumps({"messages": [{"role": "user", "content": f"What is {a}+1?"},
+                                                  {"role": "assistant", "content": str(a + 1)}],
+                                     "answer": str(a + 1)}) + "\n")
+    return path
+
+
+def ppo_config(**overrides) -> RLStageConfig:
+    fields = dict(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["digits"],
+                  group_size=4, prompts_per_step=4, max_completion_tokens=6, ppo_epochs=2, minibatch_size=8,
+                  lr=1e-3, kl_beta=0.05, sample_every=2)
+    return RLStageConfig(**{**fields, **overrides})
+
+
+def run_inputs(checkpoint, data, rewards=None):
+    return {"policy": str(checkpoint), "data": str(data),
+            "rewards": rewards or {"digits": RewardSpec(fn="test_ppo:digit_share")}}
+
+
+def test_ppo_smoke_changes_policy_logs_every_metric_and_saves(tiny_checkpoint, prompts_file, ctx_factory):
+    from stages.models import load_model_and_tokenizer
+    from stages.ppo import train_ppo
+
+    ctx = ctx_factory("ppo")
+    config = ppo_config(max_steps=3, temperature=0.7, kl_target=0.5, kl_horizon=100)
+    outputs = train_ppo(config, run_inputs(tiny_checkpoint, prompts_file), ctx)
+
+    before, _ = load_model_and_tokenizer(tiny_checkpoint)
+    after, tokenizer = load_model_and_tokenizer(Path(outputs["checkpoint"]))
+    assert tokenizer.chat_template == load_model_and_tokenizer(tiny_checkpoint)[1].chat_template
+    changed = [not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values())]
+    assert all(changed)
+    for name in STEP_METRICS:
+        history = ctx.client.get_metric_history(ctx.run_id, name)
+        assert [m.step for m in history] == [1, 2, 3], name
+    betas = [m.value for m in ctx.client.get_metric_history(ctx.run_id, "kl_beta")]
+    assert betas[0] == pytest.approx(0.05) and betas[1] != betas[0]  # the adaptive controller moved it
+    # the first minibatch of every step sees the sampling policy: ratio 1 up to float error
+    assert all(m.value < 1e-4 for m in ctx.client.get_metric_history(ctx.run_id, "logprob/sampler_gap"))
+    artifacts = {a.path for a in ctx.client.list_artifacts(ctx.run_id, "samples")}
+    # the first step, every sample_every steps, and the last
+    assert artifacts == {"samples/step_00001.json", "samples/step_00002.json", "samples/step_00003.json"}
+    table = json.loads(Path(ctx.client.download_artifacts(ctx.run_id, "samples/step_00003.json")).read_text())
+    assert {"prompt", "completion", "reward", "reward/digits", "truncated"} <= set(table["columns"])
+    assert "curves.png" in {a.path for a in ctx.client.list_artifacts(ctx.run_id)}
+    assert set(STEP_METRICS) <= set(outputs["metrics"])
+
+
+def test_ppo_fails_when_reward_errors_pass_the_limit(tiny_checkpoint, prompts_file, ctx_factory):
+    from stages.ppo import train_ppo
+
+    rewards = {"boom": RewardSpec(fn="test_ppo:exploding_reward")}
+    with pytest.raises(RuntimeError, match=r"reward 'boom' raised ZeroDivisionError.*on completion"):
+        train_ppo(ppo_config(max_steps=1, rewards=["boom"]), run_inputs(tiny_checkpoint, prompts_file, rewards),
+                  ctx_factory("ppo-boom"))
+    # scored instead of failing: every completion scores 0 and the errors are counted
+    ctx = ctx_factory("ppo-score")
+    outputs = train_ppo(ppo_config(max_steps=1, rewards=["boom"], reward_errors="score"),
+                        run_inputs(tiny_checkpoint, prompts_file, rewards), ctx)
+    assert outputs["metrics"]["reward/errors"] == 16 and outputs["metrics"]["reward/mean"] == 0.0
+
+
+def test_rollouts_are_built_from_recorded_token_ids(tiny_checkpoint):
+    """Training log-probs of the unchanged policy reproduce the sampler's, at temperature 0.7."""
+    from stages.generation import HFGenerateBackend, SamplingSettings
+    from stages.models import load_model_and_tokenizer
+    from stages.ppo import build_rollout, completion_logits, prompt_token_ids, token_logprobs
+
+    model, tokenizer = load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
+    prompts = [[{"role": "user", "content": "What is 3+4?"}], [{"role": "user", "content": "Hi"}]]
+    groups = HFGenerateBackend(model, tokenizer).generate(
+        prompts, SamplingSettings(temperature=0.7, max_tokens=16, attempts=8, seed=1))
+    rollout = build_rollout(prompt_token_ids(tokenizer, prompts), groups, tokenizer.pad_token_id)
+
+    for row, sample in enumerate(rollout.samples):
+        prompt = tokenizer.apply_chat_template(prompts[rollout.prompt_index[row]], tokenize=False,
+                                               add_generation_prompt=True)
+        real = rollout.input_ids_B_L[row][rollout.attention_mask_B_L[row].bool()].tolist()
+        assert real == tokenizer(prompt, add_special_tokens=False)["input_ids"] + sample.token_ids
+    assert any(not s.truncated for s in rollout.samples)  # an eos inside the batch: padding is exercised
+    with torch.no_grad():
+        logprobs = token_logprobs(completion_logits(model, rollout, slice(None), 0.7), rollout.completion_ids_B_T)
+    mask = rollout.mask_B_T.bool()
+    assert torch.allclose(logprobs[mask], rollout.sample_logprobs_B_T[mask], atol=1e-4)
+    with torch.no_grad():  # and the temperature matters: at 1.0 they would not match
+        untempered = token_logprobs(completion_logits(model, rollout, slice(None), 1.0), rollout.completion_ids_B_T)
+    assert not torch.allclose(untempered[mask], rollout.sample_logprobs_B_T[mask], atol=1e-2)
+
+
+def test_ppo_learns_a_trivial_reward(tiny_checkpoint, prompts_file, ctx_factory):
+    """An untrained tiny model writes ~10% digits; PPO makes it write almost only digits,
+    drifting away from the reference as it does."""
+    from stages.ppo import train_ppo
+
+    ctx = ctx_factory("ppo-learn")
+    config = ppo_config(max_steps=15, lr=1e-2, kl_beta=0.02, group_size=8, ppo_epochs=2, minibatch_size=16)
+    train_ppo(config, run_inputs(tiny_checkpoint, prompts_file), ctx)
+    rewards = [m.value for m in ctx.client.get_metric_history(ctx.run_id, "reward/mean")]
+    kls = [m.value for m in ctx.client.get_metric_history(ctx.run_id, "kl")]
+    start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert start < 0.3 and end > start + 0.5, rewards
+    assert kls[0] < 1e-4 < kls[-1]  # step 1 samples from the reference itself
