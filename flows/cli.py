@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as error:
         print(f"posttrain run: {error}; nothing was run", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Exception as error:  # orchestration itself broke (a server unreachable, ...)
+        print(f"posttrain run: the run could not complete: {type(error).__name__}: {error}", file=sys.stderr)
+        return EXIT_STAGE_FAILED
     print_summary(report, console)
     return EXIT_STAGE_FAILED if report.failed else EXIT_OK
 

@@ -28,6 +28,9 @@ def configure_environment() -> Path:
     # Analytics off: saves seconds at start-up and avoided "database is locked" errors here.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # The ephemeral API server's default 20 s start-up budget was seen to run out on a
+    # loaded 2-core machine; a slow start is not a reason to fail a pipeline.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")

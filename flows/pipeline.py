@@ -8,6 +8,7 @@ close to the cost of a few MLflow queries instead of Prefect's ~10 s server star
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -121,9 +122,12 @@ def execute_stage(loaded, stage, upstream_runs, upstream_outputs, tracker, exper
         tracker.finish(run_id, "KILLED")
         raise
     except BaseException as error:
-        tracker.client.set_tag(run_id, "posttrain.error", f"{type(error).__name__}: {error}"[:5000])
-        tracker.client.log_text(run_id, traceback.format_exc(), "error.txt")
-        tracker.finish(run_id, "FAILED")
+        try:  # record why; if the tracking server itself is what failed, the stage error still wins
+            tracker.client.set_tag(run_id, "posttrain.error", f"{type(error).__name__}: {error}"[:5000])
+            tracker.client.log_text(run_id, traceback.format_exc(), "error.txt")
+            tracker.finish(run_id, "FAILED")
+        except Exception:
+            pass
         raise StageFailed(f"stage {stage!r} failed: {type(error).__name__}: {error}", run_id=run_id) from error
     shutil.rmtree(work_dir, ignore_errors=True)
     seconds = time.perf_counter() - started
@@ -157,6 +161,7 @@ def _is_transient(task, task_run, state) -> bool:
     return isinstance(cause, (ConnectionError, TimeoutError))
 
 
+@functools.lru_cache(maxsize=1)
 def _build_flow():
     from prefect import flow, task
     from prefect.cache_policies import NO_CACHE

@@ -10,6 +10,8 @@ What we map, and where it departs from DeepSeekMath's GRPO:
   importance-sampling weights, gradient through every token).
 - ``kl_beta`` is TRL's ``beta``: the k3 KL estimate to the reference added to the loss
   (not to the reward, unlike PPO/InstructGPT). 0 loads no reference model.
+- With ``lora``, TRL computes the reference log-probs with the adapters disabled, so the
+  KL anchor is the policy's starting checkpoint (the validator refuses another reference).
 - One generation per optimizer step (``prompts_per_step × group_size`` completions), so the
   policy is on-policy and the importance ratio is 1 up to numerics; we log its mean anyway.
 
@@ -168,6 +170,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
 def train_grpo(config, inputs: dict, ctx) -> dict:
     from datasets import Dataset
 
+    from stages.lora import merged
     from stages.models import load_model_and_tokenizer, set_padding_side
     from stages.rl import log_curves
     from stages.trainer_callbacks import quiet_trainer, tracking_callback
@@ -189,7 +192,8 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                               processing_class=tokenizer)
+                               processing_class=tokenizer,
+                               peft_config=config.lora.peft_config() if config.lora else None)
     holder["metrics"] = trainer._metrics["train"]
     history: list[dict] = []
 
@@ -216,6 +220,7 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
 
     checkpoint = ctx.output_dir("checkpoint")
     trainer.model.config._name_or_path = str(checkpoint)
-    trainer.model.save_pretrained(checkpoint)
+    merged(trainer.model).save_pretrained(checkpoint)
+    set_padding_side(tokenizer, "left")
     tokenizer.save_pretrained(checkpoint)
     return {"checkpoint": str(checkpoint), "metrics": metrics}

@@ -15,8 +15,10 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from stages.lora import LoraSpec
+
 # Fields that mean something for one algorithm only; setting one for the other is an error.
-GRPO_ONLY = ("advantage", "loss", "use_vllm")
+GRPO_ONLY = ("advantage", "loss", "use_vllm", "lora")
 PPO_ONLY = ("gamma", "lam", "vf_coef", "cliprange_value", "ppo_epochs", "minibatch_size",
             "whiten_advantages", "kl_target", "kl_horizon", "critic_lr")
 
@@ -53,7 +55,8 @@ class RLStageConfig(BaseModel):
         "fail", description="On a reward exception: fail the stage after `max_reward_errors`, or score 0 and count."
     )
     max_reward_errors: int = Field(0, ge=0, description="Reward exceptions tolerated before the stage fails.")
-    use_vllm: bool = Field(False, description="Generate with vLLM (TRL colocate mode); GPU workers only.")
+    use_vllm: bool = Field(False, description="GRPO: generate with vLLM (TRL colocate mode); GPU workers only.")
+    lora: LoraSpec | None = Field(None, description="GRPO: train LoRA adapters (merged into the saved checkpoint).")
 
     # GRPO
     advantage: Literal["group_centered", "group_normalized"] = Field(
@@ -83,6 +86,9 @@ class RLStageConfig(BaseModel):
         if set_wrong:
             raise ValueError(f"{', '.join(set_wrong)} only apply to algorithm "
                              f"{'ppo' if self.algorithm == 'grpo' else 'grpo'}, not {self.algorithm}")
+        if self.lora is not None and self.reference not in (None, self.policy):
+            raise ValueError(f"with lora the KL reference is the policy's own starting weights (adapters off); "
+                             f"reference {self.reference!r} must be left out or equal policy {self.policy!r}")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError(f"grpo needs group_size >= 2 to compare completions of a prompt (got {self.group_size})")
         return self

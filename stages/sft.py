@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.data import read_materialized
+from stages.lora import LoraSpec
 
 
 class SFTStageConfig(BaseModel):
@@ -40,6 +41,7 @@ class SFTStageConfig(BaseModel):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     logging_steps: int = Field(10, ge=1, description="Log loss and learning rate every N steps.")
     seed: int | None = Field(None, description="Training seed; default the pipeline seed.")
+    lora: LoraSpec | None = Field(None, description="Train LoRA adapters instead of all weights (merged on save).")
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):
@@ -67,6 +69,7 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    from stages.lora import merged
     from stages.models import load_model_and_tokenizer, set_padding_side
     from stages.trainer_callbacks import quiet_trainer, tracking_callback
 
@@ -101,6 +104,7 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     ctx.log_params({"examples": len(records), "resolved_seed": seed})  # the config itself is logged by flows
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+        peft_config=config.lora.peft_config() if config.lora else None,
         callbacks=[tracking_callback(ctx, rename_metrics, f"sft: {args.max_steps} steps")],
     )
     quiet_trainer(trainer)
@@ -119,7 +123,7 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     ctx.log_metrics(metrics)
 
     checkpoint = ctx.output_dir("checkpoint")
-    trainer.model.save_pretrained(checkpoint)
+    merged(trainer.model).save_pretrained(checkpoint)
     set_padding_side(tokenizer, "left")
     tokenizer.save_pretrained(checkpoint)
     return {"checkpoint": str(checkpoint), "metrics": metrics}
