@@ -4,7 +4,6 @@ Prefect test-harness server per session, and a tiny model built once."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
