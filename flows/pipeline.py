@@ -116,6 +116,7 @@ def execute_stage(loaded, stage, upstream_runs, upstream_outputs, tracker, exper
                                     if k not in ("rewards", "reward_checks")})
         ctx = MlflowStageContext(tracker, run_id, work_dir, getattr(config, "seed", None) or loaded.spec.seed, console)
         stage_runner(config.kind)(config, inputs, ctx)
+        ctx.flush()
         tracker.publish_outputs(run_id, loaded.spec.name, stage, ctx.staged)
         tracker.finish(run_id, "FINISHED")
     except KeyboardInterrupt:

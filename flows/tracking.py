@@ -147,6 +147,7 @@ class MlflowStageContext:
         self.seed = seed
         self.console = console
         self.staged: dict[str, str] = {}
+        self._pending = []  # queued metric writes (per-step logging must not wait on the store)
         self._staging = work_dir / "staging"
         work_dir.mkdir(parents=True, exist_ok=True)
 
@@ -172,7 +173,20 @@ class MlflowStageContext:
         now = int(time.time() * 1000)
         items = [Metric(metric_name(k), float(v), now, step or 0) for k, v in metrics.items()]
         for start in range(0, len(items), 500):
-            self.client.log_batch(self.run_id, metrics=items[start : start + 500])
+            self._pending.append(self.client.log_batch(self.run_id, metrics=items[start : start + 500],
+                                                       synchronous=False))
+
+    def metric_history(self, name: str):
+        """Every logged value of a metric, after the queued writes landed."""
+        self.flush()
+        return self.client.get_metric_history(self.run_id, name)
+
+    def flush(self) -> None:
+        """Wait until every queued metric is in the store (before the run is published)."""
+        pending, self._pending = self._pending, []
+        for operation in pending:
+            if operation is not None:
+                operation.wait()
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for key, value in tags.items():

@@ -116,7 +116,7 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
 
     model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]), for_generation=True)
     with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
-        backend = HFGenerateBackend(model, tokenizer, config.prompt_batch_size, progress=bar)
+        backend = HFGenerateBackend(model, tokenizer, config.prompt_batch_size, progress=bar, keep_logprobs=False)
         samples = backend.generate(prompts, sampling)
 
     k = sampling.attempts

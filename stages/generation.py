@@ -29,7 +29,7 @@ class SamplingSettings(BaseModel):
 class Sample:
     text: str
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float]  # empty when the backend was asked not to keep them
     truncated: bool
 
 
@@ -41,22 +41,27 @@ class GenerationBackend(Protocol):
 class HFGenerateBackend:
     """Batched sampling with ``model.generate``: all attempts of a prompt batch in one call."""
 
-    def __init__(self, model, tokenizer, prompt_batch_size: int = 32, progress=None):
+    def __init__(self, model, tokenizer, prompt_batch_size: int = 32, progress=None, keep_logprobs: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.prompt_batch_size = prompt_batch_size
         self.progress = progress
+        # Evaluation needs no log-probs; keeping them stacks (rows x tokens x vocab) scores.
+        self.keep_logprobs = keep_logprobs
 
     def generate(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
         import torch
 
-        torch.manual_seed(settings.seed)
         results: list[list[Sample]] = []
-        for start in range(0, len(prompts), self.prompt_batch_size):
-            batch = prompts[start : start + self.prompt_batch_size]
-            results.extend(self._generate_batch(batch, settings))
-            if self.progress is not None:
-                self.progress.advance(len(batch))
+        # generate() draws from the global RNG: seed it inside a fork so the caller's
+        # random state (a training loop's) is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(settings.seed)
+            for start in range(0, len(prompts), self.prompt_batch_size):
+                batch = prompts[start : start + self.prompt_batch_size]
+                results.extend(self._generate_batch(batch, settings))
+                if self.progress is not None:
+                    self.progress.advance(len(batch))
         return results
 
     def _generate_batch(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
@@ -77,15 +82,19 @@ class HFGenerateBackend:
                 max_new_tokens=settings.max_tokens,
                 num_return_sequences=settings.attempts,
                 return_dict_in_generate=True,
-                output_scores=True,
+                output_scores=self.keep_logprobs,
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
             )
         prompt_len = encoded["input_ids"].shape[1]
         new_tokens_N_T = out.sequences[:, prompt_len:]
-        # scores are the processed logits (after temperature / top-p): the sampling policy
-        scores_N_T_V = torch.stack(out.scores, dim=1).float()
-        logprobs_N_T = torch.log_softmax(scores_N_T_V, dim=-1).gather(-1, new_tokens_N_T.unsqueeze(-1)).squeeze(-1)
+        logprobs_N_T = torch.zeros(new_tokens_N_T.shape)
+        if self.keep_logprobs:
+            # scores are the processed logits (after temperature / top-p): the sampling policy
+            logprobs_N_T = torch.stack([
+                torch.log_softmax(step_V.float(), dim=-1).gather(-1, new_tokens_N_T[:, t : t + 1]).squeeze(-1)
+                for t, step_V in enumerate(out.scores)
+            ], dim=1)
         samples = []
         for row in range(new_tokens_N_T.shape[0]):
             ids = new_tokens_N_T[row].tolist()
@@ -100,7 +109,7 @@ class HFGenerateBackend:
                 Sample(
                     text=tok.decode(text_ids, skip_special_tokens=True),
                     token_ids=kept,
-                    logprobs=logprobs_N_T[row, : len(kept)].tolist(),
+                    logprobs=logprobs_N_T[row, : len(kept)].tolist() if self.keep_logprobs else [],
                     truncated=truncated,
                 )
             )

@@ -12,8 +12,10 @@ What we map, and where it departs from DeepSeekMath's GRPO:
   (not to the reward, unlike PPO/InstructGPT). 0 loads no reference model.
 - With ``lora``, TRL computes the reference log-probs with the adapters disabled, so the
   KL anchor is the policy's starting checkpoint (the validator refuses another reference).
-- One generation per optimizer step (``prompts_per_step × group_size`` completions), so the
-  policy is on-policy and the importance ratio is 1 up to numerics; we log its mean anyway.
+- One generation per ``updates_per_batch`` optimizer steps (``prompts_per_step ×
+  group_size`` completions). With 1 (the default) training is on-policy and the importance
+  ratio is exactly 1; ``ratio/mean`` is logged either way and moves off 1 once samples
+  are reused.
 
 Each reward component is wrapped so parse failures and exceptions are counted per step
 (``reward/<name>/unparsed_frac``, ``reward/errors``) and the policy in
@@ -144,6 +146,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         per_device_train_batch_size=config.prompts_per_step * config.group_size,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
+        num_iterations=config.updates_per_batch,
         num_generations=config.group_size,
         max_completion_length=config.max_completion_tokens,
         temperature=config.temperature,

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from stages.lora import LoraSpec
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
-GRPO_ONLY = ("advantage", "loss", "use_vllm", "lora")
+GRPO_ONLY = ("advantage", "loss", "use_vllm", "lora", "updates_per_batch")
 PPO_ONLY = ("gamma", "lam", "vf_coef", "cliprange_value", "ppo_epochs", "minibatch_size",
             "whiten_advantages", "kl_target", "kl_horizon", "critic_lr")
 
@@ -65,14 +65,19 @@ class RLStageConfig(BaseModel):
         "group_normalized: also divided by the group's standard deviation.",
     )
     loss: Literal["grpo", "dr_grpo", "dapo", "cispo"] = Field("dapo", description="GRPO-family loss (TRL loss_type).")
+    updates_per_batch: int = Field(
+        1, ge=1, le=16,
+        description="GRPO: optimizer steps on each generated batch (TRL num_iterations). 1 is on-policy "
+        "(the importance ratio is exactly 1); more reuse samples and make the ratio and its clipping matter.",
+    )
 
     # PPO
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
     vf_coef: float = Field(0.1, ge=0.0, description="PPO: weight of the value loss.")
     cliprange_value: float = Field(0.2, gt=0.0, description="PPO: clip range of value predictions.")
-    ppo_epochs: int = Field(4, ge=1, description="PPO: passes over each rollout batch.")
-    minibatch_size: int = Field(16, ge=1, description="PPO: sequences per minibatch.")
+    ppo_epochs: int = Field(2, ge=1, description="PPO: passes over each rollout batch.")
+    minibatch_size: int = Field(32, ge=1, description="PPO: sequences per minibatch.")
     whiten_advantages: bool = Field(True, description="PPO: whiten advantages per rollout batch.")
     kl_target: float | None = Field(None, gt=0.0, description="PPO: adapt kl_beta toward this KL, in nats per completion (None: fixed).")
     kl_horizon: int = Field(10000, ge=1, description="PPO: horizon of the adaptive KL controller.")

@@ -27,6 +27,24 @@ def home(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture()
+def ctx_factory(home):
+    """Makes real stage contexts: child runs of one pipeline run in the test's MLflow store."""
+    from flows.home import configure_environment
+    from flows.tracking import MlflowStageContext, Tracker
+
+    configure_environment()
+    tracker = Tracker(home)
+    experiment = tracker.experiment_id("stage-tests", None)
+    parent = tracker.start_pipeline_run(experiment, "stage-tests", {})
+
+    def make(name):
+        run_id = tracker.start_stage_run(experiment, parent, name, {})
+        return MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0)
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """Prefect's real test harness: a throwaway API server for the whole session."""

@@ -17,23 +17,6 @@ RL_METRICS = ["reward/mean", "reward/correct/mean", "reward/zero_variance_group_
               "clip_frac", "ratio/mean", "completion/mean_tokens", "completion/truncated_frac"]
 
 
-@pytest.fixture()
-def ctx_factory(home):
-    from flows.home import configure_environment
-    from flows.tracking import MlflowStageContext, Tracker
-
-    configure_environment()
-    tracker = Tracker(home)
-    experiment = tracker.experiment_id("grpo-tests", None)
-    parent = tracker.start_pipeline_run(experiment, "grpo-tests", {})
-
-    def make(name):
-        run_id = tracker.start_stage_run(experiment, parent, name, {})
-        return MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0)
-
-    return make
-
-
 def grpo_config(**overrides) -> RLStageConfig:
     fields = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"], kl_beta=0.05,
                   group_size=4, prompts_per_step=4, max_steps=3, max_completion_tokens=3, sample_every=2)
@@ -55,10 +38,10 @@ def test_grpo_stage_trains_and_logs_the_design_metrics(tiny_checkpoint, ctx_fact
     rewards = {"correct": RewardSpec(fn="exact_answer"),
                "short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
     outputs = rl.run(grpo_config(rewards=["correct", "short"]), inputs_for(home, tiny_checkpoint, rewards), ctx)
-    history = {name: ctx.client.get_metric_history(ctx.run_id, name) for name in RL_METRICS}
+    history = {name: ctx.metric_history(name) for name in RL_METRICS}
     assert all(len(points) == 3 for points in history.values()), {k: len(v) for k, v in history.items()}
     assert [p.step for p in history["kl"]] == [1, 2, 3]
-    assert all(p.value == pytest.approx(1.0, abs=1e-4) for p in history["ratio/mean"])  # on-policy
+    assert all(p.value == pytest.approx(1.0, abs=1e-6) for p in history["ratio/mean"])  # on-policy: exactly 1
     before, _ = load_model_and_tokenizer(tiny_checkpoint)
     after, _ = load_model_and_tokenizer(Path(outputs["checkpoint"]))
     assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
@@ -87,6 +70,19 @@ def test_group_centred_advantages_are_reward_minus_group_mean(tiny_checkpoint, c
             assert r["advantage"] == pytest.approx(r["reward/short"] - mean, abs=1e-5)
         spread += max(r["reward/short"] for r in group) > min(r["reward/short"] for r in group)
     assert spread  # some group had different rewards, so the check is not trivially zero == zero
+
+
+def test_reused_samples_move_the_importance_ratio(tiny_checkpoint, ctx_factory, home):
+    """With 2 updates per generated batch the second update is off-policy: ratio != 1."""
+    from stages import rl
+
+    ctx = ctx_factory("grpo-reuse")
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    rl.run(grpo_config(rewards=["short"], max_steps=4, updates_per_batch=2, lr=5e-2),
+           inputs_for(home, tiny_checkpoint, rewards), ctx)
+    ratios = {p.step: p.value for p in ctx.metric_history("ratio/mean")}
+    assert ratios[1] == pytest.approx(1.0, abs=1e-6) and ratios[3] == pytest.approx(1.0, abs=1e-6)
+    assert abs(ratios[2] - 1.0) > 1e-4 and abs(ratios[4] - 1.0) > 1e-4
 
 
 def test_failing_reward_check_refuses_to_train(tiny_checkpoint, ctx_factory, home):

@@ -36,23 +36,6 @@ def one_thread():
 
 
 @pytest.fixture()
-def ctx_factory(home):
-    from flows.home import configure_environment
-    from flows.tracking import MlflowStageContext, Tracker
-
-    configure_environment()
-    tracker = Tracker(home)
-    experiment = tracker.experiment_id("stage-tests", None)
-    parent = tracker.start_pipeline_run(experiment, "stage-tests", {})
-
-    def make(name):
-        run_id = tracker.start_stage_run(experiment, parent, name, {})
-        return MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0)
-
-    return make
-
-
-@pytest.fixture()
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     with open(path, "w") as handle:
@@ -89,12 +72,12 @@ def test_ppo_smoke_changes_policy_logs_every_metric_and_saves(tiny_checkpoint, p
     changed = [not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values())]
     assert all(changed)
     for name in STEP_METRICS:
-        history = ctx.client.get_metric_history(ctx.run_id, name)
+        history = ctx.metric_history(name)
         assert [m.step for m in history] == [1, 2, 3], name
-    betas = [m.value for m in ctx.client.get_metric_history(ctx.run_id, "kl_beta")]
+    betas = [m.value for m in ctx.metric_history("kl_beta")]
     assert betas[0] == pytest.approx(0.05) and betas[1] != betas[0]  # the adaptive controller moved it
     # the first minibatch of every step sees the sampling policy: ratio 1 up to float error
-    assert all(m.value < 1e-4 for m in ctx.client.get_metric_history(ctx.run_id, "logprob/sampler_gap"))
+    assert all(m.value < 1e-4 for m in ctx.metric_history("logprob/sampler_gap"))
     artifacts = {a.path for a in ctx.client.list_artifacts(ctx.run_id, "samples")}
     # the first step, every sample_every steps, and the last
     assert artifacts == {"samples/step_00001.json", "samples/step_00002.json", "samples/step_00003.json"}
@@ -153,8 +136,8 @@ def test_ppo_learns_a_trivial_reward(tiny_checkpoint, prompts_file, ctx_factory)
     ctx = ctx_factory("ppo-learn")
     config = ppo_config(max_steps=15, lr=1e-2, kl_beta=0.02, group_size=8, ppo_epochs=2, minibatch_size=16)
     train_ppo(config, run_inputs(tiny_checkpoint, prompts_file), ctx)
-    rewards = [m.value for m in ctx.client.get_metric_history(ctx.run_id, "reward/mean")]
-    kls = [m.value for m in ctx.client.get_metric_history(ctx.run_id, "kl")]
+    rewards = [m.value for m in ctx.metric_history("reward/mean")]
+    kls = [m.value for m in ctx.metric_history("kl")]
     start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert start < 0.3 and end > start + 0.5, rewards
     assert kls[0] < 1e-4 < kls[-1]  # step 1 samples from the reference itself

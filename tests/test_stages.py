@@ -14,23 +14,6 @@ from stages.rewards import RewardSpec
 from stages.sft import SFTStageConfig
 
 
-@pytest.fixture()
-def ctx_factory(home):
-    from flows.home import configure_environment
-    from flows.tracking import MlflowStageContext, Tracker
-
-    configure_environment()
-    tracker = Tracker(home)
-    experiment = tracker.experiment_id("stage-tests", None)
-    parent = tracker.start_pipeline_run(experiment, "stage-tests", {})
-
-    def make(name):
-        run_id = tracker.start_stage_run(experiment, parent, name, {})
-        return MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0)
-
-    return make
-
-
 def arithmetic_file(home, n, seed=0, role="train"):
     return materialize(ArithmeticData(generator="arithmetic", n=n, seed=seed, role=role), Path("."), home / "data")
 
@@ -91,9 +74,9 @@ def test_sft_changes_weights_and_lowers_loss(tiny_checkpoint, ctx_factory, home)
     after, _ = load_model_and_tokenizer(Path(outputs["checkpoint"]))
     changed = [not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values())]
     assert all(changed)
-    history = ctx.client.get_metric_history(ctx.run_id, "loss")
+    history = ctx.metric_history("loss")
     assert len(history) == 8 and history[0].step == 5  # logged per logging step
-    assert ctx.client.get_metric_history(ctx.run_id, "lr")
+    assert ctx.metric_history("lr")
     assert Path(outputs["checkpoint"]).parent.name == "staging"  # not published by the stage itself
 
 
