@@ -35,7 +35,7 @@ def stage_seconds(home: str, pipeline_run_id: str | None = None) -> dict[str, fl
     query = "tags.`posttrain.role` = 'stage'"
     if pipeline_run_id:
         query += f" and tags.`mlflow.parentRunId` = '{pipeline_run_id}'"
-    runs = client.search_runs(experiments, query)
+    runs = client.search_runs(experiments, query, order_by=["attributes.start_time ASC"])
     return {r.data.tags["posttrain.stage"]: (r.info.end_time - r.info.start_time) / 1000 for r in runs}
 
 
