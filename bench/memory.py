@@ -12,7 +12,6 @@ peak in MiB.
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import tempfile
