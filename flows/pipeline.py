@@ -51,6 +51,7 @@ class StageRow:
     run_id: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    outputs: dict[str, str] = field(default_factory=dict)  # local paths of what the stage published
 
 
 @dataclass
@@ -60,7 +61,6 @@ class PipelineReport:
     parent_run_id: str
     rows: list[StageRow]
     seconds: float
-    flow_started: bool
 
     @property
     def failed(self) -> bool:
@@ -117,7 +117,7 @@ def execute_stage(loaded, stage, upstream_runs, upstream_outputs, tracker, exper
         ctx = MlflowStageContext(tracker, run_id, work_dir, getattr(config, "seed", None) or loaded.spec.seed, console)
         stage_runner(config.kind)(config, inputs, ctx)
         ctx.flush()
-        tracker.publish_outputs(run_id, loaded.spec.name, stage, ctx.staged)
+        published = tracker.publish_outputs(run_id, loaded.spec.name, stage, ctx.staged)
         tracker.finish(run_id, "FINISHED")
     except KeyboardInterrupt:
         tracker.finish(run_id, "KILLED")
@@ -132,7 +132,8 @@ def execute_stage(loaded, stage, upstream_runs, upstream_outputs, tracker, exper
         raise StageFailed(f"stage {stage!r} failed: {type(error).__name__}: {error}", run_id=run_id) from error
     shutil.rmtree(work_dir, ignore_errors=True)
     seconds = time.perf_counter() - started
-    return StageRow(stage, config.kind, "ran", seconds, run_id, headline_metrics(tracker, run_id, config.kind))
+    return StageRow(stage, config.kind, "ran", seconds, run_id, headline_metrics(tracker, run_id, config.kind),
+                    outputs=published)
 
 
 def headline_metrics(tracker, run_id: str, kind: str) -> dict[str, float]:
@@ -174,8 +175,10 @@ def _build_flow():
 
     @flow(name="posttrain-pipeline", log_prints=False, validate_parameters=True)
     def pipeline_flow(pipeline_file: str, overrides: list[str] | None = None, only: str | None = None,
-                      from_stage: str | None = None, force: list[str] | None = None, no_cache: bool = False):
-        """Run a posttrain pipeline file: plan from MLflow, then each stage as a task in graph order."""
+                      from_stage: str | None = None, force: list[str] | None = None, no_cache: bool = False,
+                      plan: list[dict] | None = None):
+        """Run a posttrain pipeline file: plan from MLflow (unless ``plan`` was made just before by
+        the CLI), then each stage as a task in graph order."""
         from prefect.runtime import flow_run
 
         home = configure_environment()
@@ -185,6 +188,7 @@ def _build_flow():
             loaded, options, home,
             stage_call=lambda *args: stage_task.with_options(task_run_name=args[1])(*args),
             flow_run_id=str(flow_run.get_id()),
+            decisions=[Decision(**d) for d in plan] if plan else None,
         )
         _prefect_summary(report)
         if report.failed:
@@ -250,11 +254,10 @@ def run_pipeline(loaded, options, home, stage_call=None, flow_run_id=None, decis
         row.note = decision.reason
         rows.append(row)
         run_ids[decision.stage] = row.run_id
-        outputs[decision.stage] = tracker.outputs_of(tracker.get_run(row.run_id))
+        outputs[decision.stage] = row.outputs
 
     tracker.client.set_tag(parent, TAG_STAGE_RUNS, json.dumps(run_ids))
-    report = PipelineReport(spec.name, experiment_id, parent, rows, time.perf_counter() - started,
-                            flow_started=stage_call is not None)
+    report = PipelineReport(spec.name, experiment_id, parent, rows, time.perf_counter() - started)
     tracker.client.log_text(parent, summary_markdown(report), "summary.md")
     tracker.finish(parent, "FAILED" if failed else "FINISHED")
     return report
@@ -337,7 +340,7 @@ def run_from_cli(loaded: LoadedPipeline, options: RunOptions, console) -> Pipeli
         return run_pipeline(loaded, options, home, decisions=decisions)
     pipeline_flow = _build_flow()
     state = pipeline_flow(str(loaded.path), loaded.overrides, options.only, options.from_stage, options.force,
-                          options.no_cache, return_state=True)
+                          options.no_cache, plan=[asdict(d) for d in decisions], return_state=True)
     result = state.result(raise_on_failure=False)
     if isinstance(result, StageFailed) and result.report is not None:
         return result.report

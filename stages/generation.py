@@ -88,7 +88,7 @@ class HFGenerateBackend:
             )
         prompt_len = encoded["input_ids"].shape[1]
         new_tokens_N_T = out.sequences[:, prompt_len:]
-        logprobs_N_T = torch.zeros(new_tokens_N_T.shape)
+        logprobs_N_T = None
         if self.keep_logprobs:
             # scores are the processed logits (after temperature / top-p): the sampling policy
             logprobs_N_T = torch.stack([
@@ -109,7 +109,7 @@ class HFGenerateBackend:
                 Sample(
                     text=tok.decode(text_ids, skip_special_tokens=True),
                     token_ids=kept,
-                    logprobs=logprobs_N_T[row, : len(kept)].tolist() if self.keep_logprobs else [],
+                    logprobs=logprobs_N_T[row, : len(kept)].tolist() if logprobs_N_T is not None else [],
                     truncated=truncated,
                 )
             )

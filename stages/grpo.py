@@ -134,10 +134,10 @@ def sample_rows(logs, limit: int = 32) -> list[dict]:
 
 
 def build_grpo_config(config, output_dir: Path, seed: int):
-    import torch
     from trl import GRPOConfig
 
-    cuda = torch.cuda.is_available()
+    from stages.trainer_callbacks import device_arguments
+
     return GRPOConfig(
         output_dir=str(output_dir),
         max_steps=config.max_steps,
@@ -160,8 +160,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         report_to="none",
         seed=seed,
         data_seed=seed,
-        use_cpu=not cuda,
-        bf16=cuda and torch.cuda.is_bf16_supported(),
+        **device_arguments(),
         gradient_checkpointing=False,
         use_vllm=config.use_vllm,
         vllm_mode="colocate",

@@ -10,6 +10,7 @@ the offending sample, never turned into a silent zero.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -105,6 +106,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
 # ---------------------------------------------------------------- loading
 
 
+@functools.lru_cache(maxsize=None)
 def load_reward_fn(name: str) -> Callable[..., Any]:
     """Resolve a built-in name or a dotted path (``pkg.mod:fn`` or ``pkg.mod.fn``)."""
     if name in BUILTIN_REWARDS:

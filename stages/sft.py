@@ -75,12 +75,11 @@ def rename_metrics(logs: dict) -> dict[str, float]:
 
 
 def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
-    import torch
     from trl import SFTConfig, SFTTrainer
 
     from stages.lora import merged
     from stages.models import load_model_and_tokenizer, set_padding_side
-    from stages.trainer_callbacks import quiet_trainer, tracking_callback
+    from stages.trainer_callbacks import device_arguments, quiet_trainer, tracking_callback
 
     seed = ctx.seed if config.seed is None else config.seed
     model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]))
@@ -107,8 +106,7 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
         gradient_checkpointing=config.gradient_checkpointing,
         logging_steps=config.logging_steps,
         save_strategy="no",
-        use_cpu=not torch.cuda.is_available(),
-        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        **device_arguments(),
         report_to="none",
         seed=seed,
         data_seed=seed,

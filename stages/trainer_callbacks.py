@@ -40,6 +40,15 @@ def tracking_callback(ctx, rename: Callable[[dict], dict[str, float]], descripti
     return TrackingCallback()
 
 
+def device_arguments() -> dict:
+    """Trainer arguments for the machine at hand: the CPU with fp32 when there is no GPU
+    (TRL's configs default to bf16, which refuses to start on a CPU), bf16 on a GPU that has it."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"use_cpu": not cuda, "bf16": cuda and torch.cuda.is_bf16_supported()}
+
+
 def quiet_trainer(trainer) -> None:
     """Drop the trainer's console printer and tqdm bar (our callback shows progress)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
