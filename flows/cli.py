@@ -1,6 +1,7 @@
 """The ``posttrain`` command line.
 
-Exit status: 0 success, 1 a stage failed at run time, 2 bad input (nothing started).
+Exit status: 0 success, 1 a stage failed at run time (or its record could not reach
+MLflow), 2 bad input or an unreachable tracking server (nothing started), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXIT_OK, EXIT_STAGE_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_STAGE_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +44,31 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--force", metavar="STAGE", action="append", default=[],
                      help="ignore STAGE's cache (downstream becomes stale); repeatable")
     run.add_argument("--no-cache", action="store_true", help="ignore every cache entry")
+
+    deploy = commands.add_parser(
+        "deploy", help="register the pipeline as a Prefect deployment on a work pool, optionally on a schedule")
+    with_overrides(deploy)
+    deploy.add_argument("--cron", metavar="CRON", help='schedule, e.g. "0 3 * * *" (daily at 03:00)')
+    deploy.add_argument("--timezone", metavar="TZ", default="UTC", help="the schedule's time zone (default UTC)")
+    deploy.add_argument("--pool", metavar="NAME", default="cpu", help="work pool whose workers run it (default cpu)")
+    deploy.add_argument("--name", metavar="NAME", help="deployment name (default: the pipeline name)")
+
+    commands.add_parser("sync", help="record in MLflow what a tracking outage left waiting in $POSTTRAIN_HOME/pending")
+
+    compare = commands.add_parser(
+        "compare", help="rank evaluated checkpoints (within one eval settings hash), chart them, promote the best")
+    compare.add_argument("file", nargs="?", help="pipeline YAML file (its name is the MLflow experiment)")
+    compare.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                         help="override a field of the file (only its name matters here)")
+    compare.add_argument("--experiment", metavar="NAME", help="the MLflow experiment (pipeline name) instead of a file")
+    compare.add_argument("--metric", default="pass_at_1", help="eval metric to rank by, higher is better "
+                         "(default pass_at_1)")
+    compare.add_argument("--settings", metavar="HASH", help="rank only the checkpoints evaluated under this "
+                         "settings hash (or a prefix of it)")
+    compare.add_argument("--promote", action="store_true",
+                         help="set the registered model alias `champion` on the best checkpoint")
+    compare.add_argument("--output", metavar="PNG", help="where to save the chart "
+                         "(default $POSTTRAIN_HOME/compare/EXPERIMENT/compare-METRIC.png)")
     return parser
 
 
@@ -54,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_environment()  # before Prefect or MLflow are imported
     console = Console() if sys.stdout.isatty() else Console(width=160)  # logs and CI get full rows
+
+    if args.command == "sync":
+        return _sync(console)
+    if args.command == "compare":
+        from flows.compare import compare_command
+
+        return compare_command(args, console)
 
     from flows.spec import SpecError, load_pipeline
 
@@ -74,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(render_graph(loaded.spec), highlight=False, markup=False)
         return EXIT_OK
 
+    if args.command == "deploy":
+        return _deploy(loaded, args, console)
+
     if args.command == "check-reward":
         from flows.checks import check_rewards_command
 
@@ -88,11 +124,69 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as error:
         print(f"posttrain run: {error}; nothing was run", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except Exception as error:  # orchestration itself broke (a server unreachable, ...)
+    except KeyboardInterrupt:
+        print("posttrain run: interrupted; the running stage is marked KILLED in MLflow and its trainer "
+              "checkpoints are kept: the next `posttrain run` resumes it", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as error:  # orchestration itself broke (a server lost mid-run, ...)
         print(f"posttrain run: the run could not complete: {type(error).__name__}: {error}", file=sys.stderr)
         return EXIT_STAGE_FAILED
     print_summary(report, console)
-    return EXIT_STAGE_FAILED if report.failed else EXIT_OK
+    return EXIT_STAGE_FAILED if report.failed or report.unrecorded else EXIT_OK
+
+
+def _deploy(loaded, args, console) -> int:
+    import os
+
+    from flows.pools import DeployError, deploy_pipeline, require_pool
+
+    if not os.environ.get("PREFECT_API_URL"):
+        print("posttrain deploy: a deployment lives on a Prefect server; set PREFECT_API_URL "
+              "(e.g. http://127.0.0.1:4200/api after `prefect server start`); nothing was deployed", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        for stage in loaded.spec.stages:  # the pools its stages name must exist too
+            pool = loaded.spec.resources_for(stage).pool
+            if pool:
+                require_pool(pool)
+        name = deploy_pipeline(loaded.path, loaded.overrides, args.name or loaded.spec.name, args.cron, args.pool,
+                               args.timezone)
+    except DeployError as error:
+        print(f"posttrain deploy: {error}; nothing was deployed", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    when = f"on schedule {args.cron!r} ({args.timezone})" if args.cron else "when triggered"
+    console.print(f"deployment {name} on work pool {args.pool!r} runs {loaded.path.name} {when}")
+    console.print(f"run it now: prefect deployment run '{name}'; workers: prefect worker start --pool {args.pool}")
+    return EXIT_OK
+
+
+def _sync(console) -> int:
+    """Send the journals of runs an outage left unrecorded; 1 while some still wait."""
+    from flows.home import posttrain_home
+    from flows.recording import (
+        TrackingUnavailable,
+        check_reachable,
+        pending_runs,
+        replay_pending,
+    )
+    from flows.tracking import Tracker
+
+    home = posttrain_home()
+    waiting = pending_runs(home)
+    if not waiting:
+        console.print("nothing waits to be recorded")
+        return EXIT_OK
+    try:
+        check_reachable()
+    except TrackingUnavailable as error:
+        print(f"posttrain sync: {error}; {len(waiting)} run(s) still wait", file=sys.stderr)
+        return EXIT_STAGE_FAILED
+    done, left = replay_pending(Tracker(home).client, home)
+    for run_id in done:
+        console.print(f"recorded run {run_id}")
+    if left:
+        print(f"posttrain sync: {len(left)} run(s) still wait: {', '.join(left)}", file=sys.stderr)
+    return EXIT_STAGE_FAILED if left else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -14,8 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows import __version__
-from flows.graph import ancestors, descendants, topological_order, upstream_of
+from flows.graph import (
+    ancestors,
+    descendants,
+    stage_references,
+    topological_order,
+    upstream_of,
+)
+from flows.iterate import round_fingerprint
 from flows.spec import BASE, LoadedPipeline
+from stages.context import EXECUTION_FIELDS
 from stages.data import data_key
 from stages.models import PathModelSpec, base_model_key
 
@@ -68,17 +76,18 @@ def fingerprint(loaded: LoadedPipeline, stage: str, upstream_runs: dict[str, str
     config = spec.stages[stage]
     references = {
         field_name: (base_model_identity(loaded) if target == BASE else upstream_runs[target])
-        for field_name, target in config.references().items()
+        for field_name, target in stage_references(spec, stage).items()
     }
     payload = {
         "stage": stage,
-        "config": config.model_dump(mode="json"),
+        "config": config.model_dump(mode="json", exclude=set(EXECUTION_FIELDS)),
         "seed": spec.seed,
         "upstream": references,
         "data": {name: data_key(spec.data[name], loaded.base_dir) for name in config.dataset_names()},
         "rewards": {name: r.model_dump(mode="json") for name, r in loaded.rewards_for(config.reward_names()).items()},
         "version": __version__,
     }
+    payload.update(round_fingerprint(spec, stage))  # iterate: the mix of round r's data (empty otherwise)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -8,17 +8,38 @@ close to the cost of a few MLflow queries instead of Prefect's ~10 s server star
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flows.graph import stage_references
 from flows.home import artifact_root, configure_environment
-from flows.lineage import Decision, RunOptions, fingerprint, plan_run
+from flows.iterate import (
+    FAILURES_INPUT,
+    failure_set_inputs,
+    print_rounds,
+    round_tags,
+    rounds_markdown,
+)
+from flows.lineage import Decision, PlanError, RunOptions, fingerprint, plan_run
+from flows.locks import stage_lock
+from flows.models import record_stage_model
+from flows.recording import (
+    Recorder,
+    TrackingUnavailable,
+    check_reachable,
+    is_unavailable,
+    replay_pending,
+)
 from flows.spec import BASE, LoadedPipeline, load_pipeline
 from flows.tracking import (
     TAG_FINGERPRINT,
@@ -28,6 +49,7 @@ from flows.tracking import (
     MlflowStageContext,
     Tracker,
 )
+from stages.context import StageTimeLimit
 from stages.data import materialize
 from stages.models import resolve_base_checkpoint
 from stages.registry import HEADLINE_METRICS, stage_runner
@@ -52,6 +74,7 @@ class StageRow:
     metrics: dict[str, float] = field(default_factory=dict)
     note: str = ""
     outputs: dict[str, str] = field(default_factory=dict)  # local paths of what the stage published
+    unrecorded: str = ""  # what could not be written to MLflow (the store was unreachable), in words
 
 
 @dataclass
@@ -61,6 +84,8 @@ class PipelineReport:
     parent_run_id: str
     rows: list[StageRow]
     seconds: float
+
+    unrecorded: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -74,10 +99,14 @@ def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[st
     """Local paths for everything a stage reads: checkpoints, datasets, reward specs."""
     spec = loaded.spec
     config = spec.stages[stage]
-    inputs: dict = {"base_dir": str(loaded.base_dir)}
-    for field_name, target in config.references().items():
+    # The pipeline's trust in its model's own code (off unless it says so) travels to every stage.
+    inputs: dict = {"base_dir": str(loaded.base_dir),
+                    "trust_remote_code": bool(getattr(spec.model, "trust_remote_code", False))}
+    for field_name, target in stage_references(spec, stage).items():  # reward models' stages included
         if target == BASE:
             path = resolve_base_checkpoint(spec.model, spec.seed, home / "cache" / "models", loaded.base_dir)
+        elif field_name == FAILURES_INPUT:  # iterate: the failure set of round r-1's collect step
+            path = upstream_outputs[target]["failures"]
         else:
             path = upstream_outputs[target]["checkpoint"]
         inputs[field_name] = str(path)
@@ -99,41 +128,128 @@ def _flat_params(prefix: str, value, out: dict) -> dict:
 
 
 def execute_stage(loaded, stage, upstream_runs, upstream_outputs, tracker, experiment_id, parent_run_id, home,
-                  console=None) -> StageRow:
-    """Run one stage in a fresh child run; publish its outputs only if it finished."""
+                  console=None, may_reuse: bool = True, extra_tags: dict[str, str] | None = None) -> StageRow:
+    """Run one stage in a fresh child run, unless another process just produced the same result.
+
+    The stage lock serialises executions with one fingerprint across processes; once it is
+    held, a FINISHED run with this fingerprint (another ``posttrain run`` finished it while
+    this one waited) is reused unless the stage was forced.
+    """
     config = loaded.spec.stages[stage]
     fp = fingerprint(loaded, stage, upstream_runs)
+
+    def waiting(holder: str) -> None:
+        print(f"stage {stage}: {holder} is running it with the same fingerprint; waiting for it",
+              file=sys.stderr, flush=True)
+
+    try:
+        with stage_lock(home, experiment_id, stage, fp, waiting):
+            if may_reuse:
+                hit = tracker.find_cached(experiment_id, stage, fp)
+                if hit is not None:
+                    return StageRow(stage, config.kind, "cached", 0.0, hit.info.run_id,
+                                    headline_metrics(tracker, hit.info.run_id, config.kind),
+                                    "finished meanwhile by another posttrain run", tracker.outputs_of(hit))
+            return _run_stage(loaded, stage, fp, upstream_runs, upstream_outputs, tracker, experiment_id,
+                              parent_run_id, home, console, extra_tags or {})
+    except (StageFailed, KeyboardInterrupt, TrackingUnavailable):
+        raise
+    except Exception as error:
+        if is_unavailable(error):
+            raise TrackingUnavailable(f"stage {stage!r} could not start: the MLflow store is unreachable "
+                                      f"({str(error).splitlines()[0][:200]})") from error
+        raise
+
+
+def _run_stage(loaded, stage, fp, upstream_runs, upstream_outputs, tracker, experiment_id, parent_run_id, home,
+               console, extra_tags: dict[str, str]) -> StageRow:
+    """Run one stage; publish its outputs only if it finished; keep its trainer checkpoints if it did not."""
+    config = loaded.spec.stages[stage]
     run_id = tracker.start_stage_run(
         experiment_id, parent_run_id, stage,
-        {TAG_FINGERPRINT: fp, TAG_UPSTREAM: json.dumps(upstream_runs), TAG_KIND: config.kind},
+        {TAG_FINGERPRINT: fp, TAG_UPSTREAM: json.dumps(upstream_runs), TAG_KIND: config.kind, **extra_tags,
+         **round_tags(loaded.spec, stage)},
     )
-    tracker.log_params(run_id, _flat_params("", config.model_dump(mode="json"), {}))
+    recorder = Recorder(tracker.client, run_id, home)
+    recorder.params(_flat_params("", config.model_dump(mode="json"), {}))
     work_dir = home / "work" / run_id
+    # Keyed by fingerprint, not run id: the next execution of the same stage resumes from it.
+    resume_dir = home / "resume" / experiment_id / f"{stage}-{fp}"
     started = time.perf_counter()
     try:
         inputs = resolve_inputs(loaded, stage, upstream_outputs, home)
-        tracker.log_params(run_id, {f"input.{k}": v for k, v in inputs.items()
-                                    if k not in ("rewards", "reward_checks")})
-        ctx = MlflowStageContext(tracker, run_id, work_dir, getattr(config, "seed", None) or loaded.spec.seed, console)
-        stage_runner(config.kind)(config, inputs, ctx)
+        inputs = failure_set_inputs(loaded, stage, inputs, upstream_runs, tracker, recorder, home)  # iterate
+        recorder.params({f"input.{k}": v for k, v in inputs.items() if k not in ("rewards", "reward_checks")})
+        ctx = MlflowStageContext(tracker, run_id, work_dir, getattr(config, "seed", None) or loaded.spec.seed,
+                                 console, resume_dir=resume_dir, recorder=recorder)
+        limit = getattr(config, "time_limit_minutes", None)
+        resources = loaded.spec.resources_for(stage)
+        with time_limit(stage, limit * 60 if limit else None, ctx):
+            if resources.world_size() > 1:  # N training processes (flows/distributed.py)
+                from flows.distributed import run_distributed
+
+                run_distributed(loaded, stage, upstream_outputs, ctx, resources)
+            else:
+                stage_runner(config.kind)(config, inputs, ctx)
         ctx.flush()
-        published = tracker.publish_outputs(run_id, loaded.spec.name, stage, ctx.staged)
-        tracker.finish(run_id, "FINISHED")
     except KeyboardInterrupt:
-        tracker.finish(run_id, "KILLED")
+        recorder.tags({"posttrain.error": "interrupted (Ctrl-C); trainer checkpoints so far are kept in "
+                                          f"{resume_dir} and the next run of this stage resumes from them"})
+        recorder.terminate("KILLED")
         raise
     except BaseException as error:
-        try:  # record why; if the tracking server itself is what failed, the stage error still wins
-            tracker.client.set_tag(run_id, "posttrain.error", f"{type(error).__name__}: {error}"[:5000])
-            tracker.client.log_text(run_id, traceback.format_exc(), "error.txt")
-            tracker.finish(run_id, "FAILED")
+        try:  # record why; if recording itself breaks, the stage's error still wins
+            recorder.tags({"posttrain.error": f"{type(error).__name__}: {error}"[:5000]})
+            recorder.text(traceback.format_exc(), "error.txt")
+            recorder.terminate("FAILED")
         except Exception:
             pass
         raise StageFailed(f"stage {stage!r} failed: {type(error).__name__}: {error}", run_id=run_id) from error
-    shutil.rmtree(work_dir, ignore_errors=True)
+    published = tracker.publish_outputs(recorder, loaded.spec.name, stage, ctx.staged)
+    record_stage_model(recorder, loaded.spec.name, stage, config, upstream_runs, published)  # flows/models.py
     seconds = time.perf_counter() - started
-    return StageRow(stage, config.kind, "ran", seconds, run_id, headline_metrics(tracker, run_id, config.kind),
-                    outputs=published)
+    shutil.rmtree(work_dir, ignore_errors=True)
+    shutil.rmtree(resume_dir, ignore_errors=True)
+    row = StageRow(stage, config.kind, "ran", seconds, run_id, outputs=published)
+    if recorder.offline and not recorder.retry(float(os.environ.get("POSTTRAIN_TRACKING_RETRY_SECONDS", "60"))):
+        row.unrecorded = (f"stage {stage} finished and its outputs are on disk ({', '.join(published.values())}), "
+                          f"but the MLflow store became unreachable ({recorder.unavailable}); not recorded: "
+                          f"{recorder.summary()}. They wait in {recorder.journal_path}; `posttrain sync` "
+                          "(or any later `posttrain run`) records them once the store is back")
+        row.metrics = {}
+        return row
+    row.metrics = headline_metrics(tracker, run_id, config.kind)
+    return row
+
+
+@contextlib.contextmanager
+def time_limit(stage: str, seconds: float | None, ctx):
+    """The stage's deadline: stages that can stop cleanly watch ``ctx.deadline``; at most
+    ``TIME_LIMIT_GRACE`` seconds later, SIGALRM stops whatever still runs (main thread only:
+    elsewhere the clean stop is the only one)."""
+    if not seconds:
+        yield
+        return
+    ctx.deadline = time.monotonic() + seconds
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    grace = max(float(os.environ.get("POSTTRAIN_TIME_LIMIT_GRACE_SECONDS", TIME_LIMIT_GRACE)), 0.1 * seconds)
+
+    def stop(signum, frame):
+        raise StageTimeLimit(f"stage {stage!r} ran {grace:.0f} s past its time limit of {seconds / 60:g} min "
+                             "and was stopped")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds + grace)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+TIME_LIMIT_GRACE = 30.0
 
 
 def headline_metrics(tracker, run_id: str, kind: str) -> dict[str, float]:
@@ -169,9 +285,13 @@ def _build_flow():
     from prefect.cache_policies import NO_CACHE
 
     @task(name="stage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=_is_transient)
-    def stage_task(loaded, stage, upstream_runs, upstream_outputs, experiment_id, parent_run_id, home):
+    def stage_task(loaded, stage, upstream_runs, upstream_outputs, experiment_id, parent_run_id, home, may_reuse):
+        if loaded.spec.resources_for(stage).pool:  # a worker of that pool runs it (flows/pools.py)
+            from flows.pools import run_stage_on_pool
+
+            return run_stage_on_pool(loaded, stage, upstream_runs, experiment_id, parent_run_id, home, may_reuse)
         return execute_stage(loaded, stage, upstream_runs, upstream_outputs, Tracker(home), experiment_id,
-                             parent_run_id, home)
+                             parent_run_id, home, may_reuse=may_reuse)
 
     @flow(name="posttrain-pipeline", log_prints=False, validate_parameters=True)
     def pipeline_flow(pipeline_file: str, overrides: list[str] | None = None, only: str | None = None,
@@ -183,6 +303,11 @@ def _build_flow():
 
         home = configure_environment()
         loaded = load_pipeline(pipeline_file, overrides or [])
+        if not plan:  # started by a deployment or its schedule: first what `posttrain run` does first
+            from rich.console import Console
+
+            tracker = prepare_store(home, Console(stderr=True))
+            tracker.reap_dead_runs(tracker.experiment_id(loaded.spec.name, artifact_root(home)))
         options = RunOptions(only=only, from_stage=from_stage, force=list(force or []), no_cache=no_cache)
         report = run_pipeline(
             loaded, options, home,
@@ -210,10 +335,11 @@ def run_pipeline(loaded, options, home, stage_call=None, flow_run_id=None, decis
         "pipeline_file": str(loaded.path), "overrides": json.dumps(loaded.overrides),
         "options": json.dumps(asdict(options)), "seed": spec.seed,
     })
-    tracker.client.log_text(parent, loaded.path.read_text(encoding="utf-8"), "pipeline.yaml")
-    tracker.client.log_dict(parent, spec.model_dump(mode="json"), "pipeline.resolved.json")
+    recorder = Recorder(tracker.client, parent, home)
+    recorder.text(loaded.path.read_text(encoding="utf-8"), "pipeline.yaml")
+    recorder.text(json.dumps(spec.model_dump(mode="json"), indent=2), "pipeline.resolved.json")
     if flow_run_id:
-        tracker.client.set_tag(parent, "posttrain.prefect_flow_run_id", flow_run_id)
+        recorder.tags({"posttrain.prefect_flow_run_id": flow_run_id})
 
     rows: list[StageRow] = []
     outputs: dict[str, dict] = {}
@@ -235,31 +361,37 @@ def run_pipeline(loaded, options, home, stage_call=None, flow_run_id=None, decis
                                  headline_metrics(tracker, decision.cached_run_id, kind), decision.reason))
             continue
         upstream = {u: run_ids[u] for u in _upstream(loaded, decision.stage)}
-        args = (loaded, decision.stage, upstream, {u: outputs[u] for u in upstream}, experiment_id, parent, home)
+        may_reuse = decision.reason != "forced"
+        args = (loaded, decision.stage, upstream, {u: outputs[u] for u in upstream}, experiment_id, parent, home,
+                may_reuse)
         try:
             if stage_call is None:
-                row = execute_stage(*args[:4], tracker, *args[4:])
+                row = execute_stage(*args[:4], tracker, *args[4:7], may_reuse=may_reuse)
             else:
                 row = stage_call(*args)
-        except StageFailed as error:
+        except (StageFailed, TrackingUnavailable) as error:
             failed = True
-            cause = error.__cause__ or error
-            rows.append(StageRow(decision.stage, kind, "failed", run_id=error.run_id,
+            cause = error.__cause__ if isinstance(error, StageFailed) and error.__cause__ else error
+            rows.append(StageRow(decision.stage, kind, "failed", run_id=getattr(error, "run_id", None),
                                  note=f"{type(cause).__name__}: {cause}"[:300]))
             continue
         except KeyboardInterrupt:
-            tracker.client.set_tag(parent, TAG_STAGE_RUNS, json.dumps(run_ids))
-            tracker.finish(parent, "KILLED")
+            recorder.tags({TAG_STAGE_RUNS: json.dumps(run_ids)})
+            recorder.terminate("KILLED")
             raise
-        row.note = decision.reason
+        row.note = row.note or decision.reason
         rows.append(row)
         run_ids[decision.stage] = row.run_id
         outputs[decision.stage] = row.outputs
 
-    tracker.client.set_tag(parent, TAG_STAGE_RUNS, json.dumps(run_ids))
-    report = PipelineReport(spec.name, experiment_id, parent, rows, time.perf_counter() - started)
-    tracker.client.log_text(parent, summary_markdown(report), "summary.md")
-    tracker.finish(parent, "FAILED" if failed else "FINISHED")
+    report = PipelineReport(spec.name, experiment_id, parent, rows, time.perf_counter() - started,
+                            [row.unrecorded for row in rows if row.unrecorded])
+    recorder.tags({TAG_STAGE_RUNS: json.dumps(run_ids)})
+    recorder.text(summary_markdown(report), "summary.md")
+    recorder.terminate("FAILED" if failed else "FINISHED")
+    if recorder.offline:
+        report.unrecorded.append(f"the pipeline run's own record ({recorder.summary()}) waits in "
+                                 f"{recorder.journal_path}")
     return report
 
 
@@ -296,6 +428,7 @@ def summary_markdown(report: PipelineReport) -> str:
         link = f"[{row.run_id[:8]}]({mlflow_run_url(report.experiment_id, row.run_id)})" if row.run_id else ""
         lines.append(f"| {row.stage} | {row.kind} | {row.status} | {row.seconds:.1f} | "
                      f"{_format_metrics(row.metrics)} | {link} |")
+    lines += rounds_markdown(report.rows)  # iterate: each round's evaluation side by side
     return "\n".join(lines)
 
 
@@ -324,24 +457,67 @@ def print_summary(report: PipelineReport, console) -> None:
         table.add_row(row.stage, row.kind, row.status, f"{row.seconds:.1f}",
                       _format_metrics(row.metrics) or row.note[:160], row.run_id or "", style=style)
     console.print(table)
+    print_rounds(report.rows, console)  # iterate: each round's evaluation side by side
     console.print(f"pipeline run {report.parent_run_id} in experiment {report.experiment_id}")
+    for message in report.unrecorded:
+        console.print(f"[bold yellow]not recorded in MLflow:[/bold yellow] {message}", highlight=False)
+
+
+def prepare_store(home: Path, console) -> Tracker:
+    """Before planning: the store answers, what an earlier outage left unrecorded is sent."""
+    try:
+        check_reachable()
+    except TrackingUnavailable as error:
+        raise PlanError(f"{error}; start it, or unset MLFLOW_TRACKING_URI to use the local store") from None
+    tracker = Tracker(home)
+    done, left = replay_pending(tracker.client, home)
+    if done:
+        console.print(f"recorded {len(done)} run(s) that an earlier tracking outage left waiting: {', '.join(done)}")
+    if left:
+        console.print(f"[yellow]{len(left)} run(s) still wait to be recorded: {', '.join(left)}[/yellow]")
+    return tracker
+
+
+def _check_pools(loaded: LoadedPipeline, decisions: list[Decision]) -> None:
+    """Stages that will run on a work pool need a real Prefect server and that pool."""
+    pools = {d.stage: loaded.spec.resources_for(d.stage).pool for d in decisions if d.action == "run"}
+    pools = {stage: pool for stage, pool in pools.items() if pool}
+    if not pools:
+        return
+    if not os.environ.get("PREFECT_API_URL"):
+        stage, pool = next(iter(pools.items()))
+        raise PlanError(f"stage {stage!r} runs on work pool {pool!r}, which needs a Prefect server with workers: "
+                        "set PREFECT_API_URL (see README, Scaling out)")
+    from flows.pools import DeployError, require_pool
+
+    for pool in set(pools.values()):
+        try:
+            require_pool(pool)
+        except DeployError as error:
+            raise PlanError(str(error)) from None
 
 
 def run_from_cli(loaded: LoadedPipeline, options: RunOptions, console) -> PipelineReport:
     """What ``posttrain run`` does after validation: plan, then flow (or no flow if all cached)."""
+    from flows.prefect_server import prefect_api
+
     home = configure_environment()
-    tracker = Tracker(home)
+    tracker = prepare_store(home, console)
     experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))
+    for run_id in tracker.reap_dead_runs(experiment_id):
+        console.print(f"[yellow]run {run_id} was left RUNNING by a process that died; marked FAILED[/yellow]")
     decisions = plan_run(loaded, options, tracker, experiment_id)
+    _check_pools(loaded, decisions)
     console.print(f"plan for {loaded.spec.name}:")
     print_plan(decisions, console)
     if not any(d.action == "run" for d in decisions):
         console.print("every selected stage is cached; nothing to launch")
         return run_pipeline(loaded, options, home, decisions=decisions)
-    pipeline_flow = _build_flow()
-    state = pipeline_flow(str(loaded.path), loaded.overrides, options.only, options.from_stage, options.force,
-                          options.no_cache, plan=[asdict(d) for d in decisions], return_state=True)
-    result = state.result(raise_on_failure=False)
+    with prefect_api(home):
+        pipeline_flow = _build_flow()
+        state = pipeline_flow(str(loaded.path), loaded.overrides, options.only, options.from_stage, options.force,
+                              options.no_cache, plan=[asdict(d) for d in decisions], return_state=True)
+        result = state.result(raise_on_failure=False)
     if isinstance(result, StageFailed) and result.report is not None:
         return result.report
     if isinstance(result, BaseException):

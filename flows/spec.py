@@ -16,12 +16,35 @@ from pathlib import Path
 from typing import Annotated, Any, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+)
 
-from stages.data import DataError, DataSpec, FileData, load_records
-from stages.models import ModelSpec, PathModelSpec, check_checkpoint_dir
+from flows.iterate import IterateSpec, expand_rounds, iterate_issues
+from stages.context import Resources
+from stages.data import DataError, DataSpec, FileData, holds_preferences, load_records
+from stages.models import (
+    ModelSpec,
+    PathModelSpec,
+    chat_template_problem,
+    check_checkpoint_dir,
+)
 from stages.registry import STAGE_KINDS
-from stages.rewards import BUILTIN_REWARDS, RewardCase, RewardError, RewardSpec, load_reward_fn
+from stages.rewards import (
+    BUILTIN_REWARDS,
+    REWARD_MODEL_FN,
+    RewardCase,
+    RewardError,
+    RewardSpec,
+    load_reward_fn,
+)
+from stages.sandbox import ISOLATION_MODES
 
 BASE = "base"  # the reserved name of the pipeline's own model
 
@@ -59,6 +82,14 @@ class Pipeline(BaseModel):
         description="Known cases per reward (successes, failures, malformed, shortcuts) that "
         "`posttrain check-reward` and `check_rewards: true` verify before training.",
     )
+    resources: Resources | None = Field(
+        None, description="Default work pool / GPUs / processes for every stage that sets no `resources`.")
+    iterate: IterateSpec | None = Field(
+        None, description="Rounds of training on the failure cases an eval stage collected (flows/iterate.py).")
+
+    def resources_for(self, stage: str) -> Resources:
+        """A stage's resources: its own, else the pipeline default, else in-process on one process."""
+        return self.stages[stage].resources or self.resources or Resources()
 
 
 # ------------------------------------------------------------------ errors
@@ -124,6 +155,38 @@ def _line_index(text: str) -> dict[tuple, int]:
     if root is not None:
         walk(root, ())
     return lines
+
+
+def duplicate_key_issues(text: str) -> list[SpecIssue]:
+    """Keys given twice in one mapping: YAML silently keeps the last, so the first would be lost."""
+    issues: list[SpecIssue] = []
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return issues
+    seen_nodes: set[int] = set()
+
+    def walk(node, path):
+        if id(node) in seen_nodes:  # an alias of a node already checked
+            return
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key, value in node.value:
+                line = key.start_mark.line + 1
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                    if key.value in first:
+                        issues.append(SpecIssue(_dotted(path + (key.value,)), f"duplicate key (first given at line "
+                                                f"{first[key.value]}); YAML would keep only this one", line))
+                    first.setdefault(key.value, line)
+                walk(value, path + (key.value,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (i,))
+
+    if root is not None:
+        walk(root, ())
+    return issues
 
 
 def _line_for(lines: dict[tuple, int], path: tuple) -> int | None:
@@ -377,6 +440,10 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
             load_reward_fn(spec.fn)
         except RewardError as error:
             add(("rewards", name, "fn"), str(error))
+        isolation = spec.kwargs.get("sandbox", ISOLATION_MODES[0])
+        if isolation not in ISOLATION_MODES:  # a typo here must not be a silent change of sandbox
+            add(("rewards", name, "kwargs", "sandbox"), f"must be one of {', '.join(ISOLATION_MODES)} "
+                f"(got {isolation!r}); `rlimits-only` is the explicit opt-out from bubblewrap")
 
     for name, spec in data.items():
         if isinstance(spec, FileData):
@@ -393,14 +460,94 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
             spec = None
         if isinstance(spec, PathModelSpec):
             path = Path(spec.path) if Path(spec.path).is_absolute() else base_dir / spec.path
-            problem = check_checkpoint_dir(path)
+            problem = check_checkpoint_dir(path, trust_remote_code=spec.trust_remote_code)
             if problem:
                 add(("model", "path"), problem)
+            elif (no_template := chat_template_problem(path)) and stages:
+                # Every stage kind renders conversations with the base model's tokenizer (its
+                # checkpoints carry that tokenizer on), so any stage needs a chat template.
+                readers = [n for n, c in stages.items() if BASE in c.references().values()] or list(stages)
+                add(("model", "path"), f"{no_template}, and stage(s) {', '.join(readers)} render conversations "
+                    "with it; use a chat model's checkpoint or add a chat template to it")
+
+    for path, message in _reward_model_issues(stages, rewards, data, raw_stages, raw_rewards, raw_checks):
+        add(path, message)
+
+    for name, config in stages.items():
+        resources = getattr(config, "resources", None)
+        if not isinstance(resources, Resources):
+            raw_default = raw.get("resources")
+            try:
+                resources = Resources.model_validate(raw_default) if isinstance(raw_default, dict) else None
+            except ValidationError:
+                resources = None
+        if resources is None or resources.world_size() <= 1:
+            continue
+        where = ("stages", name, "resources") if getattr(config, "resources", None) else ("resources",)
+        if config.kind != "sft":
+            add(where, f"stage {name!r} ({config.kind}): more than one process or GPU is supported for sft stages only")
+        elif isinstance(getattr(config, "batch_size", None), int) and config.batch_size % resources.world_size():
+            add(where, f"stage {name!r}: batch_size {config.batch_size} must divide evenly over "
+                       f"{resources.world_size()} processes (each takes an equal share of the global batch)")
 
     edges = {n: [t for t in c.references().values() if isinstance(t, str) and t in raw_stages]
+             + [rewards[r].stage for r in c.reward_names() if r in rewards and rewards[r].stage in raw_stages]
              for n, c in stages.items()}
+    for path, message in iterate_issues(raw.get("iterate"), stages, raw_data, raw_rewards, edges):
+        add(path, message)
     for cycle in find_cycles(edges):
         add(("stages", cycle[0]), "dependency cycle: " + " -> ".join(cycle))
+    return issues
+
+
+def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dict, raw_stages: dict,
+                         raw_rewards: dict, raw_checks: dict) -> list[tuple[tuple, str]]:
+    """Reward models are scorers, not policies; preference pairs are not conversations.
+
+    A reference that must name a reward_model stage (eval's ``reward_model``, PPO's
+    ``critic``, a ``fn: reward_model`` reward's ``stage``) names one, no other reference names
+    one, and each stage reads the kind of dataset it trains on.
+    """
+    issues = []
+
+    def kind_of(target):
+        config = stages.get(target)
+        return getattr(config, "kind", None)
+
+    for name, config in stages.items():
+        wants_rm = set(getattr(config, "reward_model_references", ()))
+        for field_name, target in config.references().items():
+            if not isinstance(target, str) or target == name or target not in stages:
+                continue  # unknown or self references are reported above
+            is_rm = kind_of(target) == "reward_model"
+            if field_name in wants_rm and not is_rm:
+                issues.append((("stages", name, field_name),
+                               f"stage {target!r} is kind {kind_of(target)}; {field_name} needs a reward_model stage"))
+            elif field_name not in wants_rm and is_rm:
+                issues.append((("stages", name, field_name),
+                               f"stage {target!r} is a reward model (a scorer, not a policy); it cannot be used as "
+                               f"{field_name}"))
+        wants_pairs = getattr(config, "data_records", "conversations") == "preferences"
+        for data_name in config.dataset_names():
+            if isinstance(data_name, str) and data_name in data and holds_preferences(data[data_name]) != wants_pairs:
+                needed = ("preference pairs (`generator: arithmetic_preferences` or a file with "
+                          "`records: preferences`)" if wants_pairs else "conversations, not preference pairs")
+                issues.append((("stages", name, "data"), f"stage kind {config.kind} reads {needed}; "
+                               f"dataset {data_name!r} does not hold them"))
+
+    for reward_name, spec in rewards.items():
+        if spec.fn != REWARD_MODEL_FN:
+            continue
+        where = ("rewards", reward_name, "stage")
+        if spec.stage not in raw_stages:
+            issues.append((where, f"unknown stage {spec.stage!r}{_did_you_mean(spec.stage, raw_stages)}; "
+                                  f"stages: {', '.join(raw_stages)}"))
+        elif spec.stage in stages and kind_of(spec.stage) != "reward_model":
+            issues.append((where, f"stage {spec.stage!r} is kind {kind_of(spec.stage)}; a reward_model reward "
+                                  "scores with a reward_model stage"))
+        if reward_name in raw_checks:
+            issues.append((("reward_checks", reward_name), "a reward_model reward has no model before its stage "
+                           "has trained, so it cannot be checked against known cases"))
     return issues
 
 
@@ -452,14 +599,18 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Loade
         problem = getattr(error, "problem", None) or str(error)
         line = mark.line + 1 if mark else None
         column = f", column {mark.column + 1}" if mark else ""
-        raise SpecError(source, [SpecIssue("", f"YAML syntax error{column}: {problem}", line)]) from None
+        kind = "YAML syntax error"
+        if isinstance(error, yaml.constructor.ConstructorError):  # e.g. !!python/object/apply:os.system
+            kind = "YAML tag refused (pipelines are read with the safe loader, which builds no Python objects)"
+        raise SpecError(source, [SpecIssue("", f"{kind}{column}: {problem}", line)]) from None
     if raw is None:
         raise SpecError(source, [SpecIssue("", "the file is empty; a pipeline needs name, model, data and stages")])
     if not isinstance(raw, dict):
         raise SpecError(source, [SpecIssue("", f"a pipeline is a mapping of keys, not a {type(raw).__name__}", 1)])
 
     lines = _line_index(text)
-    issues = apply_overrides(raw, overrides)
+    issues = duplicate_key_issues(text)
+    issues += apply_overrides(raw, overrides)
     spec = None
     try:
         spec = Pipeline.model_validate(raw)
@@ -473,4 +624,4 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Loade
                 issue.message += " (from --set)"
                 issue.line = None
         raise SpecError(source, issues)
-    return LoadedPipeline(spec=spec, path=path.resolve(), overrides=overrides)
+    return LoadedPipeline(spec=expand_rounds(spec), path=path.resolve(), overrides=overrides)

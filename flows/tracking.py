@@ -11,12 +11,15 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from flows import __version__
+from flows.home import uses_local_mlflow
+from flows.recording import Recorder
 
 TAG_KIND = "posttrain.kind"
 TAG_STAGE = "posttrain.stage"
@@ -28,6 +31,9 @@ TAG_PIPELINE = "posttrain.pipeline"
 TAG_ROLE = "posttrain.role"  # "pipeline" or "stage"
 TAG_STAGE_RUNS = "posttrain.stage_runs"
 TAG_CACHED_FROM = "posttrain.cached_from"
+TAG_HOST = "posttrain.host"
+TAG_PID = "posttrain.pid"
+TAG_PROCESS_START = "posttrain.process_start"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")
 
@@ -44,7 +50,14 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.home = home
-        self.client = MlflowClient()
+        if uses_local_mlflow():  # the client creates (migrates) a new SQLite store: one process at a time
+            from flows.locks import file_lock
+
+            with file_lock(home / "locks" / "mlflow-store.lock"):
+                self.client = MlflowClient()
+                self.client.search_experiments(max_results=1)
+        else:
+            self.client = MlflowClient()
 
     def experiment_id(self, name: str, artifact_location: str | None) -> str:
         from mlflow.exceptions import MlflowException
@@ -61,7 +74,7 @@ class Tracker:
         run = self.client.create_run(
             experiment_id,
             run_name=f"{pipeline_name} {time.strftime('%Y-%m-%d %H:%M:%S')}",
-            tags={TAG_PIPELINE: pipeline_name, TAG_ROLE: "pipeline", TAG_VERSION: __version__},
+            tags={TAG_PIPELINE: pipeline_name, TAG_ROLE: "pipeline", TAG_VERSION: __version__, **process_tags()},
         )
         self.log_params(run.info.run_id, params)
         return run.info.run_id
@@ -71,7 +84,7 @@ class Tracker:
             experiment_id,
             run_name=stage,
             tags={"mlflow.parentRunId": parent_run_id, TAG_STAGE: stage, TAG_ROLE: "stage",
-                  TAG_VERSION: __version__, **tags},
+                  TAG_VERSION: __version__, **process_tags(), **tags},
         )
         return run.info.run_id
 
@@ -114,12 +127,16 @@ class Tracker:
             resolved[name] = self.client.download_artifacts(run.info.run_id, f"outputs/{name}", str(target))
         return resolved
 
-    def publish_outputs(self, run_id: str, experiment_name: str, stage: str, staged: dict[str, str]) -> dict[str, str]:
-        """Move staged outputs into place, log them as artifacts, and record where they are.
+    def publish_outputs(self, recorder: Recorder, experiment_name: str, stage: str,
+                        staged: dict[str, str]) -> dict[str, str]:
+        """Move staged outputs into place, log them as artifacts, record where they are, finish.
 
-        Called only after a stage returned successfully; the run is marked FINISHED after
-        this, so a run killed before or during publication is never a cache hit.
+        Called only after a stage returned successfully. The outputs are moved on this disk
+        first (that cannot be lost to a tracking outage); the run is marked FINISHED last,
+        after its outputs tag, so a run killed before or during publication is never a
+        cache hit. With the store unreachable, all of it waits in the recorder's journal.
         """
+        run_id = recorder.run_id
         final_root = self.home / "outputs" / experiment_name / stage / run_id
         final_root.mkdir(parents=True, exist_ok=True)
         published = {}
@@ -127,27 +144,82 @@ class Tracker:
             source = Path(staged_path)
             target = final_root / source.name
             os.replace(source, target)
-            if target.is_dir():
-                self.client.log_artifacts(run_id, str(target), artifact_path=f"outputs/{target.name}")
-            else:
-                self.client.log_artifact(run_id, str(target), artifact_path="outputs")
             published[name] = str(target)
-        self.client.set_tag(run_id, TAG_OUTPUTS, json.dumps(published))
+        for target in published.values():
+            recorder.artifacts(target, f"outputs/{Path(target).name}" if Path(target).is_dir() else "outputs")
+        recorder.tags({TAG_OUTPUTS: json.dumps(published)})
+        recorder.terminate("FINISHED")
         return published
+
+    # ------------------------------------------------------------ runs whose process died
+
+    def reap_dead_runs(self, experiment_id: str) -> list[str]:
+        """Mark FAILED every RUNNING run of this experiment whose process on this host is gone.
+
+        A run records its host, pid and the pid's start time; a pid that no longer exists,
+        or now belongs to a process started at another time, ran the run and died (kill -9,
+        out of memory, a lost machine). Runs of other hosts are left to their own host;
+        runs with a local journal are still being recorded, not dead.
+        """
+        from flows.recording import pending_runs
+
+        waiting = set(pending_runs(self.home))
+        running = self.client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                          max_results=1000)
+        reaped = []
+        for run in running:
+            tags = run.data.tags
+            if run.info.run_id in waiting or tags.get(TAG_HOST) != socket.gethostname() or TAG_PID not in tags:
+                continue
+            if process_alive(int(tags[TAG_PID]), tags.get(TAG_PROCESS_START)):
+                continue
+            self.client.set_tag(run.info.run_id, "posttrain.error",
+                                f"the process that ran this (pid {tags[TAG_PID]} on {tags[TAG_HOST]}) died "
+                                "before it finished; marked FAILED by a later posttrain run")
+            self.client.set_terminated(run.info.run_id, status="FAILED")
+            reaped.append(run.info.run_id)
+        return reaped
+
+
+def process_start_time(pid: int) -> str | None:
+    try:
+        import psutil
+
+        return f"{psutil.Process(pid).create_time():.2f}"
+    except Exception:
+        return None
+
+
+def process_alive(pid: int, started: str | None) -> bool:
+    now = process_start_time(pid)
+    return now is not None and (started is None or now == started)
+
+
+def process_tags() -> dict[str, str]:
+    """Who runs this run: what ``reap_dead_runs`` checks later."""
+    return {TAG_HOST: socket.gethostname(), TAG_PID: str(os.getpid()),
+            TAG_PROCESS_START: process_start_time(os.getpid()) or ""}
 
 
 class MlflowStageContext:
-    """The ``stages.context.StageContext`` handed to a stage, bound to its MLflow run."""
+    """The ``stages.context.StageContext`` handed to a stage, bound to its MLflow run.
 
-    def __init__(self, tracker: Tracker, run_id: str, work_dir: Path, seed: int, console=None):
+    Every write goes through a ``flows.recording.Recorder``: if the tracking server goes
+    away mid-stage, training carries on and the writes wait in a local journal.
+    """
+
+    def __init__(self, tracker: Tracker, run_id: str, work_dir: Path, seed: int, console=None,
+                 resume_dir: Path | None = None, recorder: Recorder | None = None):
         self.tracker = tracker
         self.client = tracker.client
         self.run_id = run_id
         self.work_dir = work_dir
+        self.resume_dir = resume_dir or work_dir / "resume"
+        self.deadline: float | None = None  # set by the orchestrator from the stage's time limit
         self.seed = seed
         self.console = console
         self.staged: dict[str, str] = {}
-        self._pending = []  # queued metric writes (per-step logging must not wait on the store)
+        self.recorder = recorder or Recorder(tracker.client, run_id, tracker.home)
         self._staging = work_dir / "staging"
         work_dir.mkdir(parents=True, exist_ok=True)
 
@@ -165,45 +237,41 @@ class MlflowStageContext:
         return path
 
     def log_params(self, params: dict[str, Any]) -> None:
-        self.tracker.log_params(self.run_id, params)
+        self.recorder.params(params)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        items = [Metric(metric_name(k), float(v), now, step or 0) for k, v in metrics.items()]
-        for start in range(0, len(items), 500):
-            self._pending.append(self.client.log_batch(self.run_id, metrics=items[start : start + 500],
-                                                       synchronous=False))
+        self.recorder.metrics({metric_name(k): v for k, v in metrics.items()}, step or 0)
 
     def metric_history(self, name: str):
-        """Every logged value of a metric, after the queued writes landed."""
+        """Every logged value of a metric, after the buffered writes landed."""
         self.flush()
         return self.client.get_metric_history(self.run_id, name)
 
     def flush(self) -> None:
-        """Wait until every queued metric is in the store (before the run is published)."""
-        pending, self._pending = self._pending, []
-        for operation in pending:
-            if operation is not None:
-                operation.wait()
+        """Send buffered metrics (before the run is published)."""
+        self.recorder.flush_metrics()
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
+        self.recorder.tags(tags)
 
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
         if not rows:
             return
         columns = {key: [row.get(key) for row in rows] for key in rows[0]}
-        self.client.log_table(self.run_id, data=columns, artifact_file=name)
+        self.recorder.table(columns, name)
 
     def log_figure(self, figure: Any, name: str) -> None:
-        self.client.log_figure(self.run_id, figure, name)
+        self.recorder.figure(figure, name)
 
     @contextmanager
     def progress(self, description: str, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=self.console, transient=True) as bar:

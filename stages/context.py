@@ -10,6 +10,53 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Config fields that change how a stage executes, never what it computes: left out of the
+# fingerprint, so raising a time limit or checkpointing more often keeps the cache (and the
+# resume state, which is keyed by fingerprint).
+EXECUTION_FIELDS = frozenset({"save_steps", "time_limit_minutes", "resources"})
+
+
+class StageTimeLimit(Exception):
+    """A stage ran past its ``time_limit_minutes`` (a stage failure, not a transient one)."""
+
+
+class Resources(BaseModel):
+    """Where and on what a stage runs (never part of what it computes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool: str | None = Field(
+        None, description="Prefect work pool that runs this stage (through the `posttrain-stage/<pool>` "
+        "deployment, with run_deployment); unset: in the orchestrating process.",
+    )
+    gpus: int = Field(0, ge=0, le=64, description="GPUs the stage needs; passed to the pool's job template "
+                      "as the `gpus` job variable, and with more than one, one training process per GPU.")
+    processes: int = Field(1, ge=1, le=64, description="Training processes (data parallel). On CPU: N gloo "
+                           "processes through torchrun; on GPUs: `accelerate launch` with `accelerate_config`.")
+    accelerate_config: Literal["ddp", "fsdp", "zero3"] = Field(
+        "ddp", description="infra/accelerate/<name>.yaml for multi-GPU stages: DDP, FSDP or DeepSpeed ZeRO-3.")
+
+    def world_size(self) -> int:
+        return max(self.processes, self.gpus, 1)
+
+
+class ExecutionLimits(BaseModel):
+    """Fields every stage kind shares."""
+
+    resources: Resources | None = Field(
+        None, description="Work pool, GPUs and processes for this stage; default the pipeline's `resources`.")
+
+    time_limit_minutes: float | None = Field(
+        None, gt=0,
+        description="Stop the stage after this many minutes: a training stage stops after its current "
+        "optimizer step and keeps a resumable checkpoint; any stage is stopped at most 30 s after the limit. "
+        "The run is marked FAILED with what it got done.",
+    )
+
 
 class Progress(Protocol):
     def advance(self, amount: int = 1) -> None: ...
@@ -20,6 +67,11 @@ class StageContext(Protocol):
     """The stage's seed (the pipeline seed unless the stage sets its own)."""
     work_dir: Path
     """Scratch space for this execution; may hold partial state after a failure."""
+    deadline: float | None
+    """``time.monotonic()`` by which the stage must stop (its time limit), or None."""
+    resume_dir: Path
+    """Trainer checkpoints that outlive a crash: the next execution of the same stage (same
+    fingerprint) finds them here and resumes; removed once the stage is published."""
 
     def output_dir(self, name: str) -> Path:
         """A fresh staging dir for an output; published (moved and logged) only on success."""

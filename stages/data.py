@@ -4,7 +4,10 @@ Every dataset is materialised to a JSONL file of records
 ``{"messages": [{"role": ..., "content": ...}, ...], "answer": str | None}``: the
 conversation (ending with the assistant's demonstration when there is one) and the
 reference answer a verifier checks against. Training stages read ``messages``; evaluation
-drops a final assistant turn and samples its own.
+drops a final assistant turn and samples its own. Preference datasets (``records:
+preferences`` files and the ``arithmetic_preferences`` generator) are materialised as
+``{"prompt": [...], "chosen": [...], "rejected": [...], "answer": ...}`` instead
+(stages/preferences.py).
 """
 
 from __future__ import annotations
@@ -64,14 +67,55 @@ class FileData(BaseModel):
     role: Role = Field(description=ROLE_HELP)
     format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="File format; auto uses the suffix.")
     limit: int | None = Field(None, ge=1, description="Use only the first `limit` records.")
+    records: Literal["conversations", "preferences"] = Field(
+        "conversations",
+        description="What each record is: `conversations` (messages, or prompt + completion) or `preferences` "
+        "(prompt / chosen / rejected pairs, plain strings or chat messages) for reward_model and dpo stages.",
+    )
+
+
+class ArithmeticPreferenceData(BaseModel):
+    """Generated preference pairs for the arithmetic world, labelled by the exact-answer verifier:
+    a correct answer is preferred to a wrong one (a near miss, a far miss or a malformed reply)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generator: Literal["arithmetic_preferences"] = Field(description="Built-in generator of preference pairs.")
+    role: Role = Field(description=ROLE_HELP)
+    n: int = Field(ge=1, le=1_000_000, description="Number of pairs.")
+    seed: int = Field(0, description="Seed of the generator; different seeds draw different samples.")
+    min_operand: int = Field(0, ge=0, description="Smallest operand.")
+    max_operand: int = Field(9, ge=0, le=10**9, description="Largest operand.")
+    ops: list[Literal["+", "-", "*"]] = Field(["+"], min_length=1, description="Operators to draw from.")
+    near_miss_rate: float = Field(
+        0.6, ge=0.0, le=1.0, description="Share of rejected answers that are off by 1 or 2 (the errors an "
+        "imperfect policy makes)."
+    )
+    malformed_rate: float = Field(
+        0.2, ge=0.0, le=1.0, description="Share of rejected replies that are not a bare number at all "
+        "(the rest are numbers far from the answer)."
+    )
+
+    @model_validator(mode="after")
+    def _rates_and_range(self):
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})")
+        if self.near_miss_rate + self.malformed_rate > 1.0:
+            raise ValueError(f"near_miss_rate ({self.near_miss_rate}) + malformed_rate ({self.malformed_rate}) "
+                             "must be <= 1")
+        return self
 
 
 def _data_source(value) -> str | None:
     if isinstance(value, ArithmeticData):
         return "generator"
+    if isinstance(value, ArithmeticPreferenceData):
+        return "preference_generator"
     if isinstance(value, FileData):
         return "path"
     if isinstance(value, dict):
+        if value.get("generator") == "arithmetic_preferences":
+            return "preference_generator"
         for key in ("generator", "path"):
             if key in value:
                 return key
@@ -79,13 +123,23 @@ def _data_source(value) -> str | None:
 
 
 DataSpec = Annotated[
-    Union[Annotated[ArithmeticData, Tag("generator")], Annotated[FileData, Tag("path")]],
+    Union[
+        Annotated[ArithmeticData, Tag("generator")],
+        Annotated[ArithmeticPreferenceData, Tag("preference_generator")],
+        Annotated[FileData, Tag("path")],
+    ],
     Discriminator(
         _data_source,
         custom_error_type="data_source",
-        custom_error_message="a dataset needs a source: `generator: arithmetic` or `path: FILE`",
+        custom_error_message="a dataset needs a source: `generator: arithmetic`, "
+        "`generator: arithmetic_preferences` or `path: FILE`",
     ),
 ]
+
+
+def holds_preferences(spec) -> bool:
+    """Whether a dataset is preference pairs (for reward_model / dpo) rather than conversations."""
+    return isinstance(spec, ArithmeticPreferenceData) or (isinstance(spec, FileData) and spec.records == "preferences")
 
 
 class DataError(ValueError):
@@ -147,7 +201,7 @@ def _normalise_record(raw, where: str) -> dict:
     raise DataError(f"{where}: a record needs `messages` (list of turns) or `prompt` (string)")
 
 
-def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
+def read_jsonl(path: Path, limit: int | None = None, normalise=_normalise_record) -> list[dict]:
     records = []
     with open(path, encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):
@@ -157,13 +211,13 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
                 raw = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataError(f"{path}:{line_no}: not valid JSON ({error.msg})") from None
-            records.append(_normalise_record(raw, f"{path}:{line_no}"))
+            records.append(normalise(raw, f"{path}:{line_no}"))
             if limit and len(records) >= limit:
                 break
     return records
 
 
-def read_parquet(path: Path, limit: int | None = None) -> list[dict]:
+def read_parquet(path: Path, limit: int | None = None, normalise=_normalise_record) -> list[dict]:
     from datasets import Dataset
 
     try:
@@ -171,7 +225,7 @@ def read_parquet(path: Path, limit: int | None = None) -> list[dict]:
     except Exception as error:  # pyarrow raises several unrelated types for a bad file
         raise DataError(f"{path}: not a readable parquet file ({error})") from None
     rows = table.select(range(min(limit, len(table)))) if limit else table
-    return [_normalise_record(row, f"{path}: row {i}") for i, row in enumerate(rows)]
+    return [normalise(row, f"{path}: row {i}") for i, row in enumerate(rows)]
 
 
 def resolve_path(spec: FileData, base_dir: Path) -> Path:
@@ -183,11 +237,20 @@ def load_records(spec, base_dir: Path) -> list[dict]:
     """The dataset's canonical records; raises DataError naming the file (and line)."""
     if isinstance(spec, ArithmeticData):
         return generate_arithmetic(spec)
+    if isinstance(spec, ArithmeticPreferenceData):
+        from stages.preferences import generate_arithmetic_preferences
+
+        return generate_arithmetic_preferences(spec)
     path = resolve_path(spec, base_dir)
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist")
     fmt = spec.format if spec.format != "auto" else ("parquet" if path.suffix == ".parquet" else "jsonl")
-    records = read_parquet(path, spec.limit) if fmt == "parquet" else read_jsonl(path, spec.limit)
+    normalise = _normalise_record
+    if spec.records == "preferences":
+        from stages.preferences import normalise_preference
+
+        normalise = normalise_preference
+    records = read_parquet(path, spec.limit, normalise) if fmt == "parquet" else read_jsonl(path, spec.limit, normalise)
     if not records:
         raise DataError(f"data file {str(path)!r} holds no records")
     return records

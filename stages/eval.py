@@ -8,6 +8,11 @@ verifier could not parse an answer at all, kept apart from "wrong"); the truncat
 and hashed into the tag ``posttrain.eval_settings``: scores are comparable only within one
 hash. Prompts with no correct attempt are written as a failure-case JSONL a later round can
 train on.
+
+With ``select: reward_model`` (and ``reward_model: rm``) that reward model scores every attempt and, per
+prompt, the highest-scoring one is picked (best-of-N); ``best_of_n_accuracy`` is the share
+of prompts whose pick the verifier calls correct, reported beside pass@k. The selector and
+its checkpoint are part of the settings hash.
 """
 
 from __future__ import annotations
@@ -16,10 +21,17 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from stages.context import ExecutionLimits
 from stages.data import prompt_messages, read_materialized
 from stages.generation import HFGenerateBackend, SamplingSettings
 from stages.models import load_model_and_tokenizer
@@ -28,7 +40,7 @@ from stages.rewards import RewardSpec, score_completions
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(ExecutionLimits):
     """Evaluate a checkpoint on a dataset with rewards, at fixed sampling settings."""
 
     model_config = ConfigDict(extra="forbid")
@@ -46,9 +58,36 @@ class EvalConfig(BaseModel):
     )
     success_threshold: float = Field(1.0, description="An attempt is correct when the verifier scores at least this.")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="Fixed sampling settings.")
+    pass_k: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, min_length=1, description="The k of each reported pass@k; default 1, the powers of two below "
+        "`sampling.attempts`, and attempts. Each k must be at most `sampling.attempts`.",
+    )
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N prompts of the dataset.")
     prompt_batch_size: int = Field(64, ge=1, description="Prompts per generate call (each with all its attempts).")
     sample_table_rows: int = Field(50, ge=0, description="Prompts shown in the logged sample table.")
+    select: Literal["reward_model"] | None = Field(
+        None, description="Best-of-N: `reward_model` lets the stage's `reward_model` pick each prompt's "
+        "highest-scoring attempt, reported as `best_of_n_accuracy`.")
+    reward_model: str | None = Field(None, description="The `reward_model` stage that ranks attempts for `select`.")
+
+    @field_validator("pass_k")
+    @classmethod
+    def _k_within_attempts(cls, ks: list[int] | None, info: ValidationInfo):
+        sampling = info.data.get("sampling")
+        if ks is None or sampling is None:  # sampling itself is invalid: reported there
+            return ks
+        too_large = sorted(k for k in set(ks) if k > sampling.attempts)
+        if too_large:
+            raise ValueError(f"pass@k needs k samples per prompt, but k = {', '.join(map(str, too_large))} "
+                             f"> sampling.attempts ({sampling.attempts})")
+        return sorted(set(ks))
+
+    @model_validator(mode="after")
+    def _selector_named(self):
+        if (self.select is None) != (self.reward_model is None):
+            raise ValueError("`select: reward_model` and `reward_model: STAGE` go together (got select="
+                             f"{self.select!r}, reward_model={self.reward_model!r})")
+        return self
 
     @model_validator(mode="after")
     def _verifier_is_a_reward(self):
@@ -57,7 +96,13 @@ class EvalConfig(BaseModel):
         return self
 
     def references(self) -> dict[str, str]:
-        return {"model": self.model}
+        refs = {"model": self.model}
+        if self.reward_model is not None:
+            refs["reward_model"] = self.reward_model
+        return refs
+
+    # references that must name a reward_model stage (the spec checks the kind)
+    reward_model_references: ClassVar[tuple[str, ...]] = ("reward_model",)
 
     def dataset_names(self) -> list[str]:
         return [self.data]
@@ -86,8 +131,10 @@ def pass_k_values(attempts: int) -> list[int]:
     return sorted(ks)
 
 
-def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, RewardSpec]) -> str:
-    """Everything that changes a score except the checkpoint itself."""
+def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, RewardSpec],
+                  selector_path: str | None = None) -> str:
+    """Everything that changes a score except the checkpoint itself (the selector's checkpoint
+    is named by its published folder, which holds the run id)."""
     payload = {
         "sampling": config.sampling.model_dump(mode="json"),
         "data": Path(data_path).name,  # content-keyed file name
@@ -96,6 +143,10 @@ def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, Reward
         "verifier": config.verifier or config.rewards[0],
         "success_threshold": config.success_threshold,
     }
+    if config.select is not None:
+        selector = Path(selector_path) if selector_path else None
+        payload["select"] = {"by": config.select, "reward_model": config.reward_model,
+                             "checkpoint": f"{selector.parent.name}/{selector.name}" if selector else None}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -110,11 +161,12 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     sampling = config.sampling
     verifier = config.verifier or config.rewards[0]
 
-    settings_id = settings_hash(config, Path(inputs["data"]), rewards)
+    settings_id = settings_hash(config, Path(inputs["data"]), rewards, inputs.get("reward_model"))
     ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
     ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id})
 
-    model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]), for_generation=True)
+    model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]), for_generation=True,
+                                                trust_remote_code=inputs.get("trust_remote_code", False))
     with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
         backend = HFGenerateBackend(model, tokenizer, config.prompt_batch_size, progress=bar, keep_logprobs=False)
         samples = backend.generate(prompts, sampling)
@@ -125,12 +177,19 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
         "answer": [a for a in answers for _ in range(k)],
         "prompts": [p for p in prompts for _ in range(k)],
     }
-    scored = score_completions(rewards, flat_texts, columns)
+    from stages.reward_model import bind_reward_models
+
+    scored = score_completions(rewards, flat_texts, columns, bind_reward_models(rewards, inputs))
     by_name = {c.name: c for c in scored.components}
     verdict = by_name[verifier]
     correct = [s >= config.success_threshold for s in verdict.scores]
 
-    metrics = summarise(samples, correct, scored, verdict.parsed, k)
+    metrics = summarise(samples, correct, scored, verdict.parsed, k, config.pass_k)
+    picks = None
+    if config.select is not None:
+        picks, metrics["best_of_n_accuracy"] = select_best_of_n(
+            Path(inputs["reward_model"]), columns["prompts"], flat_texts, correct, k,
+            inputs.get("trust_remote_code", False))
     ctx.log_metrics(metrics)
 
     failures_path = ctx.output_file("failures.jsonl")
@@ -147,6 +206,8 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
                 "parsed": [verdict.parsed[j] for j in span],
                 "truncated": [s.truncated for s in group],
             }
+            if picks is not None:
+                case["best_of_n_pick"] = picks[i]
             if not any(case["correct"]):
                 failures += 1
                 handle.write(json.dumps(case) + "\n")
@@ -169,13 +230,14 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     return {"failures": str(failures_path), "metrics": metrics}
 
 
-def summarise(samples, correct: list[bool], scored, parsed: list[bool], k: int) -> dict[str, float]:
+def summarise(samples, correct: list[bool], scored, parsed: list[bool], k: int,
+              ks: list[int] | None = None) -> dict[str, float]:
     """Per-prompt correct counts → mean pass@k; plus reward, format, truncation, length."""
     n_prompts = len(samples)
     counts = [sum(correct[i * k : (i + 1) * k]) for i in range(n_prompts)]
     flat = [s for group in samples for s in group]
     metrics = {
-        f"pass_at_{kk}": sum(pass_at_k(k, c, kk) for c in counts) / n_prompts for kk in pass_k_values(k)
+        f"pass_at_{kk}": sum(pass_at_k(k, c, kk) for c in counts) / n_prompts for kk in (ks or pass_k_values(k))
     }
     metrics["reward_mean"] = sum(scored.total) / len(scored.total)
     for component in scored.components:
@@ -185,3 +247,15 @@ def summarise(samples, correct: list[bool], scored, parsed: list[bool], k: int) 
     metrics["truncated_rate"] = sum(s.truncated for s in flat) / len(flat)
     metrics["completion_tokens_mean"] = sum(len(s.token_ids) for s in flat) / len(flat)
     return metrics
+
+
+def select_best_of_n(selector: Path, prompts: list, texts: list[str], correct: list[bool], k: int,
+                     trust_remote_code: bool = False) -> tuple[list[int], float]:
+    """(per-prompt index of the attempt the reward model scores highest, share of picks that are correct)."""
+    from stages.preference_math import best_of_n, best_of_n_accuracy
+    from stages.reward_model import RewardModelScorer
+
+    scores = RewardModelScorer(selector, trust_remote_code=trust_remote_code).raw_scores(prompts, texts)
+    scores_P_K = [scores[i : i + k] for i in range(0, len(scores), k)]
+    correct_P_K = [correct[i : i + k] for i in range(0, len(correct), k)]
+    return best_of_n(scores_P_K), best_of_n_accuracy(scores_P_K, correct_P_K)

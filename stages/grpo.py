@@ -77,12 +77,13 @@ class RewardErrorBudget:
             )
 
 
-def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, metrics_sink):
-    """A TRL reward function (``prompts, completions, **columns``) around one of our rewards."""
+def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, metrics_sink, fn=None):
+    """A TRL reward function (``prompts, completions, **columns``) around one of our rewards
+    (``fn``: a bound reward-model scorer for a ``fn: reward_model`` reward)."""
 
     def reward(prompts, completions, completion_ids=None, **columns):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scored = score_component(name, spec, texts, {"answer": columns.get("answer"), "prompts": prompts})
+        scored = score_component(name, spec, texts, {"answer": columns.get("answer"), "prompts": prompts}, fn)
         budget.record(name, scored.errors, texts)
         sink = metrics_sink()
         if sink is not None:
@@ -175,10 +176,11 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     from stages.lora import merged
     from stages.models import load_model_and_tokenizer, set_padding_side
     from stages.rl import log_curves
-    from stages.trainer_callbacks import quiet_trainer, tracking_callback
+    from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
     seed = config.seed if config.seed is not None else ctx.seed
-    model, tokenizer = load_model_and_tokenizer(Path(inputs["policy"]))
+    model, tokenizer = load_model_and_tokenizer(Path(inputs["policy"]),
+                                                trust_remote_code=inputs.get("trust_remote_code", False))
     tokenizer.padding_side = "left"
     # TRL builds the KL reference from the policy's `_name_or_path`: point it at the anchor.
     model.config._name_or_path = str(inputs.get("reference") or inputs["policy"])
@@ -188,7 +190,10 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     rewards: dict[str, RewardSpec] = inputs["rewards"]
     budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
     holder: dict = {}
-    reward_funcs = [make_reward_func(name, spec, budget, lambda: holder.get("metrics"))
+    from stages.reward_model import bind_reward_models
+
+    bound = bind_reward_models(rewards, inputs)
+    reward_funcs = [make_reward_func(name, spec, budget, lambda: holder.get("metrics"), bound.get(name))
                     for name, spec in rewards.items()]
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
@@ -210,7 +215,8 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed,
                     "generation_batch": config.prompts_per_step * config.group_size})
-    trainer.train()
+    with stop_gracefully(trainer, ctx, resumable=False):
+        trainer.train()
 
     log_curves(ctx, history)
     last = history[-1] if history else {}

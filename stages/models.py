@@ -57,6 +57,11 @@ class PathModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(description="Directory of a Hugging Face checkpoint; relative to the pipeline file.")
+    trust_remote_code: bool = Field(
+        False,
+        description="Run the Python code a checkpoint ships (its config's `auto_map`) when loading it. "
+        "Off by default: such a checkpoint is refused at validation until the pipeline says it trusts it.",
+    )
 
 
 def _model_source(value) -> str | None:
@@ -175,25 +180,77 @@ def resolve_base_checkpoint(spec, seed: int, cache_dir: Path, base_dir: Path) ->
     return target
 
 
-def check_checkpoint_dir(path: Path) -> str | None:
-    """Why ``path`` is not a usable checkpoint directory, or None if it looks like one."""
+def check_checkpoint_dir(path: Path, *, trust_remote_code: bool = False) -> str | None:
+    """Why ``path`` is not a usable checkpoint directory, or None if it looks like one.
+
+    Reads only JSON: nothing of the checkpoint is imported or unpickled to decide.
+    """
     if not path.exists():
         return f"model path {str(path)!r} does not exist"
     if not path.is_dir():
         return f"model path {str(path)!r} is not a directory"
     if not (path / "config.json").exists():
         return f"model path {str(path)!r} has no config.json (not a Hugging Face checkpoint)"
+    if not isinstance(_read_json(path / "config.json"), dict):
+        return f"{str(path / 'config.json')!r} is not a JSON object (a broken checkpoint?)"
+    custom = custom_code_entries(path)
+    if custom and not trust_remote_code:
+        return (
+            f"model path {str(path)!r} ships its own Python code ({'; '.join(custom)}), and posttrain runs a "
+            "checkpoint's code only when the pipeline says so: read that code, then set "
+            "`trust_remote_code: true` under `model:` if you trust it"
+        )
     return None
 
 
-def load_model_and_tokenizer(path: Path, *, for_generation: bool = False):
-    """Load a causal LM and its tokenizer from a local checkpoint dir."""
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def custom_code_entries(path: Path) -> list[str]:
+    """The custom code a checkpoint asks transformers to import (``auto_map`` in its configs)."""
+    entries = []
+    for name in ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json"):
+        data = _read_json(path / name)
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if isinstance(auto_map, dict):
+            entries += [f"{name} auto_map {key} -> {value}" for key, value in auto_map.items()]
+        elif auto_map:
+            entries.append(f"{name} auto_map {auto_map}")
+    return entries
+
+
+def chat_template_problem(path: Path) -> str | None:
+    """Why the checkpoint's tokenizer cannot render a conversation, or None if it can."""
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((path / name).exists() for name in tokenizer_files):
+        return f"model path {str(path)!r} has no tokenizer ({', '.join(tokenizer_files)})"
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return None
+    config = _read_json(path / "tokenizer_config.json")
+    if isinstance(config, dict) and config.get("chat_template"):
+        return None
+    return (
+        f"model path {str(path)!r}: the tokenizer has no chat template (no chat_template.jinja, "
+        "chat_template.json or `chat_template` in tokenizer_config.json)"
+    )
+
+
+def load_model_and_tokenizer(path: Path, *, for_generation: bool = False, trust_remote_code: bool = False):
+    """Load a causal LM and its tokenizer from a local checkpoint dir.
+
+    ``trust_remote_code`` is passed explicitly (never left to transformers' default), so a
+    checkpoint's own Python runs only when the pipeline's model says ``trust_remote_code: true``.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
     if for_generation:
         tokenizer.padding_side = "left"
         model.eval()

@@ -30,6 +30,10 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   the quantity the reward penalises) toward ``kl_target``. The logged ``kl`` is the
   token-level mean of the k3 estimator, the same quantity the GRPO stage logs as ``kl``.
 - ``reward/errors`` is the cumulative count of reward-function exceptions in the stage.
+- A ``fn: reward_model`` reward scores rollouts with a trained reward model; with another
+  reward beside it (e.g. the verifier at weight 0), ``reward/<rm>/corr/<other>`` logs their
+  per-batch correlation. ``critic: rm`` starts the critic from that reward model's backbone
+  and score head instead of the policy's backbone and a zero head.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from torch import nn
 from stages.data import prompt_messages, read_materialized
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings
 from stages.models import load_model_and_tokenizer, set_padding_side
+from stages.reward_model import bind_reward_models, reward_model_correlations
 from stages.rewards import RewardSpec, ScoredBatch, score_completions
 from stages.rl import RLStageConfig, log_curves
 from stages.rl_math import (
@@ -77,12 +82,26 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy_checkpoint(cls, path: Path) -> "ValueModel":
+    def from_policy_checkpoint(cls, path: Path, trust_remote_code: bool = False) -> "ValueModel":
         """The policy's backbone (``model.model`` of a causal LM), without its LM head."""
         from transformers import AutoModelForCausalLM
 
-        causal_lm = AutoModelForCausalLM.from_pretrained(path)
+        causal_lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
         return cls(causal_lm.base_model, causal_lm.config.hidden_size)
+
+    @classmethod
+    def from_reward_model(cls, path: Path, trust_remote_code: bool = False) -> "ValueModel":
+        """A reward model's backbone and score head: V starts as the reward model's score of the
+        prefix, which at the last token is the reward itself (before any offset or normalisation)."""
+        from stages.reward_model import load_sequence_scorer
+
+        scorer, _ = load_sequence_scorer(path, trust_remote_code=trust_remote_code)
+        critic = cls(scorer.base_model, scorer.config.hidden_size)
+        with torch.no_grad():
+            critic.head.weight.copy_(scorer.score.weight)
+            if getattr(scorer.score, "bias", None) is not None:
+                critic.head.bias.copy_(scorer.score.bias)
+        return critic
 
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
@@ -90,10 +109,10 @@ class ValueModel(nn.Module):
         return self.head(hidden).squeeze(-1)
 
 
-def load_frozen_reference(path: Path) -> nn.Module:
+def load_frozen_reference(path: Path, trust_remote_code: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
     model.requires_grad_(False)
     return model
 
@@ -326,22 +345,25 @@ class PPORun:
     rewards: dict[str, RewardSpec]
     seed: int
     device: torch.device
+    reward_fns: dict  # bound reward-model scorers by reward name
     reward_errors: int = 0
 
     @classmethod
     def load(cls, config: RLStageConfig, inputs: dict, seed: int) -> "PPORun":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         policy_path = Path(inputs["policy"])
-        policy, tokenizer = load_model_and_tokenizer(policy_path)
+        trust = inputs.get("trust_remote_code", False)
+        policy, tokenizer = load_model_and_tokenizer(policy_path, trust_remote_code=trust)
         policy.to(device).eval()
-        reference = load_frozen_reference(Path(inputs.get("reference") or policy_path)).to(device)
-        critic = ValueModel.from_policy_checkpoint(policy_path).to(device).eval()
+        reference = load_frozen_reference(Path(inputs.get("reference") or policy_path), trust).to(device)
+        critic = (ValueModel.from_reward_model(Path(inputs["critic"]), trust) if inputs.get("critic")
+                  else ValueModel.from_policy_checkpoint(policy_path, trust)).to(device).eval()
         optimizers = [torch.optim.AdamW(policy.parameters(), lr=config.lr),
                       torch.optim.AdamW(critic.parameters(), lr=config.critic_lr or config.lr)]
         kl_control = (FixedKLController(config.kl_beta) if config.kl_target is None
                       else AdaptiveKLController(config.kl_beta, config.kl_target, config.kl_horizon))
         return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, inputs["rewards"],
-                   seed, device)
+                   seed, device, bind_reward_models(inputs["rewards"], inputs))
 
     def step(self, step: int, batch: list[dict], generator: torch.Generator) -> tuple[dict[str, float], list[dict]]:
         """Sample, score, update on one batch of prompts: the step's metrics and sample rows."""
@@ -356,13 +378,14 @@ class PPORun:
         texts = [s.text for s in rollout.samples]
         columns = {"answer": [answers[i] for i in rollout.prompt_index],
                    "prompts": [prompts[i] for i in rollout.prompt_index]}
-        scored = score_completions(self.rewards, texts, columns)
+        scored = score_completions(self.rewards, texts, columns, self.reward_fns)
         self.reward_errors = check_reward_errors(scored, texts, self.reward_errors, config)
 
         beta = self.kl_control.value
         targets = compute_targets(self.reference, self.critic, rollout, torch.tensor(scored.total), beta, config)
         update = ppo_update(self.policy, self.critic, self.optimizers, rollout, targets, config, generator)
         metrics = {**rollout_metrics(rollout, scored, targets, config.group_size), **update,
+                   **reward_model_correlations(scored, self.rewards),
                    "kl_beta": beta, "reward/errors": float(self.reward_errors)}
         self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts))
         return metrics, sample_rows(rollout, prompts, answers, scored)

@@ -5,13 +5,19 @@ from __future__ import annotations
 import importlib
 import os
 
+from stages.dpo import DPOStageConfig
 from stages.eval import EvalConfig
+from stages.kto import KTOStageConfig
+from stages.reward_model import RewardModelStageConfig
 from stages.rl import RLStageConfig
 from stages.sft import SFTStageConfig
 
 STAGE_KINDS = {
     "sft": SFTStageConfig,
+    "reward_model": RewardModelStageConfig,
     "rl": RLStageConfig,
+    "dpo": DPOStageConfig,
+    "kto": KTOStageConfig,
     "eval": EvalConfig,
 }
 
@@ -19,7 +25,10 @@ STAGE_KINDS = {
 HEADLINE_METRICS = {
     "sft": ["first_loss", "final_loss", "steps"],
     "rl": ["reward/mean", "kl", "steps"],
-    "eval": ["pass_at_1", "pass_at_*", "reward_mean", "format_error_rate", "truncated_rate"],
+    "reward_model": ["heldout_pairwise_accuracy", "heldout_reward_margin", "steps"],
+    "dpo": ["heldout_pairwise_accuracy", "rewards/margin", "steps"],
+    "kto": ["heldout_reward_margin", "rewards/margin", "kl", "steps"],
+    "eval": ["pass_at_1", "pass_at_*", "best_of_n_accuracy", "reward_mean", "format_error_rate", "truncated_rate"],
 }
 
 

@@ -16,9 +16,11 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+REWARD_MODEL_FN = "reward_model"  # the built-in that scores with a trained reward_model stage
 
 
 class RewardSpec(BaseModel):
@@ -27,8 +29,29 @@ class RewardSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     fn: str = Field(description="Built-in name (e.g. exact_answer) or dotted path `pkg.module:function`.")
-    weight: float = Field(1.0, description="Weight of this component in the combined reward.")
+    weight: float = Field(1.0, description="Weight of this component in the combined reward (0: scored and "
+                          "logged, never trained on, e.g. a verifier watched beside a learned reward).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function.")
+    stage: str | None = Field(None, description="fn reward_model: the `reward_model` stage whose checkpoint scores.")
+    normalize: Literal["none", "running", "group"] = Field(
+        "none", description="fn reward_model: `running` rescales scores by the running mean and std of every "
+        "score the stage has seen so far; `group` subtracts, per prompt, the mean score of that prompt's "
+        "completions in the batch (a reward model's scores are only comparable within a prompt).")
+    offset: float = Field(0.0, description="fn reward_model: a fixed offset subtracted from every score.")
+    batch_size: int = Field(64, ge=1, description="fn reward_model: completions scored per forward pass.")
+
+    @model_validator(mode="after")
+    def _reward_model_fields(self):
+        if self.fn == REWARD_MODEL_FN:
+            if not self.stage:
+                raise ValueError("fn reward_model needs `stage:`, the reward_model stage whose checkpoint scores")
+            if self.normalize != "none" and self.offset:
+                raise ValueError(f"normalize {self.normalize} and offset {self.offset} are alternatives; set one")
+        else:
+            misplaced = [f for f in ("stage", "normalize", "offset", "batch_size") if f in self.model_fields_set]
+            if misplaced:
+                raise ValueError(f"{', '.join(misplaced)} only apply to fn reward_model, not {self.fn!r}")
+        return self
 
 
 @dataclass
@@ -94,8 +117,21 @@ def _lazy(path: str) -> Callable[..., Any]:
     return call
 
 
+def reward_model(completions: list[str], **_) -> list[float]:
+    """Scores with a reward_model stage's checkpoint; the stage that uses it binds the model
+    (stages/reward_model.py ``bind_reward_models``), so an unbound call is a wiring error."""
+    raise RewardError("the reward_model reward scores with a trained reward model and is bound by the stage "
+                      "that uses it; it cannot be called on its own (e.g. by check-reward before training)")
+
+
+def reward_input_key(reward_name: str) -> str:
+    """The ``inputs`` key under which a stage receives the checkpoint of a reward's reward_model stage."""
+    return f"rewards.{reward_name}"
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "exact_answer": exact_answer,
+    REWARD_MODEL_FN: reward_model,
     "math_answer": _lazy("stages.rewards_math:math_answer"),
     "code_tests": _lazy("stages.rewards_code:code_tests"),
     "regex_format": regex_format,
@@ -106,11 +142,22 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
 # ---------------------------------------------------------------- loading
 
 
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED_PATH = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*(:{_IDENTIFIER})?")
+
+
 @functools.lru_cache(maxsize=None)
 def load_reward_fn(name: str) -> Callable[..., Any]:
     """Resolve a built-in name or a dotted path (``pkg.mod:fn`` or ``pkg.mod.fn``)."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
+    looks_like_file = "/" in name or "\\" in name or name.endswith(".py")
+    if looks_like_file or not _DOTTED_PATH.fullmatch(name):  # never a file path, a relative import, code
+        raise RewardError(
+            f"reward {name!r} is not a dotted path: reward code is imported only from a module on the Python "
+            "path, named like `my_pkg.rewards:score`"
+            + ("; a file path is never imported, make the file an importable module instead" if looks_like_file else "")
+        )
     if ":" in name:
         module_name, _, attr = name.partition(":")
     elif "." in name:
@@ -123,7 +170,8 @@ def load_reward_fn(name: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:
-        raise RewardError(f"reward {name!r}: cannot import module {module_name!r} ({error})") from None
+        raise RewardError(f"reward {name!r}: cannot import module {module_name!r} "
+                          f"({type(error).__name__}: {error})") from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise RewardError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
@@ -193,9 +241,13 @@ def _normalise_output(name: str, result: Any, expected: int) -> RewardOutput:
     return RewardOutput(scores, output.parsed)
 
 
-def score_component(name: str, spec: RewardSpec, completions: list[str], columns: dict[str, list]) -> ComponentScores:
-    """Score a batch; if the function raises, isolate the failing samples one by one."""
-    fn = load_reward_fn(spec.fn)
+def score_component(name: str, spec: RewardSpec, completions: list[str], columns: dict[str, list],
+                    fn: Callable[..., Any] | None = None) -> ComponentScores:
+    """Score a batch; if the function raises, isolate the failing samples one by one.
+
+    ``fn`` is a bound scorer (a loaded reward model) used instead of ``spec.fn``'s function.
+    """
+    fn = fn or load_reward_fn(spec.fn)
     try:
         output = _normalise_output(name, fn(completions, **columns, **spec.kwargs), len(completions))
         return ComponentScores(name, spec.weight, output.scores, output.parsed)
@@ -220,9 +272,12 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
 
 
 def score_completions(
-    specs: dict[str, RewardSpec], completions: list[str], columns: dict[str, list]
+    specs: dict[str, RewardSpec], completions: list[str], columns: dict[str, list],
+    fns: dict[str, Callable[..., Any]] | None = None,
 ) -> ScoredBatch:
-    components = [score_component(name, spec, completions, columns) for name, spec in specs.items()]
+    """Every component on one batch; ``fns``: bound scorers by reward name (reward models)."""
+    fns = fns or {}
+    components = [score_component(name, spec, completions, columns, fns.get(name)) for name, spec in specs.items()]
     total = [sum(c.weight * c.scores[i] for c in components) for i in range(len(completions))]
     return ScoredBatch(components, total)
 

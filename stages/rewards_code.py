@@ -27,8 +27,8 @@ import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from stages.rewards import RewardOutput
-from stages.sandbox import run_sandboxed
+from stages.rewards import RewardError, RewardOutput
+from stages.sandbox import ISOLATION_MODES, SandboxUnavailable, ensure_available, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
@@ -94,13 +94,17 @@ def code_tests(
     timeout_s: float = 5.0,
     memory_mb: int = 512,
     workers: int = 4,
+    sandbox: str = "bubblewrap",
     **_,
 ) -> RewardOutput:
     """1.0 when the completion's code passes its tests in the sandbox, else 0.0.
 
     ``tests``: python asserts, per completion (a ``tests`` column) or one string for all
     (a kwarg); when absent, the ``answer`` column is used as the tests.
+    ``sandbox``: ``bubblewrap`` (default; without it nothing runs and the reward raises) or
+    ``rlimits-only``, the pipeline's explicit opt-out (``stages/sandbox.py`` says what it gives up).
     """
+    require_sandbox(sandbox)
     per_completion_tests = _tests_per_completion(len(completions), tests, answer)
     codes = [extract_code(text) for text in completions]
     parsed = [code is not None and compiles(code) for code in codes]
@@ -108,14 +112,34 @@ def code_tests(
     def score(i: int) -> float:
         if not parsed[i]:
             return 0.0
-        return 1.0 if passes(codes[i], per_completion_tests[i], timeout_s=timeout_s, memory_mb=memory_mb) else 0.0
+        ok = passes(codes[i], per_completion_tests[i], timeout_s=timeout_s, memory_mb=memory_mb, sandbox=sandbox)
+        return 1.0 if ok else 0.0
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         scores = list(pool.map(score, range(len(completions))))
     return RewardOutput(scores, parsed)
 
 
-def passes(code: str, tests: str, *, timeout_s: float = 5.0, memory_mb: int = 512) -> bool:
+def require_sandbox(sandbox: str) -> None:
+    """Refuse (RewardError: the stage stops, never a silent zero) when the sandbox cannot run.
+
+    Checked before any completion is looked at, so the refusal does not depend on whether
+    the model happened to write code that compiles.
+    """
+    if sandbox not in ISOLATION_MODES:
+        raise RewardError(f"code_tests: sandbox must be one of {', '.join(ISOLATION_MODES)}, got {sandbox!r}")
+    try:
+        ensure_available(sandbox)
+    except SandboxUnavailable as error:
+        hint = ("" if sandbox != "bubblewrap" else
+                " To run model-written code without bubblewrap anyway, opt out explicitly in the pipeline: "
+                "`kwargs: {sandbox: rlimits-only}` on this reward (resource limits, a throwaway dir and a "
+                "scrubbed environment, but no network or filesystem isolation).")
+        raise RewardError(f"code_tests refuses to run model-written code: {error}{hint}") from None
+
+
+def passes(code: str, tests: str, *, timeout_s: float = 5.0, memory_mb: int = 512,
+           sandbox: str = "bubblewrap") -> bool:
     """Run ``code`` then ``tests`` in the sandbox; True only if the harness reached its end."""
     nonce = secrets.token_hex(16)
     result = run_sandboxed(
@@ -123,6 +147,7 @@ def passes(code: str, tests: str, *, timeout_s: float = 5.0, memory_mb: int = 51
         files={_SOLUTION_FILE: code, _TESTS_FILE: tests, _NONCE_FILE: nonce},
         timeout_s=timeout_s,
         memory_mb=memory_mb,
+        isolation=sandbox,
     )
     return result.returncode == 0 and not result.timed_out and nonce in result.stdout.splitlines()
 

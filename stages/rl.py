@@ -13,17 +13,18 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from stages.context import ExecutionLimits
 from stages.lora import LoraSpec
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
 GRPO_ONLY = ("advantage", "loss", "use_vllm", "lora", "updates_per_batch")
 PPO_ONLY = ("gamma", "lam", "vf_coef", "cliprange_value", "ppo_epochs", "minibatch_size",
-            "whiten_advantages", "kl_target", "kl_horizon", "critic_lr")
+            "whiten_advantages", "kl_target", "kl_horizon", "critic_lr", "critic")
 
 
-class RLStageConfig(BaseModel):
+class RLStageConfig(ExecutionLimits):
     """Reinforcement learning against rewards with a KL anchor (GRPO or PPO)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -82,6 +83,9 @@ class RLStageConfig(BaseModel):
     kl_target: float | None = Field(None, gt=0.0, description="PPO: adapt kl_beta toward this KL, in nats per completion (None: fixed).")
     kl_horizon: int = Field(10000, ge=1, description="PPO: horizon of the adaptive KL controller.")
     critic_lr: float | None = Field(None, gt=0, description="PPO: critic learning rate; default lr.")
+    critic: str | None = Field(
+        None, description="PPO: a `reward_model` stage whose checkpoint (backbone and score head) initialises "
+        "the critic; default the policy's backbone with a zero value head.")
 
     @model_validator(mode="after")
     def _algorithm_fields(self):
@@ -102,7 +106,12 @@ class RLStageConfig(BaseModel):
         refs = {"policy": self.policy}
         if self.reference is not None:
             refs["reference"] = self.reference
+        if self.critic is not None:
+            refs["critic"] = self.critic
         return refs
+
+    # references that must name a reward_model stage (the spec checks the kind)
+    reward_model_references: ClassVar[tuple[str, ...]] = ("critic",)
 
     def dataset_names(self) -> list[str]:
         return [self.data]

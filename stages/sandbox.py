@@ -2,8 +2,9 @@
 
 ``run_sandboxed(code, ...)`` writes ``code`` to a throwaway directory, runs it with the
 base interpreter (stdlib only: ``-S``, no site-packages) inside ``bwrap``, and returns a
-``SandboxResult``. There is no unsandboxed fallback: without ``bwrap`` it raises
-``SandboxUnavailable``.
+``SandboxResult``. There is no silent fallback: without ``bwrap`` it raises
+``SandboxUnavailable``, unless the caller explicitly asks for ``isolation="rlimits-only"``
+(the last section below).
 
 What is isolated
 - Network: a fresh network namespace with only loopback, so neither the host's services
@@ -43,6 +44,16 @@ What is not isolated (known gaps)
   processes on the host, so the limit is set to "tasks the user already has +
   max_processes"; concurrent sandboxes as root each get their own uid.
 - Timing side channels and the clock are the host's.
+
+The explicit opt-out: ``isolation="rlimits-only"``
+For hosts where bubblewrap cannot run, and only when the pipeline says so (a reward's
+``kwargs: {sandbox: rlimits-only}``). The code still runs with the base interpreter and
+``-S -E``, under the same ``prlimit`` limits and wall-clock timeout, in a fresh throwaway
+working dir (its cwd and HOME, deleted afterwards), with a scrubbed environment (the same
+five variables), in its own session; as root it runs as a fresh unprivileged uid and every
+process of that uid is killed at the end. What it does *not* get: no namespaces, so the
+network is reachable, the host's world-readable files can be read, world-writable places
+(/tmp) can be written, and (as a normal user) a process that leaves the session survives.
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 SANDBOX_DIR = "/sandbox"
+ISOLATION_MODES = ("bubblewrap", "rlimits-only")
 MAIN_FILE = "main.py"
 NOBODY = 65534
 # Fresh per-run uids (root parent only): far above normal users and subuid ranges, so a
@@ -104,8 +116,12 @@ def run_sandboxed(
     max_file_mb: int = 16,
     tmp_mb: int = 64,
     max_output_bytes: int = 1_000_000,
+    isolation: str = "bubblewrap",
 ) -> SandboxResult:
     """Run ``code`` as /sandbox/main.py in the sandbox; ``files`` are written beside it.
+
+    ``isolation="rlimits-only"`` is the explicit opt-out for hosts without bubblewrap (see
+    the module docstring for what it keeps and what it gives up); never chosen silently.
 
     Raises ``SandboxUnavailable`` when the sandbox cannot run here; whatever the code does
     (crash, hang, exhaust memory) is reported in the result, never raised.
@@ -115,7 +131,7 @@ def run_sandboxed(
             f"run_sandboxed: timeout_s ({timeout_s}), memory_mb ({memory_mb}) and "
             f"max_processes ({max_processes}) must be positive"
         )
-    tools = check_sandbox()
+    tools = ensure_available(isolation)
     privileged = os.geteuid() == 0
     sandbox_uid = _UID_BASE + secrets.randbelow(_UID_POOL) if privileged else None
     limits = _limits_argv(tools, timeout_s, memory_mb, max_processes, max_file_mb, privileged)
@@ -125,7 +141,9 @@ def run_sandboxed(
         work = run_dir / "work"
         _write_files(work, {**(files or {}), MAIN_FILE: code}, owner=sandbox_uid)
         streams = run_dir / "streams"  # outside the sandbox: the code only holds the fds
-        streams.mkdir()
+        streams.mkdir(mode=0o700)
+        if tools.bwrap is None:  # rlimits-only: the code's uid must reach its dir by its real path
+            os.chmod(run_dir, 0o711)
         (streams / "stdin").write_text(stdin, encoding="utf-8")
 
         def command(info_fd: int) -> list[str]:
@@ -134,7 +152,12 @@ def run_sandboxed(
 
         with open(streams / "stdin", "rb") as stdin_file, open(streams / "stdout", "wb") as stdout_file, \
                 open(streams / "stderr", "wb") as stderr_file:
-            returncode, timed_out = _execute(command, (stdin_file, stdout_file, stderr_file), timeout_s)
+            std_files = (stdin_file, stdout_file, stderr_file)
+            if tools.bwrap is None:  # rlimits-only, the pipeline's explicit opt-out
+                argv = [*limits, *_drop_to_uid(tools, sandbox_uid), tools.python, "-S", "-s", "-B", "-E", MAIN_FILE]
+                returncode, timed_out = _execute_unisolated(argv, work, std_files, timeout_s, sandbox_uid)
+            else:
+                returncode, timed_out = _execute(command, std_files, timeout_s)
         stdout = _read_capped(streams / "stdout", max_output_bytes)
         stderr = _read_capped(streams / "stderr", max_output_bytes)
     finally:
@@ -148,11 +171,32 @@ def run_sandboxed(
 
 @dataclass(frozen=True)
 class _Tools:
-    bwrap: str
+    bwrap: str | None  # None: rlimits-only
     prlimit: str
     setpriv: str | None
     python: str
     python_roots: tuple[str, ...]  # directories to bind read-only so the interpreter runs
+
+
+def ensure_available(isolation: str = "bubblewrap") -> _Tools:
+    """The tools for ``isolation``; raises ``SandboxUnavailable`` (with what to do) if it cannot run."""
+    if isolation == "bubblewrap":
+        return check_sandbox()
+    if isolation == "rlimits-only":
+        return check_rlimits_only()
+    raise ValueError(f"sandbox isolation must be one of {', '.join(ISOLATION_MODES)}, got {isolation!r}")
+
+
+def check_rlimits_only() -> _Tools:
+    """The opt-out's tools: prlimit (and setpriv as root) and the base interpreter; no bwrap."""
+    prlimit = shutil.which("prlimit")
+    setpriv = shutil.which("setpriv")
+    if prlimit is None or (os.geteuid() == 0 and setpriv is None):
+        raise SandboxUnavailable(
+            "even the rlimits-only sandbox needs `prlimit` and `setpriv` from util-linux: `apt-get install util-linux`"
+        )
+    python, roots = _base_interpreter()
+    return _Tools(None, prlimit, setpriv, python, roots)
 
 
 @functools.lru_cache(maxsize=None)
@@ -337,6 +381,59 @@ def _execute(command: Callable[[int], list[str]], std_files: tuple, timeout_s: f
         if pid_1_fd is not None:
             _wait_for_exit(pid_1_fd, timeout_s=10)
             os.close(pid_1_fd)
+
+
+def _execute_unisolated(argv: list[str], work: Path, std_files: tuple, timeout_s: float,
+                        uid: int | None) -> tuple[int, bool]:
+    """rlimits-only: run in its own session in ``work``; on exit or timeout kill what it left.
+
+    As root the code runs as a fresh uid, so every process of that uid is the run's own and is
+    killed; as a normal user, the session's process group is (a process that left it survives).
+    """
+    stdin_file, stdout_file, stderr_file = std_files
+    process = subprocess.Popen(argv, cwd=work, stdin=stdin_file, stdout=stdout_file, stderr=stderr_file,
+                               start_new_session=True, env={**_SANDBOX_ENV, "HOME": str(work)})
+    timed_out = False
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:  # also on KeyboardInterrupt: never leave the code running
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+        if uid is not None:
+            _kill_uid(uid)
+    status = process.returncode
+    return (128 - status if status < 0 else status), timed_out  # death by signal N as 128 + N, like bwrap
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid`` until none is left (a fresh uid that only the run used)."""
+    for _ in range(50):
+        pids = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = Path(entry.path, "status").read_text()
+            except OSError:
+                continue
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            zombie = fields.get("State", "").split()[:1] == ["Z"]  # dead already, waiting to be reaped
+            if not zombie and fields.get("Uid", "").split()[:1] == [str(uid)]:
+                pids.append(int(entry.name))
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+    warnings.warn(f"posttrain sandbox: processes of uid {uid} are still exiting", RuntimeWarning)
 
 
 def _open_pid_1(info_read: int) -> int | None:

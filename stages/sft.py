@@ -14,17 +14,19 @@ publishes only when training finished.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
+from stages.context import ExecutionLimits
 from stages.data import read_materialized
 from stages.lora import LoraSpec
 
 
-class SFTStageConfig(BaseModel):
+class SFTStageConfig(ExecutionLimits):
     """Supervised fine-tuning on demonstrations."""
 
     model_config = ConfigDict(extra="forbid")
@@ -50,6 +52,11 @@ class SFTStageConfig(BaseModel):
     assistant_only_loss: bool = Field(True, description="Train only on the assistant's tokens.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     logging_steps: int = Field(10, ge=1, description="Log loss and learning rate every N steps.")
+    save_steps: int | None = Field(
+        50, ge=1,
+        description="Write a resumable trainer checkpoint every N steps (kept only until the stage finishes); "
+        "an interrupted or killed run resumes from the latest. Null: only on Ctrl-C.",
+    )
     seed: int | None = Field(None, description="Training seed; default the pipeline seed.")
     lora: LoraSpec | None = Field(None, description="Train LoRA adapters instead of all weights (merged on save).")
 
@@ -79,10 +86,19 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
 
     from stages.lora import merged
     from stages.models import load_model_and_tokenizer, set_padding_side
-    from stages.trainer_callbacks import device_arguments, quiet_trainer, tracking_callback
+    from stages.trainer_callbacks import (
+        device_arguments,
+        last_checkpoint,
+        quiet_trainer,
+        resumable_arguments,
+        stop_gracefully,
+        tracking_callback,
+    )
 
     seed = ctx.seed if config.seed is None else config.seed
-    model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 when launched data-parallel (flows/distributed.py)
+    model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]),
+                                                trust_remote_code=inputs.get("trust_remote_code", False))
     tokenizer.padding_side = "right"
     records = read_materialized(Path(inputs["data"]))
     conversations = [r["messages"] for r in records]
@@ -93,10 +109,10 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
         path_args = {"assistant_only_loss": config.assistant_only_loss}
 
     args = SFTConfig(
-        output_dir=str(ctx.work_dir / "trainer"),
+        **resumable_arguments(ctx.resume_dir, config.save_steps),
         max_steps=config.max_steps if config.max_steps is not None else -1,
         num_train_epochs=config.epochs,
-        per_device_train_batch_size=config.batch_size,
+        per_device_train_batch_size=config.batch_size // world_size,  # the global batch stays batch_size
         learning_rate=config.lr,
         lr_scheduler_type=config.lr_schedule,
         warmup_steps=config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
@@ -105,7 +121,6 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
         packing=False,  # TRL's packing is padding-free: one batch-long row (see stages/packing.py)
         gradient_checkpointing=config.gradient_checkpointing,
         logging_steps=config.logging_steps,
-        save_strategy="no",
         **device_arguments(),
         report_to="none",
         seed=seed,
@@ -113,7 +128,8 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
         dataloader_num_workers=0,
         **path_args,
     )
-    ctx.log_params({"examples": len(records), "resolved_seed": seed, **params})  # the config is logged by flows
+    # args.world_size is the process group's: 2 only if two processes really joined it
+    ctx.log_params({"examples": len(records), "resolved_seed": seed, "world_size": args.world_size, **params})  # the config is logged by flows
     trainer_class = packed_sft_trainer_class() if config.packing else SFTTrainer
     trainer = trainer_class(
         model=model, args=args, train_dataset=train_dataset, processing_class=tokenizer, data_collator=collator,
@@ -121,8 +137,12 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
         callbacks=[tracking_callback(ctx, rename_metrics, f"sft: {args.max_steps} steps")],
     )
     quiet_trainer(trainer)
+    resume_from = last_checkpoint(ctx.resume_dir)
+    if resume_from:
+        ctx.log_params({"resumed_from": resume_from})
     started = time.perf_counter()
-    result = trainer.train()
+    with stop_gracefully(trainer, ctx):
+        result = trainer.train(resume_from_checkpoint=resume_from)
     seconds = time.perf_counter() - started
 
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -131,6 +151,7 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
         "final_loss": float(losses[-1]) if losses else float(result.training_loss),
         "first_loss": float(losses[0]) if losses else float(result.training_loss),
         "steps": float(trainer.state.global_step),
+        "resumed_from_step": float(int(resume_from.rsplit("-", 1)[-1])) if resume_from else 0.0,
         "train_seconds": seconds,
     }
     ctx.log_metrics(metrics)

@@ -6,6 +6,11 @@ progress bar; every logged value goes to the stage's MLflow run under our metric
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable
 
 
@@ -20,6 +25,8 @@ def tracking_callback(ctx, rename: Callable[[dict], dict[str, float]], descripti
         def on_train_begin(self, args, state, control, **kwargs):
             self._progress = ctx.progress(description, state.max_steps)
             self._bar = self._progress.__enter__()
+            if state.global_step:  # resumed from a checkpoint
+                self._bar.advance(state.global_step)
 
         def on_step_end(self, args, state, control, **kwargs):
             if self._bar is not None:
@@ -55,3 +62,85 @@ def quiet_trainer(trainer) -> None:
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
+
+
+def resumable_arguments(resume_dir: Path, save_steps: int | None) -> dict:
+    """Trainer arguments that write resumable checkpoints (model, optimizer, scheduler, RNG
+    states; only the latest kept) into the stage's resume dir every ``save_steps`` steps."""
+    return {
+        "output_dir": str(resume_dir),
+        "save_strategy": "steps" if save_steps else "no",
+        "save_steps": save_steps or 500,
+        "save_total_limit": 1,
+    }
+
+
+def last_checkpoint(resume_dir: Path) -> str | None:
+    """The newest complete trainer checkpoint an earlier, interrupted execution left, if any."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if not resume_dir.is_dir():
+        return None
+    found = get_last_checkpoint(str(resume_dir))
+    # a checkpoint whose writing was cut short has no trainer_state.json (written last): skip it
+    if found and not (Path(found) / "trainer_state.json").is_file():
+        return None
+    return found
+
+
+@contextmanager
+def stop_gracefully(trainer, ctx, resumable: bool = True):
+    """Stop ``trainer.train()`` between optimizer steps (with a resumable checkpoint saved when
+    ``resumable``, i.e. the trainer writes to the stage's resume dir):
+    on Ctrl-C (then raise KeyboardInterrupt; a second Ctrl-C interrupts at once) and at the
+    stage's deadline (then raise StageTimeLimit, saying how far it got).
+
+    Signal handlers can only be set from the main thread; elsewhere Ctrl-C interrupts at
+    once and the last periodic checkpoint is what a later run resumes from.
+    """
+    import time
+
+    from transformers import TrainerCallback
+
+    from stages.context import StageTimeLimit
+
+    deadline = getattr(ctx, "deadline", None)
+
+    class StopRequest(TrainerCallback):
+        interrupted = False
+        timed_out = False
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if deadline is not None and time.monotonic() >= deadline:
+                self.timed_out = True
+            if self.interrupted or self.timed_out:
+                control.should_save = resumable
+                control.should_training_stop = True
+            return control
+
+    request = StopRequest()
+    trainer.add_callback(request)
+
+    def handler(signum, frame):
+        if request.interrupted:
+            raise KeyboardInterrupt
+        request.interrupted = True
+        print("\ninterrupted: stopping after this optimizer step" + (" and saving a checkpoint" if resumable else "")
+              + " (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, handler) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+        trainer.remove_callback(request)
+    if request.interrupted:
+        raise KeyboardInterrupt
+    if request.timed_out:
+        state = trainer.state
+        kept = ("; a resumable checkpoint was saved and the next run of this stage resumes from it"
+                if resumable else "")
+        raise StageTimeLimit(f"time limit reached after {state.global_step} of {state.max_steps} optimizer steps"
+                             + kept)

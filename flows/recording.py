@@ -1,0 +1,289 @@
+"""Recording into MLflow without ever losing what could not be recorded.
+
+Training must not die because the tracking server did. Every write posttrain makes to a
+run goes through a ``Recorder``: while the store answers, writes go straight in; the
+first write that fails because the store is *unreachable* (a connection refused or
+reset, a timeout, repeated 5xx answers — not a bad request) switches that run's recorder
+to a local journal, ``$POSTTRAIN_HOME/pending/<run_id>.json``, and every later write for
+the run is appended there in order. ``replay_pending`` sends journals once the store is
+back (``posttrain sync``, and the start of every ``posttrain run``), oldest write first,
+and deletes each journal only after its last write landed. A journal that ends with the
+run's FINISHED status also carries its published outputs, so a stage that finished while
+the server was away becomes a cache hit as soon as it is replayed.
+
+Metric writes are buffered and sent as one batch every ``FLUSH_SECONDS`` (or
+``FLUSH_SIZE`` values), so per-step logging never waits on the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+FLUSH_SECONDS = 2.0
+FLUSH_SIZE = 1000
+
+
+class TrackingUnavailable(ConnectionError):
+    """The MLflow tracking store cannot be reached (a ConnectionError, so Prefect retries it)."""
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """Whether an error means "the store is unreachable" rather than "the request was wrong"."""
+    import requests
+
+    seen = error
+    for _ in range(5):  # walk the cause/context chain a little way
+        if seen is None:
+            break
+        if isinstance(seen, (TrackingUnavailable, requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                             ConnectionError, TimeoutError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    message = str(error)
+    return "Max retries exceeded" in message or "Connection refused" in message or "Connection aborted" in message
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI", "")
+
+
+def check_reachable(timeout: float = 10.0) -> None:
+    """Raise TrackingUnavailable unless an HTTP tracking server answers ``/health`` (no-op for SQLite)."""
+    uri = tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    try:
+        response = requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+    except requests.exceptions.RequestException as error:
+        raise TrackingUnavailable(f"the MLflow tracking server at {uri} is unreachable ({type(error).__name__})") from None
+    if response.status_code >= 500:
+        raise TrackingUnavailable(f"the MLflow tracking server at {uri} answered /health with {response.status_code}")
+
+
+def pending_dir(home: Path) -> Path:
+    return home / "pending"
+
+
+def _jsonable(value):
+    if hasattr(value, "item"):  # numpy and torch scalars
+        return value.item()
+    return str(value)
+
+
+def _write_json_atomic(path: Path, payload: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".writing-", suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, default=_jsonable)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class Recorder:
+    """Every write to one MLflow run, journalled locally once the store is unreachable."""
+
+    def __init__(self, client, run_id: str, home: Path):
+        self.client = client
+        self.run_id = run_id
+        self.home = home
+        self.journal: list[dict] = []
+        self.unavailable: str | None = None  # why the store was given up on, for the report
+        self._metrics: list[list] = []
+        self._metrics_since = time.monotonic()
+        self._files = pending_dir(home) / run_id
+
+    @property
+    def offline(self) -> bool:
+        return self.unavailable is not None
+
+    @property
+    def journal_path(self) -> Path:
+        return pending_dir(self.home) / f"{self.run_id}.json"
+
+    # ---- the writes
+
+    def params(self, params: dict[str, Any]) -> None:
+        self._do({"op": "params", "params": {str(k): str(v)[:6000] for k, v in params.items()}})
+
+    def tags(self, tags: dict[str, str]) -> None:
+        self._do({"op": "tags", "tags": {str(k): str(v) for k, v in tags.items()}})
+
+    def metrics(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self._metrics.extend([name, float(value), now, step] for name, value in metrics.items())
+        if len(self._metrics) >= FLUSH_SIZE or time.monotonic() - self._metrics_since >= FLUSH_SECONDS:
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        batch, self._metrics = self._metrics, []
+        self._metrics_since = time.monotonic()
+        for start in range(0, len(batch), FLUSH_SIZE):
+            self._do({"op": "metrics", "metrics": batch[start : start + FLUSH_SIZE]})
+
+    def text(self, text: str, name: str) -> None:
+        self._do({"op": "text", "text": text, "name": name})
+
+    def table(self, columns: dict[str, list], name: str) -> None:
+        self._do({"op": "table", "columns": columns, "name": name})
+
+    def figure(self, figure, name: str) -> None:
+        if self.offline:
+            self._files.mkdir(parents=True, exist_ok=True)
+            path = self._files / name.replace("/", "_")
+            figure.savefig(path)
+            self._do({"op": "artifact", "path": str(path), "artifact_path": os.path.dirname(name) or None})
+            return
+        try:
+            self.client.log_figure(self.run_id, figure, name)
+        except Exception as error:
+            if not is_unavailable(error):
+                raise
+            self._go_offline(error)
+            self.figure(figure, name)
+
+    def artifacts(self, path: str, artifact_path: str | None) -> None:
+        """A file or a directory (logged as its contents) that lies on this disk for good."""
+        self._do({"op": "artifact", "path": str(path), "artifact_path": artifact_path})
+
+    def model(self, op: dict) -> None:
+        """A logged-model / registered-model write (``flows.models``), journalled like the rest."""
+        self._do(op)
+
+    def terminate(self, status: str) -> None:
+        self.flush_metrics()
+        self._do({"op": "terminate", "status": status})
+
+    # ---- the journal
+
+    def _do(self, op: dict) -> None:
+        if self.offline:
+            self.journal.append(op)
+            self.save_journal()
+            return
+        try:
+            apply_op(self.client, self.run_id, op)
+        except Exception as error:
+            if not is_unavailable(error):
+                raise
+            self._go_offline(error)
+            self.journal.append(op)
+            self.save_journal()
+
+    def _go_offline(self, error: BaseException) -> None:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        self.unavailable = f"{type(error).__name__}: {first_line[:300]}"
+
+    def save_journal(self) -> None:
+        _write_json_atomic(self.journal_path, {"run_id": self.run_id, "reason": self.unavailable, "ops": self.journal})
+
+    def retry(self, seconds: float) -> bool:
+        """Try to send the journal for up to ``seconds`` (backing off); True once all of it landed."""
+        if not self.offline:
+            return True
+        deadline = time.monotonic() + seconds
+        delay = 1.0
+        while True:
+            try:
+                check_reachable(timeout=min(10.0, max(1.0, deadline - time.monotonic())))
+                replay_journal(self.client, self.journal_path)
+            except Exception as error:
+                if not is_unavailable(error) or time.monotonic() + delay > deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2, 15.0)
+                continue
+            self.journal, self.unavailable = [], None
+            return True
+
+    def summary(self) -> str:
+        """What is waiting in the journal, in words."""
+        counts: dict[str, int] = {}
+        for op in self.journal:
+            key = op["op"]
+            counts[key] = counts.get(key, 0) + (len(op["metrics"]) if key == "metrics" else 1)
+        names = {"metrics": "metric values", "params": "param batches", "tags": "tag batches", "text": "texts",
+                 "table": "tables", "artifact": "artifact paths", "terminate": "final status",
+                 "model.register": "model registrations", "model.link_eval": "model score links"}
+        parts = [f"{n} {names.get(k, k)}" for k, n in counts.items()]
+        return ", ".join(parts) or "nothing"
+
+
+def apply_op(client, run_id: str, op: dict) -> None:
+    kind = op["op"]
+    if kind == "params":
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in op["params"].items()]
+        for start in range(0, len(items), 100):
+            client.log_batch(run_id, params=items[start : start + 100])
+    elif kind == "tags":
+        from mlflow.entities import RunTag
+
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()])
+    elif kind == "metrics":
+        from mlflow.entities import Metric
+
+        client.log_batch(run_id, metrics=[Metric(name, value, ts, step) for name, value, ts, step in op["metrics"]])
+    elif kind == "text":
+        client.log_text(run_id, op["text"], op["name"])
+    elif kind == "table":
+        client.log_table(run_id, data=op["columns"], artifact_file=op["name"])
+    elif kind == "artifact":
+        if Path(op["path"]).is_dir():
+            client.log_artifacts(run_id, op["path"], artifact_path=op["artifact_path"])
+        else:
+            client.log_artifact(run_id, op["path"], artifact_path=op["artifact_path"])
+    elif kind == "terminate":
+        client.set_terminated(run_id, status=op["status"])
+    elif kind.startswith("model."):  # logged / registered models of the run's checkpoint or scores
+        from flows.models import apply_model_op
+
+        apply_model_op(client, run_id, op)
+    else:
+        raise ValueError(f"unknown journal operation {kind!r}")
+
+
+def replay_journal(client, path: Path) -> None:
+    """Send one run's journal in order; rewrite it after each write so a crash never repeats much."""
+    payload = json.loads(path.read_text(encoding="utf-8"))
+    ops = payload["ops"]
+    while ops:
+        apply_op(client, payload["run_id"], ops[0])
+        ops.pop(0)
+        if ops:
+            _write_json_atomic(path, payload)
+    path.unlink()
+    files = path.with_suffix("")
+    if files.is_dir():
+        import shutil
+
+        shutil.rmtree(files, ignore_errors=True)
+
+
+def pending_runs(home: Path) -> list[str]:
+    folder = pending_dir(home)
+    return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+
+
+def replay_pending(client, home: Path) -> tuple[list[str], list[str]]:
+    """Send every journal in ``$POSTTRAIN_HOME/pending``; (run ids recorded, run ids still pending)."""
+    done, left = [], []
+    folder = pending_dir(home)
+    for run_id in pending_runs(home):
+        try:
+            replay_journal(client, folder / f"{run_id}.json")
+        except Exception as error:
+            if not is_unavailable(error):
+                raise
+            left.append(run_id)
+        else:
+            done.append(run_id)
+    return done, left

@@ -1,0 +1,105 @@
+"""Failure sets as training data: what round r of an ``iterate:`` pipeline trains on.
+
+An eval stage writes the prompts none of whose attempts the verifier accepted to
+``failures.jsonl`` (one case per line: the prompt ``messages``, the expected ``answer``,
+every attempt and its rewards). This module turns such a file into training records and
+mixes them with the stage's original data:
+
+- For ``sft`` a failure becomes a demonstration whose assistant reply is the expected
+  answer itself, the verifier's truth, not any of the model's attempts. That is exactly
+  right where a demonstration is the bare answer (the arithmetic generator's are: ``"7"``
+  for "What is 3+4?"); for data whose replies carry reasoning or a format around the
+  answer, iterate an ``rl`` stage instead, which learns from the verifier.
+- For ``rl`` a failure is its prompt and expected answer: the verifier is the teacher.
+
+``mix`` is the share of the round's training examples drawn from the failure set; the
+rest are drawn from the original data, and the total stays the size of the original
+dataset (so ``max_steps`` and ``epochs`` mean what they meant in round 1). When there
+are fewer failures than failure slots they are repeated, each as evenly as possible
+(floor or ceiling of slots / failures times); with no failures the round trains on the
+original data unchanged. All draws use one seeded ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+FROM_FAILURES = "failure_set"  # the ``origin`` of a record drawn from the failure set
+
+
+class FailureSetError(ValueError):
+    """A failure set that cannot become training data (unreadable, or no answer to demonstrate)."""
+
+
+def read_failures(path: Path) -> list[dict]:
+    cases = []
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                case = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise FailureSetError(f"{path}:{line_no}: not valid JSON ({error.msg})") from None
+            if not isinstance(case, dict) or not isinstance(case.get("messages"), list) or not case["messages"]:
+                raise FailureSetError(f"{path}:{line_no}: a failure case needs its prompt `messages`")
+            cases.append(case)
+    return cases
+
+
+def failure_training_records(cases: list[dict], demonstrations: bool, where: str = "failure set") -> list[dict]:
+    """Canonical records (``messages``, ``answer``) from failure cases.
+
+    ``demonstrations``: end each conversation with the expected answer as the assistant's
+    reply (for sft); otherwise keep the prompt alone (for rl).
+    """
+    records = []
+    for i, case in enumerate(cases, start=1):
+        prompt = [m for m in case["messages"]]
+        if prompt and prompt[-1].get("role") == "assistant":  # never train on a recorded attempt
+            prompt = prompt[:-1]
+        answer = case.get("answer")
+        answer = None if answer is None else str(answer)
+        if demonstrations:
+            if answer is None:
+                raise FailureSetError(f"{where}: case {i} has no expected answer, so no demonstration can be built "
+                                      "for an sft stage; iterate an rl stage, or give the probe data answers")
+            messages = [*prompt, {"role": "assistant", "content": answer}]
+        else:
+            messages = prompt
+        records.append({"messages": messages, "answer": answer, "origin": FROM_FAILURES})
+    return records
+
+
+def mix_records(original: list[dict], from_failures: list[dict], mix: float,
+                seed: str | int) -> tuple[list[dict], dict[str, int]]:
+    """(the round's training records, counts): ``mix`` of ``len(original)`` slots from failures."""
+    total = len(original)
+    rng = random.Random(seed)
+    if not from_failures or mix <= 0 or total == 0:
+        return list(original), {"failure_prompts": len(from_failures), "failure_examples": 0,
+                                "original_examples": total}
+    n_failures = min(total, max(1, round(mix * total)))
+    order = list(from_failures)
+    rng.shuffle(order)
+    failures_B = [order[i % len(order)] for i in range(n_failures)]
+    original_B = rng.sample(original, total - n_failures)
+    records = failures_B + original_B
+    rng.shuffle(records)
+    return records, {"failure_prompts": len(from_failures), "failure_examples": n_failures,
+                     "original_examples": total - n_failures}
+
+
+def write_records(records: list[dict], target: Path) -> Path:
+    """Write JSONL atomically (a reader never sees half a file); return ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".writing-", suffix=".jsonl", dir=target.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    os.replace(tmp, target)
+    return target

@@ -1,0 +1,77 @@
+"""Stage kind ``kto``: Kahneman-Tversky optimisation with TRL's ``KTOTrainer``.
+
+The same preference pairs as ``dpo`` (stages/dpo.py shares the loading, reference and
+logging), unpaired here: chosen replies desirable, rejected ones undesirable, shuffled with
+the stage seed. TRL reads its training data in order (its KL reference point is estimated
+on mismatched prompt/completion pairs within each fixed batch, so ``batch_size`` must be
+above 1), and its own unpairing puts a thousand desirable replies before a thousand
+undesirable ones. Each reply is scored alone against that reference point. Logged:
+``rewards/chosen``, ``rewards/rejected``, ``rewards/margin``, ``kl``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from stages.dpo import PreferenceOptimisationConfig, train_on_preferences
+
+
+class KTOStageConfig(PreferenceOptimisationConfig):
+    """Kahneman-Tversky optimisation of a policy on desirable / undesirable replies."""
+
+    kind: Literal["kto"] = Field(description="Stage kind.")
+    desirable_weight: float = Field(1.0, gt=0, description="Weight of the loss on desirable (chosen) replies.")
+    undesirable_weight: float = Field(1.0, gt=0, description="Weight of the loss on undesirable (rejected) replies.")
+
+    @model_validator(mode="after")
+    def _batch_for_kl(self):
+        if self.batch_size < 2:
+            raise ValueError(f"kto estimates its KL reference point within a batch: batch_size must be >= 2 "
+                             f"(got {self.batch_size})")
+        return self
+
+
+def run(config: KTOStageConfig, inputs: dict, ctx) -> dict:
+    from trl import KTOConfig, KTOTrainer
+
+    from stages.trainer_callbacks import device_arguments
+
+    seed = ctx.seed if config.seed is None else config.seed
+    args = KTOConfig(
+        output_dir=str(ctx.work_dir / "trainer"),
+        max_steps=config.max_steps,
+        per_device_train_batch_size=config.batch_size,
+        per_device_eval_batch_size=max(config.batch_size, 64),
+        learning_rate=config.lr,
+        lr_scheduler_type=config.lr_schedule,
+        warmup_steps=config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
+        weight_decay=config.weight_decay,
+        max_length=config.max_length,
+        beta=config.beta,
+        desirable_weight=config.desirable_weight,
+        undesirable_weight=config.undesirable_weight,
+        gradient_checkpointing=False,
+        logging_steps=config.logging_steps,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        data_seed=seed,
+        dataloader_num_workers=0,
+        **device_arguments(),
+    )
+    return train_on_preferences(KTOTrainer, args, config, inputs, ctx, lambda records: unpaired(records, seed))
+
+
+def unpaired(records: list[dict], seed: int):
+    """Desirable (chosen) and undesirable (rejected) replies, one per row, shuffled."""
+    import random
+
+    from datasets import Dataset
+
+    rows = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+            for r in records for side in ("chosen", "rejected")]
+    random.Random(seed).shuffle(rows)
+    return Dataset.from_list(rows)

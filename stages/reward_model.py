@@ -1,0 +1,288 @@
+"""Stage kind ``reward_model``: a Bradley-Terry reward model with TRL's ``RewardTrainer``,
+and the trained model used as a reward by later stages.
+
+Training: a sequence classifier with one output (``AutoModelForSequenceClassification``,
+``num_labels=1``) starts from a base or SFT checkpoint; its score head is new and
+initialised from the stage seed. Each pair is rendered with the chat template (prompt plus
+reply) and the model's score is read at the last token; the loss is -log sigmoid(r_chosen -
+r_rejected) (stages/preference_math.py ``bradley_terry_loss``, the same expression TRL
+computes). A seeded ``heldout_fraction`` of the pairs is never trained on: the stage logs
+its pairwise accuracy (share of pairs ranked the right way; ties count as wrong) and mean
+reward margin before training, every ``eval_every`` steps, and at the end, as
+``heldout_pairwise_accuracy`` and ``heldout_reward_margin``.
+
+As a reward (``rewards: {rm: {fn: reward_model, stage: rm}}``): ``RewardModelScorer``
+scores (prompt, completion) pairs in batches, rendered exactly as in training and padded
+on the right. Optional ``offset`` (subtracted), ``normalize: running`` (running mean and
+std over every score this stage has seen, the current batch included) or ``normalize:
+group`` (each score minus the mean score of its prompt's completions in the batch:
+Bradley-Terry training fixes scores only up to an offset per prompt, and across prompts
+that offset is noise a policy-gradient step would chase).
+``reward_model_correlations`` gives, per batch, the Pearson correlation between a reward
+model's scores and every other reward (e.g. a weight-0 verifier): when it falls while the
+learned reward climbs, the policy is exploiting the reward model.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import ConfigDict, Field
+
+from stages.context import ExecutionLimits
+from stages.data import read_materialized
+from stages.rewards import REWARD_MODEL_FN, RewardSpec, ScoredBatch, reward_input_key
+
+
+class RewardModelStageConfig(ExecutionLimits):
+    """Train a Bradley-Terry reward model on preference pairs."""
+
+    model_config = ConfigDict(extra="forbid")
+    trains: ClassVar[bool] = True
+    produces_checkpoint: ClassVar[bool] = True
+    produces: ClassVar[str] = "reward_model"  # a scorer, not a policy: it cannot be sampled from
+    data_records: ClassVar[str] = "preferences"
+
+    kind: Literal["reward_model"] = Field(description="Stage kind.")
+    model: str = Field("base", description="Stage whose checkpoint the reward model starts from, or `base`.")
+    data: str = Field(description="Preference pairs (name under `data:`); must not be `heldout`.")
+    heldout_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Share of the pairs held out (seeded) to measure pairwise accuracy; "
+        "0 trains on all and reports no held-out accuracy.")
+    max_steps: int = Field(200, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, le=65536, description="Pairs per optimizer step.")
+    lr: float = Field(1e-3, gt=0, le=1.0, description="Peak learning rate.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description="Learning-rate schedule.")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Share of steps spent warming up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_length: int = Field(128, ge=8, description="Pairs with a reply longer than this (in tokens) are dropped.")
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, description="Weight of a penalty on the squared mean score, keeping rewards centred near 0.")
+    eval_every: int = Field(50, ge=1, description="Measure held-out pairwise accuracy every N steps.")
+    logging_steps: int = Field(10, ge=1, description="Log loss, training accuracy and margin every N steps.")
+    seed: int | None = Field(None, description="Seed of the score head and data order; default the pipeline seed.")
+
+    def references(self) -> dict[str, str]:
+        return {"model": self.model}
+
+    def dataset_names(self) -> list[str]:
+        return [self.data]
+
+    def reward_names(self) -> list[str]:
+        return []
+
+
+METRIC_NAMES = {
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "learning_rate": "lr",
+    "accuracy": "train/pairwise_accuracy",
+    "margin": "train/reward_margin",
+    "mean_reward": "train/mean_reward",
+    "eval_loss": "heldout_loss",
+    "eval_accuracy": "heldout_pairwise_accuracy",
+    "eval_margin": "heldout_reward_margin",
+    "eval_mean_reward": "heldout_mean_reward",
+}
+
+
+def rename_metrics(logs: dict) -> dict[str, float]:
+    return {METRIC_NAMES[k]: float(v) for k, v in logs.items() if k in METRIC_NAMES and isinstance(v, (int, float))}
+
+
+def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
+    """(model, tokenizer): a one-output sequence classifier from any causal-LM or reward checkpoint.
+
+    From a causal LM the score head is new (random); ``pad_token_id`` is set in the config
+    because the classifier reads its score at the last token that is not padding.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
+                                                               trust_remote_code=trust_remote_code)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
+    import torch
+    from trl import RewardConfig, RewardTrainer
+
+    from stages.models import set_padding_side
+    from stages.preferences import check_preference_records, split_heldout, trl_dataset
+    from stages.trainer_callbacks import device_arguments, quiet_trainer, stop_gracefully, tracking_callback
+
+    seed = ctx.seed if config.seed is None else config.seed
+    records = read_materialized(Path(inputs["data"]))
+    check_preference_records(records, f"stage data {inputs['data']}")
+    train, heldout = split_heldout(records, config.heldout_fraction, seed)
+    torch.manual_seed(seed)  # the new score head
+    model, tokenizer = load_sequence_scorer(Path(inputs["model"]), inputs.get("trust_remote_code", False))
+    tokenizer.padding_side = "right"
+
+    args = RewardConfig(
+        output_dir=str(ctx.work_dir / "trainer"),
+        max_steps=config.max_steps,
+        per_device_train_batch_size=config.batch_size,
+        per_device_eval_batch_size=max(config.batch_size, 64),
+        learning_rate=config.lr,
+        lr_scheduler_type=config.lr_schedule,
+        warmup_steps=config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
+        weight_decay=config.weight_decay,
+        max_length=config.max_length,
+        center_rewards_coefficient=config.center_rewards_coefficient,
+        gradient_checkpointing=False,
+        logging_steps=config.logging_steps,
+        eval_strategy="steps" if heldout else "no",
+        eval_steps=config.eval_every,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        data_seed=seed,
+        dataloader_num_workers=0,
+        **device_arguments(),
+    )
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=trl_dataset(train),
+        eval_dataset=trl_dataset(heldout) if heldout else None, processing_class=tokenizer,
+        callbacks=[tracking_callback(ctx, rename_metrics, f"reward model: {config.max_steps} steps")],
+    )
+    quiet_trainer(trainer)
+    ctx.log_params({"pairs": len(records), "train_pairs": len(train), "heldout_pairs": len(heldout),
+                    "resolved_seed": seed})
+
+    metrics: dict[str, float] = {}
+    if heldout:
+        before = trainer.evaluate()
+        metrics["initial_heldout_pairwise_accuracy"] = float(before["eval_accuracy"])
+    started = time.perf_counter()
+    with stop_gracefully(trainer, ctx, resumable=False):
+        result = trainer.train()
+    metrics["train_seconds"] = time.perf_counter() - started
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    metrics.update({
+        "train_loss": float(result.training_loss),
+        "final_loss": float(losses[-1]) if losses else float(result.training_loss),
+        "steps": float(trainer.state.global_step),
+    })
+    if heldout:
+        after = trainer.evaluate()  # logged at the last step through the tracking callback
+        metrics["heldout_pairwise_accuracy"] = float(after["eval_accuracy"])
+        metrics["heldout_reward_margin"] = float(after["eval_margin"])
+    ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith("heldout_")})
+
+    checkpoint = ctx.output_dir("checkpoint")
+    trainer.model.save_pretrained(checkpoint)
+    set_padding_side(tokenizer, "right")
+    tokenizer.save_pretrained(checkpoint)
+    return {"checkpoint": str(checkpoint), "metrics": metrics}
+
+
+# ---------------------------------------------------------------- the reward model as a reward
+
+
+class RewardModelScorer:
+    """Batched scores of (prompt, completion) pairs by a trained reward model."""
+
+    def __init__(self, path: Path, batch_size: int = 64, trust_remote_code: bool = False):
+        import torch
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model, self.tokenizer = load_sequence_scorer(path, trust_remote_code)
+        self.model.to(self.device).eval()
+        self.batch_size = batch_size
+
+    def raw_scores(self, prompts: list[list[dict]], completions: list[str]) -> list[float]:
+        """One score per completion: the model's output at the last token of prompt + reply."""
+        import torch
+
+        tok = self.tokenizer
+        sequences = [
+            tok.apply_chat_template(list(prompt) + [{"role": "assistant", "content": text}], tokenize=True,
+                                    return_dict=True)["input_ids"]
+            for prompt, text in zip(prompts, completions)
+        ]
+        scores: list[float] = []
+        for start in range(0, len(sequences), self.batch_size):
+            batch = sequences[start : start + self.batch_size]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, ids in enumerate(batch):  # right padding, as in training
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                attention[row, : len(ids)] = 1
+            with torch.no_grad():
+                logits = self.model(input_ids=input_ids.to(self.device),
+                                    attention_mask=attention.to(self.device)).logits
+            scores.extend(logits[:, 0].float().cpu().tolist())
+        return scores
+
+
+class RewardModelReward:
+    """A reward function ``(completions, prompts, **columns) -> scores`` around a scorer, with the
+    spec's offset or running normalisation (its state lives as long as the stage)."""
+
+    def __init__(self, scorer: RewardModelScorer, spec: RewardSpec):
+        from stages.preference_math import RunningMeanStd
+
+        self.scorer, self.spec = scorer, spec
+        self.running = RunningMeanStd() if spec.normalize == "running" else None
+
+    def __call__(self, completions: list[str], prompts: list[list[dict]] | None = None, **_) -> list[float]:
+        if prompts is None:
+            raise ValueError("the reward_model reward needs the prompts column to score completions")
+        scores = [s - self.spec.offset for s in self.scorer.raw_scores(prompts, completions)]
+        if self.spec.normalize == "group":
+            return centre_per_prompt(scores, prompts)
+        return self.running.normalise(scores) if self.running is not None else scores
+
+
+def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[float]:
+    """Each score minus the mean score of the completions that answer the same prompt."""
+    import json
+
+    keys = [json.dumps(p, sort_keys=True) for p in prompts]
+    totals: dict[str, list[float]] = {}
+    for key, score in zip(keys, scores):
+        totals.setdefault(key, []).append(score)
+    means = {key: sum(values) / len(values) for key, values in totals.items()}
+    return [score - means[key] for key, score in zip(keys, scores)]
+
+
+def bind_reward_models(rewards: dict[str, RewardSpec], inputs: dict) -> dict[str, RewardModelReward]:
+    """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once."""
+    loaded: dict[str, RewardModelScorer] = {}
+    bound = {}
+    for name, spec in rewards.items():
+        if spec.fn != REWARD_MODEL_FN:
+            continue
+        key = reward_input_key(name)
+        if key not in inputs:
+            raise ValueError(f"reward {name!r} scores with stage {spec.stage!r}, but the stage received no "
+                             f"checkpoint for it (inputs[{key!r}] is missing)")
+        path = str(inputs[key])
+        if path not in loaded:
+            loaded[path] = RewardModelScorer(Path(path), spec.batch_size, inputs.get("trust_remote_code", False))
+        bound[name] = RewardModelReward(loaded[path], spec)
+    return bound
+
+
+def reward_model_correlations(scored: ScoredBatch, rewards: dict[str, RewardSpec]) -> dict[str, float]:
+    """``reward/<rm>/corr/<other>``: Pearson correlation of each reward model's scores with each
+    other reward's on one batch (skipped where either side has no variance)."""
+    from stages.preference_math import pearson
+
+    learned = [c for c in scored.components if rewards[c.name].fn == REWARD_MODEL_FN]
+    others = [c for c in scored.components if rewards[c.name].fn != REWARD_MODEL_FN]
+    metrics = {}
+    for rm in learned:
+        for other in others:
+            value = pearson(rm.scores, other.scores)
+            if value is not None:
+                metrics[f"reward/{rm.name}/corr/{other.name}"] = value
+    return metrics

@@ -1,0 +1,217 @@
+"""The reward_model and dpo stages on a tiny model, the reward model as a PPO reward and
+critic, and best-of-N evaluation, each with a real MLflow run as its tracking handle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.data import ArithmeticData, ArithmeticPreferenceData, materialize, read_materialized
+from stages.rewards import RewardSpec
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def preference_file(home, n=320, **fields):
+    spec = ArithmeticPreferenceData(generator="arithmetic_preferences", n=n, seed=0, role="train", **fields)
+    return materialize(spec, Path("."), home / "data")
+
+
+def digit_share(completions, **_):
+    """Share of the completion's characters that are digits (varies even for an untrained model)."""
+    return [sum(c.isdigit() for c in text) / len(text) if text else 0.0 for text in completions]
+
+
+def train_reward_model(tiny_checkpoint, ctx, data, **overrides):
+    from stages import reward_model
+
+    fields = {"kind": "reward_model", "data": "prefs", "max_steps": 40, "batch_size": 16, "lr": 1e-2,
+              "eval_every": 20, "logging_steps": 10, "heldout_fraction": 0.15}
+    config = reward_model.RewardModelStageConfig(**{**fields, **overrides})
+    return config, reward_model.run(config, {"model": str(tiny_checkpoint), "data": str(data)}, ctx)
+
+
+def test_reward_model_training_raises_heldout_accuracy(tiny_checkpoint, ctx_factory, home):
+    """Malformed replies against right answers: learnable in seconds, from a coin flip to > 0.9."""
+    from stages.preference_math import bradley_terry_loss
+    from stages.preferences import split_heldout
+    from stages.reward_model import RewardModelScorer
+
+    ctx = ctx_factory("rm")
+    data = preference_file(home, near_miss_rate=0.0, malformed_rate=1.0)
+    config, outputs = train_reward_model(tiny_checkpoint, ctx, data)
+    metrics = outputs["metrics"]
+    assert metrics["initial_heldout_pairwise_accuracy"] < 0.75
+    assert metrics["heldout_pairwise_accuracy"] > 0.9, metrics
+    assert metrics["heldout_reward_margin"] > 0.5
+    history = ctx.metric_history("heldout_pairwise_accuracy")
+    assert [m.step for m in history] == [0, 20, 40, 40]  # before, every eval_every steps, and the final check
+    assert {m.step for m in ctx.metric_history("train/pairwise_accuracy")} == {10, 20, 30, 40}
+
+    checkpoint = Path(outputs["checkpoint"])
+    from transformers import AutoConfig
+
+    saved = AutoConfig.from_pretrained(checkpoint)
+    assert saved.architectures == ["LlamaForSequenceClassification"] and saved.num_labels == 1
+    assert saved.pad_token_id is not None
+    # scored the way training rendered the pairs: the scorer reproduces TRL's held-out loss with our
+    # Bradley-Terry function
+    _, heldout = split_heldout(read_materialized(data), config.heldout_fraction, seed=0)
+    scorer = RewardModelScorer(checkpoint, batch_size=7)  # batches of 7: padding is exercised
+    chosen = scorer.raw_scores([r["prompt"] for r in heldout], [r["chosen"][0]["content"] for r in heldout])
+    rejected = scorer.raw_scores([r["prompt"] for r in heldout], [r["rejected"][0]["content"] for r in heldout])
+    ours = bradley_terry_loss(torch.tensor(chosen), torch.tensor(rejected)).item()
+    assert ours == pytest.approx(ctx.metric_history("heldout_loss")[-1].value, rel=1e-4)
+
+
+def test_the_reward_model_as_ppo_reward_and_critic(tiny_checkpoint, ctx_factory, home, tmp_path):
+    from stages.ppo import ValueModel, train_ppo
+    from stages.reward_model import RewardModelReward, RewardModelScorer, load_sequence_scorer
+    from stages.rl import RLStageConfig
+
+    _, outputs = train_reward_model(tiny_checkpoint, ctx_factory("rm"), preference_file(home, n=160), max_steps=10)
+    rm_path = outputs["checkpoint"]
+    # the critic starts as the reward model: same backbone and head, so the same score at the last token
+    critic = ValueModel.from_reward_model(Path(rm_path))
+    scorer_model, tokenizer = load_sequence_scorer(Path(rm_path))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"},
+                                         {"role": "assistant", "content": "4"}], tokenize=True,
+                                        return_dict=True)["input_ids"]
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        value = critic(input_ids, torch.ones_like(input_ids), torch.arange(len(ids))[None])[0, -1]
+        score = scorer_model(input_ids=input_ids).logits[0, 0]
+    assert value.item() == pytest.approx(score.item(), abs=1e-5)
+
+    # running normalisation: every batch is rescaled by the statistics of all scores so far
+    spec = RewardSpec(fn="reward_model", stage="rm", normalize="running")
+    reward = RewardModelReward(RewardModelScorer(Path(rm_path)), spec)
+    prompts = [[{"role": "user", "content": f"What is {a}+1?"}] for a in range(6)]
+    first = reward([str(a + 1) for a in range(6)], prompts=prompts)
+    assert sum(first) == pytest.approx(0.0, abs=1e-5) and torch.tensor(first).std(unbiased=False) == pytest.approx(1.0)
+
+    prompts_file = materialize(ArithmeticData(generator="arithmetic", n=20, role="train"), Path("."), home / "data")
+    rewards = {"rm": spec, "digits": RewardSpec(fn="test_reward_model:digit_share", weight=0.0)}
+    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["rm", "digits"],
+                           critic="rm", group_size=4, prompts_per_step=4, max_completion_tokens=6, max_steps=2,
+                           minibatch_size=8, lr=1e-3)
+    ctx = ctx_factory("ppo-rm")
+    result = train_ppo(config, {"policy": str(tiny_checkpoint), "data": str(prompts_file), "rewards": rewards,
+                                "critic": rm_path, "rewards.rm": rm_path}, ctx)
+    # trained on the reward model alone: the weight-0 reward is logged, and so is its correlation
+    assert [m.step for m in ctx.metric_history("reward/rm/corr/digits")] == [1, 2]
+    assert all(-1.0 <= m.value <= 1.0 for m in ctx.metric_history("reward/rm/corr/digits"))
+    for step in (1, 2):
+        rm_mean = next(m.value for m in ctx.metric_history("reward/rm/mean") if m.step == step)
+        total = next(m.value for m in ctx.metric_history("reward/mean") if m.step == step)
+        assert total == pytest.approx(rm_mean, abs=1e-6)
+    assert result["metrics"]["steps"] == 2
+
+
+def test_eval_reports_best_of_n_and_hashes_the_selector(tiny_checkpoint, ctx_factory, home):
+    from stages import eval as eval_stage
+    from stages.eval import EvalConfig
+
+    _, outputs = train_reward_model(tiny_checkpoint, ctx_factory("rm"), preference_file(home, n=160), max_steps=5)
+    heldout = materialize(ArithmeticData(generator="arithmetic", n=6, seed=9, role="heldout"), Path("."),
+                          home / "data")
+    sampling = {"temperature": 1.0, "max_tokens": 4, "attempts": 4, "seed": 1}
+    inputs = {"model": str(tiny_checkpoint), "data": str(heldout),
+              "rewards": {"correct": RewardSpec(fn="exact_answer")}}
+    plain_ctx = ctx_factory("eval")
+    plain = eval_stage.run(EvalConfig(kind="eval", model="base", data="heldout", rewards=["correct"],
+                                      sampling=sampling), inputs, plain_ctx)
+    ctx = ctx_factory("eval-best-of-n")
+    config = EvalConfig(kind="eval", model="base", data="heldout", rewards=["correct"], sampling=sampling,
+                        select="reward_model", reward_model="rm")
+    selected = eval_stage.run(config, {**inputs, "reward_model": outputs["checkpoint"]}, ctx)
+    assert 0.0 <= selected["metrics"]["best_of_n_accuracy"] <= 1.0
+    assert selected["metrics"]["pass_at_1"] == plain["metrics"]["pass_at_1"]  # same samples, same pass@k
+    assert "best_of_n_accuracy" not in plain["metrics"]
+    settings = [ctx.client.get_run(c.run_id).data.tags["posttrain.eval_settings"] for c in (plain_ctx, ctx)]
+    assert settings[0] != settings[1]  # a selector changes what is measured: another settings hash
+    failures = [json.loads(line) for line in Path(selected["failures"]).read_text().splitlines()]
+    assert all(0 <= case["best_of_n_pick"] < 4 for case in failures)
+
+
+def test_dpo_moves_implicit_rewards_apart_and_its_loss_is_the_dpo_loss(tiny_checkpoint, ctx_factory, home):
+    from stages import dpo
+    from stages.models import load_model_and_tokenizer
+
+    data = preference_file(home, n=200, near_miss_rate=0.0, malformed_rate=1.0)
+    ctx = ctx_factory("dpo")
+    config = dpo.DPOStageConfig(kind="dpo", model="base", data="prefs", max_steps=20, batch_size=16, lr=3e-3,
+                                beta=0.1, logging_steps=5)
+    outputs = dpo.run(config, {"model": str(tiny_checkpoint), "data": str(data)}, ctx)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "loss"):
+        assert [m.step for m in ctx.metric_history(name)] == [5, 10, 15, 20], name
+    margins = [m.value for m in ctx.metric_history("rewards/margin")]
+    assert margins[-1] > 0.05 and outputs["metrics"]["final_loss"] < outputs["metrics"]["first_loss"]
+    assert outputs["metrics"]["heldout_pairwise_accuracy"] > 0.6
+    before, _ = load_model_and_tokenizer(tiny_checkpoint)
+    after, _ = load_model_and_tokenizer(Path(outputs["checkpoint"]))
+    assert all(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
+
+    # TRL's loss on a batch equals our dpo_loss on sequence log-probs computed here by hand
+    loss, ours = trl_and_our_dpo_loss(after, before, data, beta=0.1)
+    assert loss == pytest.approx(ours, rel=1e-4) and abs(loss - 0.6931) > 0.01
+
+
+def trl_and_our_dpo_loss(policy, reference, data, beta):
+    from transformers import AutoTokenizer
+    from trl import DPOTrainer
+
+    from stages.dpo import DPOStageConfig, build_dpo_config
+    from stages.preference_math import dpo_loss
+    from stages.preferences import trl_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(policy.config._name_or_path)
+    args = build_dpo_config(DPOStageConfig(kind="dpo", model="base", data="prefs", batch_size=8, beta=beta),
+                            Path(policy.config._name_or_path) / "_trainer", 0)
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
+                         train_dataset=trl_dataset(read_materialized(data)[:8]), processing_class=tokenizer)
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    policy.eval()
+    with torch.no_grad():
+        trl_loss = trainer.compute_loss(trainer.model, dict(inputs)).item()
+
+        def sequence_logps(model):
+            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+            token_logps = torch.log_softmax(logits[:, :-1].float(), -1).gather(
+                -1, inputs["input_ids"][:, 1:, None]).squeeze(-1)
+            return (token_logps * inputs["completion_mask"][:, 1:]).sum(-1)
+
+        policy_c, policy_r = sequence_logps(policy).chunk(2)
+        reference_c, reference_r = sequence_logps(reference).chunk(2)
+    ours, _, _ = dpo_loss(policy_c, policy_r, reference_c, reference_r, beta)
+    return trl_loss, ours.item()
+
+
+def test_kto_trains_on_unpaired_replies_from_the_same_pairs(tiny_checkpoint, ctx_factory, home):
+    from stages import kto
+    from stages.models import load_model_and_tokenizer
+
+    data = preference_file(home, n=120, near_miss_rate=0.0, malformed_rate=1.0)
+    rows = kto.unpaired(read_materialized(data), seed=0)
+    assert len(rows) == 240 and sum(rows["label"]) == 120
+    assert rows["label"][:8] != [True] * 8 and rows["label"][:8] != [False] * 8  # shuffled, not in blocks
+
+    ctx = ctx_factory("kto")
+    config = kto.KTOStageConfig(kind="kto", model="base", data="prefs", max_steps=10, batch_size=8, lr=3e-3,
+                                logging_steps=5)
+    outputs = kto.run(config, {"model": str(tiny_checkpoint), "data": str(data)}, ctx)
+    for name in ("rewards/chosen", "rewards/rejected", "kl", "loss"):
+        assert [m.step for m in ctx.metric_history(name)] == [5, 10], name
+    assert outputs["metrics"]["heldout_reward_margin"] > 0  # desirable replies gained on undesirable ones
+    before, _ = load_model_and_tokenizer(tiny_checkpoint)
+    after, _ = load_model_and_tokenizer(Path(outputs["checkpoint"]))
+    assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
