@@ -1,4 +1,6 @@
-"""Run a pipeline under several seeds and print held-out pass_at_1 per eval stage.
+"""Run a pipeline under several seeds and print held-out pass_at_1 per eval stage (and, where the
+pipeline has them, best_of_n_accuracy per eval stage and the reward model's held-out pairwise
+accuracy).
 
     python bench/quickstart_seeds.py [PIPELINE] [--seeds 0 1 2] [--set PATH=VALUE ...]
 
@@ -44,8 +46,13 @@ def main() -> None:
             runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                       "tags.`posttrain.kind` = 'eval'")
             results[seed] = {r.data.tags["posttrain.stage"]: r.data.metrics["pass_at_1"] for r in runs}
+            extra = {f"{r.data.tags['posttrain.stage']}.best_of_n": r.data.metrics["best_of_n_accuracy"]
+                     for r in runs if "best_of_n_accuracy" in r.data.metrics}
+            for run in client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                          "tags.`posttrain.kind` = 'reward_model'"):
+                extra[f"{run.data.tags['posttrain.stage']}.heldout_acc"] = run.data.metrics["heldout_pairwise_accuracy"]
             print(f"seed {seed}: {seconds:.0f} s  " +
-                  "  ".join(f"{k}={v:.3f}" for k, v in sorted(results[seed].items())), flush=True)
+                  "  ".join(f"{k}={v:.3f}" for k, v in sorted({**results[seed], **extra}.items())), flush=True)
     stages = sorted({s for r in results.values() for s in r})
     print("stage       " + "  ".join(f"seed {s}" for s in args.seeds) + "   mean")
     for stage in stages:
