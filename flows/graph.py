@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.iterate import failure_references
+from flows.iterate import downstream, failure_references
 from flows.spec import BASE, Pipeline
 from stages.rewards import reward_input_key
 
@@ -59,15 +59,7 @@ def ancestors(pipeline: Pipeline, stage: str) -> set[str]:
 
 
 def descendants(pipeline: Pipeline, stage: str) -> set[str]:
-    edges = upstream_of(pipeline)
-    found, changed = set(), True
-    while changed:
-        changed = False
-        for name, ups in edges.items():
-            if name not in found and (stage in ups or found & set(ups)):
-                found.add(name)
-                changed = True
-    return found
+    return downstream(upstream_of(pipeline), stage)
 
 
 def render_graph(pipeline: Pipeline) -> str:

@@ -121,7 +121,8 @@ def round_tags(pipeline, step: str) -> dict[str, str]:
 # ------------------------------------------------------------------ validation
 
 
-def _downstream(edges: dict[str, list[str]], stage: str) -> set[str]:
+def downstream(edges: dict[str, list[str]], stage: str) -> set[str]:
+    """Every stage that reads, directly or not, from ``stage`` in a stage -> upstream graph."""
     found, changed = set(), True
     while changed:
         changed = False
@@ -171,12 +172,12 @@ def iterate_issues(raw_iterate, stages: dict, raw_data: dict, raw_rewards: dict,
                                "training data, and from the heldout data that measures the rounds)"))
             else:
                 collect_ok = role == "probe"
-    if train_ok and collect_ok and collect not in _downstream(edges, train):
+    if train_ok and collect_ok and collect not in downstream(edges, train):
         issues.append((("iterate", "collect"), f"eval stage {collect!r} does not evaluate a checkpoint of {train!r} "
                        f"or of a stage downstream of it, so its failures would not change from round to round; "
                        f"collect from an eval stage downstream of iterate.train"))
     if train_ok:
-        repeated = {train} | _downstream(edges, train)
+        repeated = {train} | downstream(edges, train)
         for reward_name, reward in raw_rewards.items():
             if isinstance(reward, dict) and reward.get("stage") in repeated:
                 issues.append((("iterate", "train"), f"stage {reward['stage']!r} is {train!r} or downstream of it, "

@@ -33,6 +33,7 @@ from pydantic import ConfigDict, Field
 
 from stages.context import ExecutionLimits
 from stages.data import read_materialized
+from stages.trainer_callbacks import metric_renamer, schedule_arguments
 
 
 class PreferenceOptimisationConfig(ExecutionLimits):
@@ -103,8 +104,7 @@ METRIC_NAMES = {
 }
 
 
-def rename_metrics(logs: dict) -> dict[str, float]:
-    return {METRIC_NAMES[k]: float(v) for k, v in logs.items() if k in METRIC_NAMES and isinstance(v, (int, float))}
+rename_metrics = metric_renamer(METRIC_NAMES)
 
 
 def build_dpo_config(config: DPOStageConfig, output_dir: Path, seed: int):
@@ -114,14 +114,7 @@ def build_dpo_config(config: DPOStageConfig, output_dir: Path, seed: int):
 
     return DPOConfig(
         output_dir=str(output_dir),
-        max_steps=config.max_steps,
-        per_device_train_batch_size=config.batch_size,
-        per_device_eval_batch_size=max(config.batch_size, 64),
-        learning_rate=config.lr,
-        lr_scheduler_type=config.lr_schedule,
-        warmup_steps=config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
-        weight_decay=config.weight_decay,
-        max_length=config.max_length,
+        **schedule_arguments(config),
         beta=config.beta,
         loss_type=[config.loss, "sft"] if config.sft_weight > 0 else [config.loss],
         loss_weights=[1.0, config.sft_weight] if config.sft_weight > 0 else None,

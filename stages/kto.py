@@ -36,19 +36,12 @@ class KTOStageConfig(PreferenceOptimisationConfig):
 def run(config: KTOStageConfig, inputs: dict, ctx) -> dict:
     from trl import KTOConfig, KTOTrainer
 
-    from stages.trainer_callbacks import device_arguments
+    from stages.trainer_callbacks import device_arguments, schedule_arguments
 
     seed = ctx.seed if config.seed is None else config.seed
     args = KTOConfig(
         output_dir=str(ctx.work_dir / "trainer"),
-        max_steps=config.max_steps,
-        per_device_train_batch_size=config.batch_size,
-        per_device_eval_batch_size=max(config.batch_size, 64),
-        learning_rate=config.lr,
-        lr_scheduler_type=config.lr_schedule,
-        warmup_steps=config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
-        weight_decay=config.weight_decay,
-        max_length=config.max_length,
+        **schedule_arguments(config),
         beta=config.beta,
         desirable_weight=config.desirable_weight,
         undesirable_weight=config.undesirable_weight,

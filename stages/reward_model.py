@@ -34,6 +34,7 @@ from pydantic import ConfigDict, Field
 from stages.context import ExecutionLimits
 from stages.data import read_materialized
 from stages.rewards import REWARD_MODEL_FN, RewardSpec, ScoredBatch, reward_input_key
+from stages.trainer_callbacks import metric_renamer, schedule_arguments
 
 
 class RewardModelStageConfig(ExecutionLimits):
@@ -88,8 +89,7 @@ METRIC_NAMES = {
 }
 
 
-def rename_metrics(logs: dict) -> dict[str, float]:
-    return {METRIC_NAMES[k]: float(v) for k, v in logs.items() if k in METRIC_NAMES and isinstance(v, (int, float))}
+rename_metrics = metric_renamer(METRIC_NAMES)
 
 
 def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
@@ -127,14 +127,7 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
 
     args = RewardConfig(
         output_dir=str(ctx.work_dir / "trainer"),
-        max_steps=config.max_steps,
-        per_device_train_batch_size=config.batch_size,
-        per_device_eval_batch_size=max(config.batch_size, 64),
-        learning_rate=config.lr,
-        lr_scheduler_type=config.lr_schedule,
-        warmup_steps=config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
-        weight_decay=config.weight_decay,
-        max_length=config.max_length,
+        **schedule_arguments(config),
         center_rewards_coefficient=config.center_rewards_coefficient,
         gradient_checkpointing=False,
         logging_steps=config.logging_steps,

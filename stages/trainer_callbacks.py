@@ -47,6 +47,29 @@ def tracking_callback(ctx, rename: Callable[[dict], dict[str, float]], descripti
     return TrackingCallback()
 
 
+def metric_renamer(names: dict[str, str]) -> Callable[[dict], dict[str, float]]:
+    """A ``rename`` for ``tracking_callback``: the trainer's numeric logs named in ``names``, under our names."""
+
+    def rename(logs: dict) -> dict[str, float]:
+        return {names[k]: float(v) for k, v in logs.items() if k in names and isinstance(v, (int, float))}
+
+    return rename
+
+
+def schedule_arguments(config) -> dict:
+    """Trainer arguments the reward-model and preference stage configs spell the same way."""
+    return {
+        "max_steps": config.max_steps,
+        "per_device_train_batch_size": config.batch_size,
+        "per_device_eval_batch_size": max(config.batch_size, 64),
+        "learning_rate": config.lr,
+        "lr_scheduler_type": config.lr_schedule,
+        "warmup_steps": config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
+        "weight_decay": config.weight_decay,
+        "max_length": config.max_length,
+    }
+
+
 def device_arguments() -> dict:
     """Trainer arguments for the machine at hand: the CPU with fp32 when there is no GPU
     (TRL's configs default to bf16, which refuses to start on a CPU), bf16 on a GPU that has it."""
