@@ -305,19 +305,11 @@ def _limits_argv(tools: _Tools, timeout_s: float, memory_mb: int, max_processes:
 
 
 def _tasks_of_user(uid: int) -> int:
-    """Tasks (threads included) that already count against ``uid``'s RLIMIT_NPROC."""
-    total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = Path(entry.path, "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields.get("Uid", "-1").split()[0]) == uid:
-            total += int(fields.get("Threads", "1"))
-    return total
+    """Tasks (threads included) that already count against ``uid``'s RLIMIT_NPROC (its real uid)."""
+    import psutil
+
+    return sum(p.info["num_threads"] or 1 for p in psutil.process_iter(["uids", "num_threads"])
+               if p.info["uids"] is not None and p.info["uids"].real == uid)
 
 
 def _write_files(work: Path, files: dict[str, str], owner: int | None) -> None:
@@ -412,19 +404,12 @@ def _execute_unisolated(argv: list[str], work: Path, std_files: tuple, timeout_s
 
 def _kill_uid(uid: int) -> None:
     """SIGKILL every process of ``uid`` until none is left (a fresh uid that only the run used)."""
+    import psutil
+
     for _ in range(50):
-        pids = []
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                status = Path(entry.path, "status").read_text()
-            except OSError:
-                continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            zombie = fields.get("State", "").split()[:1] == ["Z"]  # dead already, waiting to be reaped
-            if not zombie and fields.get("Uid", "").split()[:1] == [str(uid)]:
-                pids.append(int(entry.name))
+        pids = [p.pid for p in psutil.process_iter(["uids", "status"])
+                if p.info["uids"] is not None and p.info["uids"].real == uid
+                and p.info["status"] != psutil.STATUS_ZOMBIE]  # zombies are dead already, waiting to be reaped
         if not pids:
             return
         for pid in pids:

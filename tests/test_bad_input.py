@@ -19,20 +19,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from test_spec import VALID
 
-VALID = """\
-name: t
-seed: 3
-model: {init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2}
-data:
-  train: {generator: arithmetic, n: 20, role: train}
-  heldout: {generator: arithmetic, n: 10, seed: 9, role: heldout}
-rewards:
-  correct: {fn: exact_answer}
-stages:
-  sft: {kind: sft, model: base, data: train, max_steps: 2}
-  eval_sft: {kind: eval, model: sft, data: heldout, rewards: [correct]}
-"""  # line 10 is the sft stage, line 11 eval_sft; appended stages start at line 12
+# VALID is test_spec's pipeline: line 10 is the sft stage, line 11 eval_sft; appended stages start at line 12
 
 TINY_MODEL = "{init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2}"
 GRPO = "  grpo: {kind: rl, algorithm: grpo, policy: sft, data: train, rewards: [correct]}\n"
