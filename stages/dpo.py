@@ -1,7 +1,10 @@
 """Stage kind ``dpo``: direct preference optimisation with TRL's ``DPOTrainer``.
 
 The policy starts from ``model``; the reference is ``reference`` (default: the same
-starting checkpoint), loaded once and frozen. Pairs are rendered with the chat template;
+starting checkpoint), loaded once and frozen. With ``lora`` no reference is loaded: the
+policy trains LoRA adapters and TRL scores the reference with them disabled (the starting
+checkpoint itself, so ``reference`` must be left out); the checkpoint has the adapters
+merged in, the ``adapter`` output holds them alone (stages/lora.py). Pairs are rendered with the chat template;
 only the reply's tokens are scored. The loss is TRL's ``sigmoid`` DPO loss, -log
 sigmoid(beta * ((log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r)))) with
 sequence log-probs summed over reply tokens (stages/preference_math.py ``dpo_loss``
@@ -29,10 +32,11 @@ import time
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits
 from stages.data import read_materialized
+from stages.lora import LORA_DESCRIPTION, LoraSpec
 from stages.trainer_callbacks import metric_renamer, schedule_arguments
 
 
@@ -46,7 +50,8 @@ class PreferenceOptimisationConfig(ExecutionLimits):
 
     model: str = Field(description="Stage whose checkpoint the policy starts from, or `base`.")
     reference: str | None = Field(
-        None, description="Stage whose checkpoint is the frozen reference; default the policy's starting checkpoint.")
+        None, description="Stage whose checkpoint is the frozen reference; default the policy's starting checkpoint "
+        "(the only one allowed with `lora`).")
     data: str = Field(description="Preference pairs (name under `data:`); must not be `heldout`.")
     beta: float = Field(0.1, gt=0.0, description="Strength of the implicit KL anchor to the reference "
                         "(higher keeps the policy closer).")
@@ -61,6 +66,15 @@ class PreferenceOptimisationConfig(ExecutionLimits):
     max_length: int = Field(128, ge=8, description="Longest prompt + reply in tokens (longer ones are truncated).")
     logging_steps: int = Field(10, ge=1, description="Log loss and implicit rewards every N steps.")
     seed: int | None = Field(None, description="Training seed; default the pipeline seed.")
+    lora: LoraSpec | None = Field(None, description=LORA_DESCRIPTION + " The reference is then the starting "
+                                  "checkpoint with the adapters off (no second copy loaded).")
+
+    @model_validator(mode="after")
+    def _lora_reference(self):
+        if self.lora is not None and self.reference not in (None, self.model):
+            raise ValueError(f"with lora the reference is the policy's own starting weights (adapters off); "
+                             f"reference {self.reference!r} must be left out or equal model {self.model!r}")
+        return self
 
     def references(self) -> dict[str, str]:
         refs = {"model": self.model}
@@ -139,10 +153,12 @@ def run(config: DPOStageConfig, inputs: dict, ctx) -> dict:
 
 def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConfig, inputs: dict, ctx,
                          to_dataset=None) -> dict:
-    """Run a TRL preference trainer (DPO or KTO) from ``model`` against a frozen ``reference``;
-    ``to_dataset`` turns records into the trainer's dataset (default: conversational pairs)."""
+    """Run a TRL preference trainer (DPO or KTO) from ``model`` against a frozen ``reference`` (with
+    ``lora``: the adapters-off policy); ``to_dataset`` turns records into the trainer's dataset (default:
+    conversational pairs)."""
     from transformers import AutoModelForCausalLM
 
+    from stages.lora import save_trained
     from stages.models import load_model_and_tokenizer, set_padding_side
     from stages.preferences import check_preference_records, split_heldout, trl_dataset
     from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
@@ -154,12 +170,14 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     train, heldout = split_heldout(records, config.heldout_fraction, seed)
     trust = inputs.get("trust_remote_code", False)
     model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]), trust_remote_code=trust)
-    reference = AutoModelForCausalLM.from_pretrained(Path(inputs.get("reference") or inputs["model"]),
-                                                     trust_remote_code=trust)
+    # with lora TRL takes the reference log-probs from the policy with its adapters disabled
+    reference = None if config.lora else AutoModelForCausalLM.from_pretrained(
+        Path(inputs.get("reference") or inputs["model"]), trust_remote_code=trust)
 
     trainer = trainer_class(
         model=model, ref_model=reference, args=args, train_dataset=to_dataset(train),
         eval_dataset=to_dataset(heldout) if heldout else None, processing_class=tokenizer,
+        peft_config=config.lora.peft_config() if config.lora else None,
         callbacks=[tracking_callback(ctx, rename_metrics, f"{config.kind}: {config.max_steps} steps")],
     )
     quiet_trainer(trainer)
@@ -184,8 +202,7 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
         metrics["heldout_reward_margin"] = float(after["eval_rewards/margins"])
     ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith("heldout_")})
 
-    checkpoint = ctx.output_dir("checkpoint")
-    trainer.model.save_pretrained(checkpoint)
+    outputs = save_trained(trainer.model, ctx)  # stages/lora.py: with lora, also the adapter alone
     set_padding_side(tokenizer, "left")
-    tokenizer.save_pretrained(checkpoint)
-    return {"checkpoint": str(checkpoint), "metrics": metrics}
+    tokenizer.save_pretrained(outputs["checkpoint"])
+    return {**outputs, "metrics": metrics}

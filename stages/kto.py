@@ -6,7 +6,9 @@ the stage seed. TRL reads its training data in order (its KL reference point is 
 on mismatched prompt/completion pairs within each fixed batch, so ``batch_size`` must be
 above 1), and its own unpairing puts a thousand desirable replies before a thousand
 undesirable ones. Each reply is scored alone against that reference point. Logged:
-``rewards/chosen``, ``rewards/rejected``, ``rewards/margin``, ``kl``.
+``rewards/chosen``, ``rewards/rejected``, ``rewards/margin``, ``kl``. ``lora`` works as in
+``dpo``: the reference is the policy with its adapters disabled, and the stage publishes
+the merged ``checkpoint`` and the ``adapter`` alone.
 """
 
 from __future__ import annotations

@@ -1,11 +1,26 @@
-"""Optional LoRA adapters (PEFT) for training stages.
+"""Optional LoRA adapters (PEFT) for every training stage.
 
-A stage with ``lora:`` trains low-rank adapters instead of all weights. The adapters are
-merged into the base weights before the checkpoint is published, so every downstream
-stage (evaluation, the next round of training) reads an ordinary Hugging Face checkpoint.
+A stage with ``lora:`` trains low-rank adapters instead of all weights: each targeted
+linear layer's weight W stays frozen and the layer computes W x + (alpha / r) B A x, with
+B initialised to zero (so training starts exactly at the base model). What a stage
+publishes (``save_trained``):
+- ``checkpoint``: the adapters merged into the base weights (W + (alpha / r) B A), so every
+  downstream stage (evaluation, the next round of training) reads an ordinary Hugging Face
+  checkpoint, as without ``lora``;
+- ``adapter``: the adapters alone, as PEFT saves them (``adapter_config.json`` and
+  ``adapter_model.safetensors``), loadable with ``PeftModel.from_pretrained`` onto the
+  stage's starting checkpoint.
+
+The KL reference of a stage trained with LoRA is the policy with its adapters disabled
+(its own starting weights): TRL's DPO, KTO and GRPO trainers do that when given a PEFT
+model and no reference model, and so does posttrain's PPO (stages/ppo.py). No second copy
+of the model is loaded. A reward model's score head is new, so it is trained in full and
+saved with the adapters (PEFT's ``modules_to_save`` for a ``SEQ_CLS`` task).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,18 +34,45 @@ class LoraSpec(BaseModel):
     alpha: float = Field(16.0, gt=0, description="Scale: the update is multiplied by alpha / r.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
     target_modules: list[str] | str = Field(
-        "all-linear", description="Module names to adapt, or `all-linear` (every linear layer but the LM head)."
+        "all-linear", description="Module names to adapt, or `all-linear` (every linear layer but the LM head "
+        "and a reward model's score head)."
     )
 
-    def peft_config(self):
+    def peft_config(self, task_type: Literal["CAUSAL_LM", "SEQ_CLS"] = "CAUSAL_LM"):
+        """PEFT's ``LoraConfig``; ``SEQ_CLS`` (a reward model) also trains and saves the score head in full."""
         from peft import LoraConfig
 
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=self.target_modules, task_type="CAUSAL_LM")
+                          target_modules=self.target_modules, task_type=task_type)
 
 
-def merged(model):
-    """The plain model with adapters folded in (a no-op for a model without adapters)."""
+LORA_DESCRIPTION = ("Train LoRA adapters instead of all weights: the published `checkpoint` has them merged in, "
+                    "`adapter` holds them alone (PEFT format).")
+
+
+def wrap(model, spec: LoraSpec | None):
+    """``model`` with fresh LoRA adapters (only they are trainable), or ``model`` itself without ``spec``."""
+    if spec is None:
+        return model
+    from peft import get_peft_model
+
+    return get_peft_model(model, spec.peft_config())
+
+
+def save_trained(model, ctx) -> dict[str, str]:
+    """Save a trained model as the stage's outputs: ``checkpoint`` (adapters merged in) and, for a
+    model with LoRA adapters, ``adapter`` (the adapters alone). Returns their paths by output name.
+
+    Merging folds the adapters into the wrapped model's weights in place: call this last.
+    """
     from peft import PeftModel
 
-    return model.merge_and_unload() if isinstance(model, PeftModel) else model
+    outputs = {}
+    if isinstance(model, PeftModel):
+        adapter = ctx.output_dir("adapter")
+        model.save_pretrained(adapter)  # before merging: merge_and_unload removes the adapters
+        outputs["adapter"] = str(adapter)
+        model = model.merge_and_unload()
+    checkpoint = ctx.output_dir("checkpoint")
+    model.save_pretrained(checkpoint)
+    return {"checkpoint": str(checkpoint), **outputs}

@@ -9,7 +9,10 @@ r_rejected) (stages/preference_math.py ``bradley_terry_loss``, the same expressi
 computes). A seeded ``heldout_fraction`` of the pairs is never trained on: the stage logs
 its pairwise accuracy (share of pairs ranked the right way; ties count as wrong) and mean
 reward margin before training, every ``eval_every`` steps, and at the end, as
-``heldout_pairwise_accuracy`` and ``heldout_reward_margin``.
+``heldout_pairwise_accuracy`` and ``heldout_reward_margin``. With ``lora`` the backbone
+trains LoRA adapters (TRL wraps the classifier with PEFT, task ``SEQ_CLS``) while the new
+score head trains in full (PEFT's ``modules_to_save``); the checkpoint is the merged
+classifier, and the ``adapter`` output holds the adapters and the score head (stages/lora.py).
 
 As a reward (``rewards: {rm: {fn: reward_model, stage: rm}}``): ``RewardModelScorer``
 scores (prompt, completion) pairs in batches, rendered exactly as in training and padded
@@ -33,6 +36,7 @@ from pydantic import ConfigDict, Field
 
 from stages.context import ExecutionLimits
 from stages.data import read_materialized
+from stages.lora import LORA_DESCRIPTION, LoraSpec
 from stages.rewards import REWARD_MODEL_FN, RewardSpec, ScoredBatch, reward_input_key
 from stages.trainer_callbacks import metric_renamer, schedule_arguments
 
@@ -64,6 +68,8 @@ class RewardModelStageConfig(ExecutionLimits):
     eval_every: int = Field(50, ge=1, description="Measure held-out pairwise accuracy every N steps.")
     logging_steps: int = Field(10, ge=1, description="Log loss, training accuracy and margin every N steps.")
     seed: int | None = Field(None, description="Seed of the score head and data order; default the pipeline seed.")
+    lora: LoraSpec | None = Field(None, description=LORA_DESCRIPTION + " The score head trains in full and is "
+                                  "saved with the adapters.")
 
     def references(self) -> dict[str, str]:
         return {"model": self.model}
@@ -113,6 +119,7 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
     import torch
     from trl import RewardConfig, RewardTrainer
 
+    from stages.lora import save_trained
     from stages.models import set_padding_side
     from stages.preferences import check_preference_records, split_heldout, trl_dataset
     from stages.trainer_callbacks import device_arguments, quiet_trainer, stop_gracefully, tracking_callback
@@ -143,6 +150,7 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
     trainer = RewardTrainer(
         model=model, args=args, train_dataset=trl_dataset(train),
         eval_dataset=trl_dataset(heldout) if heldout else None, processing_class=tokenizer,
+        peft_config=config.lora.peft_config("SEQ_CLS") if config.lora else None,  # SEQ_CLS: the head trains too
         callbacks=[tracking_callback(ctx, rename_metrics, f"reward model: {config.max_steps} steps")],
     )
     quiet_trainer(trainer)
@@ -169,11 +177,10 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
         metrics["heldout_reward_margin"] = float(after["eval_margin"])
     ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith("heldout_")})
 
-    checkpoint = ctx.output_dir("checkpoint")
-    trainer.model.save_pretrained(checkpoint)
+    outputs = save_trained(trainer.model, ctx)  # stages/lora.py: with lora, also the adapter alone
     set_padding_side(tokenizer, "right")
-    tokenizer.save_pretrained(checkpoint)
-    return {"checkpoint": str(checkpoint), "metrics": metrics}
+    tokenizer.save_pretrained(outputs["checkpoint"])
+    return {**outputs, "metrics": metrics}
 
 
 # ---------------------------------------------------------------- the reward model as a reward

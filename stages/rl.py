@@ -6,7 +6,9 @@ trainer. Both log the same metric names (DESIGN.md): ``reward/mean``,
 ``reward/<component>/mean``, ``reward/zero_variance_group_frac``, ``kl``, ``entropy``,
 ``clip_frac``, ``ratio/mean``, ``completion/mean_tokens``, ``completion/truncated_frac``,
 plus sample-completion tables every ``sample_every`` steps and a PNG of the reward and KL
-curves at the end.
+curves at the end. Both take ``lora`` (stages/lora.py): the policy trains low-rank adapters,
+its KL reference is itself with the adapters disabled, and the stage publishes the merged
+``checkpoint`` and the ``adapter`` alone.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits
-from stages.lora import LoraSpec
+from stages.lora import LORA_DESCRIPTION, LoraSpec
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
-GRPO_ONLY = ("advantage", "loss", "use_vllm", "lora", "updates_per_batch")
+GRPO_ONLY = ("advantage", "loss", "use_vllm", "updates_per_batch")
 PPO_ONLY = ("gamma", "lam", "vf_coef", "cliprange_value", "ppo_epochs", "minibatch_size",
             "whiten_advantages", "kl_target", "kl_horizon", "critic_lr", "critic")
 
@@ -57,7 +59,9 @@ class RLStageConfig(ExecutionLimits):
     )
     max_reward_errors: int = Field(0, ge=0, description="Reward exceptions tolerated before the stage fails.")
     use_vllm: bool = Field(False, description="GRPO: generate with vLLM (TRL colocate mode); GPU workers only.")
-    lora: LoraSpec | None = Field(None, description="GRPO: train LoRA adapters (merged into the saved checkpoint).")
+    lora: LoraSpec | None = Field(
+        None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
+        "`reference` must be left out; PPO's critic still trains in full.")
 
     # GRPO
     advantage: Literal["group_centered", "group_normalized"] = Field(

@@ -9,7 +9,9 @@ flattens a whole batch into one padding-free row, so with SDPA every layer atten
 the whole batch's length: 0.14x a plain training loop's tokens/s on CPU; ours runs at
 ~0.85x (``bench/sft_throughput.py``). Loss and learning rate are logged per logging step
 to the stage's run, and the checkpoint is saved into a staging dir the orchestrator
-publishes only when training finished.
+publishes only when training finished. With ``lora`` only low-rank adapters train
+(TRL wraps the model with PEFT); the checkpoint has them merged in and the ``adapter``
+output holds them alone (stages/lora.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits
 from stages.data import read_materialized
-from stages.lora import LoraSpec
+from stages.lora import LORA_DESCRIPTION, LoraSpec
 
 
 class SFTStageConfig(ExecutionLimits):
@@ -58,7 +60,7 @@ class SFTStageConfig(ExecutionLimits):
         "an interrupted or killed run resumes from the latest. Null: only on Ctrl-C.",
     )
     seed: int | None = Field(None, description="Training seed; default the pipeline seed.")
-    lora: LoraSpec | None = Field(None, description="Train LoRA adapters instead of all weights (merged on save).")
+    lora: LoraSpec | None = Field(None, description=LORA_DESCRIPTION)
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):
@@ -84,7 +86,7 @@ def rename_metrics(logs: dict) -> dict[str, float]:
 def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     from trl import SFTConfig, SFTTrainer
 
-    from stages.lora import merged
+    from stages.lora import save_trained
     from stages.models import load_model_and_tokenizer, set_padding_side
     from stages.trainer_callbacks import (
         device_arguments,
@@ -156,11 +158,10 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     }
     ctx.log_metrics(metrics)
 
-    checkpoint = ctx.output_dir("checkpoint")
-    merged(trainer.model).save_pretrained(checkpoint)
+    outputs = save_trained(trainer.model, ctx)  # stages/lora.py: with lora, also the adapter alone
     set_padding_side(tokenizer, "left")
-    tokenizer.save_pretrained(checkpoint)
-    return {"checkpoint": str(checkpoint), "metrics": metrics}
+    tokenizer.save_pretrained(outputs["checkpoint"])
+    return {**outputs, "metrics": metrics}
 
 
 def unpacked_dataset(conversations: list[list[dict]]):
