@@ -9,8 +9,10 @@ mixes them with the stage's original data:
   answer itself, the verifier's truth, not any of the model's attempts. That is exactly
   right where a demonstration is the bare answer (the arithmetic generator's are: ``"7"``
   for "What is 3+4?"); for data whose replies carry reasoning or a format around the
-  answer, iterate an ``rl`` stage instead, which learns from the verifier.
+  answer, iterate an ``rl`` stage instead, which learns from the verifier. A reasoning_gym
+  entry's demonstration is its answer in the dataset's ``answer_format`` (``<answer>7</answer>``).
 - For ``rl`` a failure is its prompt and expected answer: the verifier is the teacher.
+- A reasoning_gym entry keeps its ``task``, from which the ``reasoning_gym`` reward regenerates it.
 
 ``mix`` is the share of the round's training examples drawn from the failure set; the
 rest are drawn from the original data, and the total stays the size of the original
@@ -64,14 +66,21 @@ def failure_training_records(cases: list[dict], demonstrations: bool, where: str
             prompt = prompt[:-1]
         answer = case.get("answer")
         answer = None if answer is None else str(answer)
+        task = case.get("task")
         if demonstrations:
             if answer is None:
                 raise FailureSetError(f"{where}: case {i} has no expected answer, so no demonstration can be built "
                                       "for an sft stage; iterate an rl stage, or give the probe data answers")
-            messages = [*prompt, {"role": "assistant", "content": answer}]
+            reply = answer
+            if isinstance(task, dict) and "answer_format" in task:
+                from stages.reasoning_gym_tasks import demonstration
+
+                reply = demonstration(answer, task["answer_format"])
+            messages = [*prompt, {"role": "assistant", "content": reply}]
         else:
             messages = prompt
-        records.append({"messages": messages, "answer": answer, "origin": FROM_FAILURES})
+        record = {"messages": messages, "answer": answer, "origin": FROM_FAILURES}
+        records.append(record if task is None else {**record, "task": task})
     return records
 
 

@@ -11,7 +11,8 @@ What we map, and where it departs from DeepSeekMath's GRPO:
 - ``kl_beta`` is TRL's ``beta``: the k3 KL estimate to the reference added to the loss
   (not to the reward, unlike PPO/InstructGPT). 0 loads no reference model.
 - With ``lora``, TRL computes the reference log-probs with the adapters disabled, so the
-  KL anchor is the policy's starting checkpoint (the validator refuses another reference).
+  KL anchor is the policy's starting checkpoint (the validator refuses another reference);
+  the checkpoint has the adapters merged in, the ``adapter`` output holds them alone.
 - One generation per ``updates_per_batch`` optimizer steps (``prompts_per_step ×
   group_size`` completions). With 1 (the default) training is on-policy and the importance
   ratio is exactly 1; ``ratio/mean`` is logged either way and moves off 1 once samples
@@ -24,10 +25,11 @@ Each reward component is wrapped so parse failures and exceptions are counted pe
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from stages.data import prompt_messages, read_materialized
-from stages.rewards import RewardSpec, score_component
+from stages.rewards import RewardSpec, score_component, with_task_column
 
 # TRL's metric names -> ours (DESIGN.md)
 METRIC_NAMES = {
@@ -83,7 +85,9 @@ def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, met
 
     def reward(prompts, completions, completion_ids=None, **columns):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scored = score_component(name, spec, texts, {"answer": columns.get("answer"), "prompts": prompts}, fn)
+        tasks = [json.loads(t) if t else None for t in columns.get("task") or [None] * len(texts)]  # JSON for Arrow
+        scored = score_component(name, spec, texts, with_task_column(
+            {"answer": columns.get("answer"), "prompts": prompts}, tasks), fn)
         budget.record(name, scored.errors, texts)
         sink = metrics_sink()
         if sink is not None:
@@ -173,7 +177,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
 def train_grpo(config, inputs: dict, ctx) -> dict:
     from datasets import Dataset
 
-    from stages.lora import merged
+    from stages.lora import save_trained
     from stages.models import load_model_and_tokenizer, set_padding_side
     from stages.rl import log_curves
     from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
@@ -186,7 +190,9 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     model.config._name_or_path = str(inputs.get("reference") or inputs["policy"])
 
     records = read_materialized(Path(inputs["data"]))
-    dataset = Dataset.from_list([{"prompt": prompt_messages(r), "answer": r.get("answer")} for r in records])
+    dataset = Dataset.from_list([{"prompt": prompt_messages(r), "answer": r.get("answer"),
+                                  "task": json.dumps(r["task"]) if r.get("task") is not None else None}
+                                 for r in records])
     rewards: dict[str, RewardSpec] = inputs["rewards"]
     budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
     holder: dict = {}
@@ -226,9 +232,8 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
             metrics[f"final_{key.replace('/', '_')}"] = last[key]
     ctx.log_metrics(metrics)
 
-    checkpoint = ctx.output_dir("checkpoint")
-    trainer.model.config._name_or_path = str(checkpoint)
-    merged(trainer.model).save_pretrained(checkpoint)
+    trainer.model.config._name_or_path = str(inputs["policy"])  # was the KL anchor's, for TRL
+    outputs = save_trained(trainer.model, ctx)  # stages/lora.py: with lora, also the adapter alone
     set_padding_side(tokenizer, "left")
-    tokenizer.save_pretrained(checkpoint)
-    return {"checkpoint": str(checkpoint), "metrics": metrics}
+    tokenizer.save_pretrained(outputs["checkpoint"])
+    return {**outputs, "metrics": metrics}

@@ -34,6 +34,10 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   reward beside it (e.g. the verifier at weight 0), ``reward/<rm>/corr/<other>`` logs their
   per-batch correlation. ``critic: rm`` starts the critic from that reward model's backbone
   and score head instead of the policy's backbone and a zero head.
+- With ``lora`` the policy trains LoRA adapters only (PEFT; the optimiser sees nothing
+  else) and the KL reference is the policy with its adapters disabled, not a second copy:
+  its starting checkpoint, as without lora. The adapters' dropout never acts (the policy
+  stays in eval mode, see above). The critic is built and trained in full as without lora.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ from torch import nn
 
 from stages.data import prompt_messages, read_materialized
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings
+from stages.lora import save_trained, wrap
 from stages.models import load_model_and_tokenizer, set_padding_side
 from stages.reward_model import bind_reward_models, reward_model_correlations
-from stages.rewards import RewardSpec, ScoredBatch, score_completions
+from stages.rewards import RewardSpec, ScoredBatch, score_completions, with_task_column
 from stages.rl import RLStageConfig, log_curves
 from stages.rl_math import (
     AdaptiveKLController,
@@ -115,6 +120,18 @@ def load_frozen_reference(path: Path, trust_remote_code: bool = False) -> nn.Mod
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
     model.requires_grad_(False)
     return model
+
+
+class AdaptersOff:
+    """The KL reference of a LoRA policy: the policy itself with its adapters disabled, i.e. its
+    starting weights (called like a model; used under ``torch.no_grad`` only)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **model_inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**model_inputs)
 
 
 # ---------------------------------------------------------------- rollouts
@@ -338,7 +355,7 @@ class PPORun:
     config: RLStageConfig
     policy: nn.Module
     tokenizer: object
-    reference: nn.Module
+    reference: nn.Module | AdaptersOff
     critic: ValueModel
     optimizers: list
     kl_control: FixedKLController | AdaptiveKLController
@@ -354,11 +371,14 @@ class PPORun:
         policy_path = Path(inputs["policy"])
         trust = inputs.get("trust_remote_code", False)
         policy, tokenizer = load_model_and_tokenizer(policy_path, trust_remote_code=trust)
+        policy = wrap(policy, config.lora)  # with lora: only the adapters require grad
         policy.to(device).eval()
-        reference = load_frozen_reference(Path(inputs.get("reference") or policy_path), trust).to(device)
+        reference = (AdaptersOff(policy) if config.lora
+                     else load_frozen_reference(Path(inputs.get("reference") or policy_path), trust).to(device))
         critic = (ValueModel.from_reward_model(Path(inputs["critic"]), trust) if inputs.get("critic")
                   else ValueModel.from_policy_checkpoint(policy_path, trust)).to(device).eval()
-        optimizers = [torch.optim.AdamW(policy.parameters(), lr=config.lr),
+        trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]
+        optimizers = [torch.optim.AdamW(trainable, lr=config.lr),
                       torch.optim.AdamW(critic.parameters(), lr=config.critic_lr or config.lr)]
         kl_control = (FixedKLController(config.kl_beta) if config.kl_target is None
                       else AdaptiveKLController(config.kl_beta, config.kl_target, config.kl_horizon))
@@ -376,8 +396,9 @@ class PPORun:
         rollout = build_rollout(prompt_token_ids(self.tokenizer, prompts), groups, self.tokenizer.pad_token_id)
         rollout = rollout.to(self.device)
         texts = [s.text for s in rollout.samples]
-        columns = {"answer": [answers[i] for i in rollout.prompt_index],
-                   "prompts": [prompts[i] for i in rollout.prompt_index]}
+        columns = with_task_column({"answer": [answers[i] for i in rollout.prompt_index],
+                                    "prompts": [prompts[i] for i in rollout.prompt_index]},
+                                   [batch[i].get("task") for i in rollout.prompt_index])
         scored = score_completions(self.rewards, texts, columns, self.reward_fns)
         self.reward_errors = check_reward_errors(scored, texts, self.reward_errors, config)
 
@@ -390,10 +411,12 @@ class PPORun:
         self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts))
         return metrics, sample_rows(rollout, prompts, answers, scored)
 
-    def save(self, checkpoint: Path) -> None:
-        self.policy.save_pretrained(checkpoint)
+    def save(self, ctx) -> dict[str, str]:
+        """The policy as the stage's ``checkpoint`` (and, with lora, ``adapter``) outputs."""
+        outputs = save_trained(self.policy, ctx)  # stages/lora.py
         set_padding_side(self.tokenizer, "left")
-        self.tokenizer.save_pretrained(checkpoint)
+        self.tokenizer.save_pretrained(outputs["checkpoint"])
+        return outputs
 
 
 def train_ppo(config: RLStageConfig, inputs: dict, ctx) -> dict:
@@ -421,7 +444,6 @@ def train_ppo(config: RLStageConfig, inputs: dict, ctx) -> dict:
             bar.advance()
 
     log_curves(ctx, history)
-    checkpoint = ctx.output_dir("checkpoint")
-    run.save(checkpoint)
+    outputs = run.save(ctx)
     final = {**metrics, "steps": float(config.max_steps), "train_seconds": time.perf_counter() - started}
-    return {"checkpoint": str(checkpoint), "metrics": final}
+    return {**outputs, "metrics": final}

@@ -2,7 +2,9 @@
 
 A reward function follows TRL's shape, ``fn(completions, **columns) -> scores``, where
 ``completions`` are the sampled texts and the columns include ``answer`` (reference answers)
-and ``prompts`` (the chat messages). It may return plain scores, or a ``RewardOutput``
+and ``prompts`` (the chat messages), plus ``task`` (per completion, the generated entry it
+answers, e.g. ``{"reasoning_gym": "chain_sum", ..., "index": 3}``) for data whose records
+carry one (reasoning_gym datasets). It may return plain scores, or a ``RewardOutput``
 that also says per completion whether it could be parsed at all, so that "could not parse"
 is never mistaken for "wrong". An exception inside a reward is counted and reported with
 the offending sample, never turned into a silent zero.
@@ -21,6 +23,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 REWARD_MODEL_FN = "reward_model"  # the built-in that scores with a trained reward_model stage
+REASONING_GYM_FN = "reasoning_gym"  # the built-in that scores reasoning_gym data with the task's score_answer
 
 
 class RewardSpec(BaseModel):
@@ -134,6 +137,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     REWARD_MODEL_FN: reward_model,
     "math_answer": _lazy("stages.rewards_math:math_answer"),
     "code_tests": _lazy("stages.rewards_code:code_tests"),
+    REASONING_GYM_FN: _lazy("stages.reasoning_gym_tasks:reasoning_gym_answer"),
     "regex_format": regex_format,
     "length_penalty": length_penalty,
 }
@@ -192,11 +196,11 @@ def check_signature(name: str, fn: Any) -> None:
     if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
         raise RewardError(f"reward {name!r} must take the completions as its first argument: fn(completions, **columns)")
     required_extra = [p.name for p in positional[1:] if p.default is p.empty]
-    unknown = [n for n in required_extra if n not in ("answer", "prompts")]
+    unknown = [n for n in required_extra if n not in ("answer", "prompts", "task")]
     if unknown or not (takes_kwargs or "answer" in [p.name for p in params]):
         raise RewardError(
             f"reward {name!r} has signature {inspect.signature(fn)}; expected fn(completions, **columns) "
-            "(columns: answer, prompts)"
+            "(columns: answer, prompts, task)"
         )
 
 
@@ -271,6 +275,12 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
     return ComponentScores(name, spec.weight, scores, parsed, errors)
 
 
+def with_task_column(columns: dict[str, list], tasks: list[dict | None]) -> dict[str, list]:
+    """``columns`` plus ``task`` when any completion answers a generated task (reasoning_gym data);
+    data without one hands rewards exactly the columns it always did."""
+    return {**columns, "task": list(tasks)} if any(t is not None for t in tasks) else columns
+
+
 def score_completions(
     specs: dict[str, RewardSpec], completions: list[str], columns: dict[str, list],
     fns: dict[str, Callable[..., Any]] | None = None,
@@ -298,6 +308,10 @@ class RewardCase(BaseModel):
     min: float | None = Field(None, description="The score must be at least this.")
     max: float | None = Field(None, description="The score must be at most this.")
     parsed: bool | None = Field(None, description="Whether the reward must report the completion as parsed.")
+    task: dict[str, Any] | None = Field(
+        None, description="For a reasoning_gym reward (required there): the entry the completion answers, as in a "
+        "reasoning_gym dataset's records: {reasoning_gym: chain_sum, config: {...}, seed: 0, size: 10, index: 3, "
+        "answer_format: answer_tags}; config, seed (0) and answer_format (answer_tags) may be left out.")
 
     def model_post_init(self, __context) -> None:
         if self.min is None and self.max is None and self.parsed is None:
@@ -339,6 +353,6 @@ def check_reward_cases(name: str, spec: RewardSpec, cases: list[RewardCase]) -> 
         "answer": [c.answer for c in cases],
         "prompts": [[{"role": "user", "content": c.prompt or ""}] for c in cases],
     }
-    scored = score_component(name, spec, completions, columns)
+    scored = score_component(name, spec, completions, with_task_column(columns, [c.task for c in cases]))
     errors = dict(scored.errors)
     return [CaseResult(name, case, scored.scores[i], scored.parsed[i], errors.get(i)) for i, case in enumerate(cases)]

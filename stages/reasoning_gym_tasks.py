@@ -1,0 +1,240 @@
+"""reasoning-gym tasks: their records, their answer formats, and the ``reasoning_gym`` reward.
+
+reasoning-gym (the optional extra ``posttrain[reasoning]``) generates over a hundred
+procedural tasks, each with its own answer check, ``score_answer``. The task owns both
+halves here: a ``reasoning_gym:`` dataset writes entry i of
+``create_dataset(name, seed=seed, size=n, **config)`` as a record, and the reward
+regenerates that entry from the record's ``task`` column and scores with the task's own
+``score_answer`` -- never a re-implementation of it, so partial credit (e.g. the default
+``len(answer) / len(reply)`` when the reply merely contains the answer) is reasoning-gym's.
+
+The ``reasoning_gym`` reward:
+- extracts the answer per the record's ``answer_format``: ``answer_tags`` with
+  reasoning-gym's own ``extract_answer`` (the last ``<answer>...</answer>``), ``boxed`` the
+  last ``\\boxed{...}`` (braces balanced), ``whole`` the stripped reply;
+- a reply with nothing to extract is *unparsed* (``parsed=False``) and gets what
+  ``score_answer(None, entry)`` gives (0.0 for most tasks, 0.01 for a few); so is an
+  extracted answer on which the task's own ``score_answer`` raises (a few tasks' parsers do,
+  e.g. prime_factorization on ``"2 x 3"``): the task could not read it, which is not a
+  broken reward;
+- refuses (RewardError) data without a ``task`` column, and a record whose answer differs
+  from the regenerated entry's: the installed reasoning-gym then generates other data than
+  the materialised dataset was built with (the version is part of the dataset's cache key,
+  so a rebuilt pipeline regenerates its data);
+- caches datasets and entries per (task, config, seed, size), so k attempts per prompt
+  regenerate an entry once.
+
+A few tasks (e.g. rubiks_cube, rush_hour) have no single reference answer (``answer`` is
+None) and check a reply by simulating it; their records carry no demonstration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import json
+import re
+from typing import Any
+
+from stages.data import DataError, ReasoningGymData
+from stages.rewards import RewardError, RewardOutput
+
+INSTALL_HINT = ("reasoning-gym is not installed; it is an optional extra: pip install reasoning-gym "
+                "(or pip install 'posttrain[reasoning]')")
+
+DEFAULT_INSTRUCTIONS = {
+    "answer_tags": "Give only the final answer, inside <answer></answer> tags.",
+    "boxed": "Give only the final answer, inside \\boxed{}.",
+    "whole": "Reply with the final answer only, nothing else.",
+}
+
+
+def _package():
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise DataError(INSTALL_HINT) from None
+    return reasoning_gym
+
+
+def reasoning_gym_version() -> str:
+    try:
+        return importlib.metadata.version("reasoning-gym")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def task_names() -> list[str]:
+    """Every task reasoning-gym registers; raises DataError when it is not installed."""
+    _package()
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(DATASETS)
+
+
+@functools.lru_cache(maxsize=64)
+def _dataset(name: str, config_json: str, seed: int, size: int):
+    return _package().create_dataset(name, seed=seed, size=size, **json.loads(config_json))
+
+
+@functools.lru_cache(maxsize=4096)
+def _entry(name: str, config_json: str, seed: int, size: int, index: int) -> dict:
+    return _dataset(name, config_json, seed, size)[index]
+
+
+def _config_json(config: dict) -> str:
+    return json.dumps(config, sort_keys=True)
+
+
+def config_problem(spec: ReasoningGymData) -> str | None:
+    """What reasoning-gym says against the task's config, or None; builds the dataset and its first
+    entry only, so validation stays cheap whatever ``n`` is."""
+    try:
+        _entry(spec.reasoning_gym, _config_json(spec.config), spec.seed, spec.n, 0)
+    except (TypeError, AssertionError, ValueError, KeyError) as error:
+        message = f"reasoning-gym refuses this config for {spec.reasoning_gym}: {type(error).__name__}: {error}"
+        if isinstance(error, TypeError):
+            from reasoning_gym.factory import DATASETS
+
+            config_cls = DATASETS[spec.reasoning_gym][1]
+            keys = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
+            message += f"; its config keys: {', '.join(keys)}"
+        return message
+    return None
+
+
+# ---------------------------------------------------------------- answer formats
+
+
+def demonstration(answer: str, answer_format: str) -> str:
+    """The reference answer written the way the model is asked to give it."""
+    if answer_format == "answer_tags":
+        return f"<answer>{answer}</answer>"
+    if answer_format == "boxed":
+        return f"\\boxed{{{answer}}}"
+    return answer
+
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` whose braces balance, stripped."""
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i].strip()
+    return None
+
+
+def extract(text: str, answer_format: str) -> str | None:
+    """The answer in a reply, or None when the reply holds none in that format."""
+    if answer_format == "answer_tags":
+        from reasoning_gym.utils import extract_answer
+
+        return extract_answer(text, tag_name="answer")
+    if answer_format == "boxed":
+        return last_boxed(text)
+    if answer_format == "whole":
+        return text.strip() or None
+    raise RewardError(f"unknown answer_format {answer_format!r}; one of {', '.join(DEFAULT_INSTRUCTIONS)}")
+
+
+# ---------------------------------------------------------------- records
+
+
+def _answer_text(entry: dict) -> str | None:
+    return None if entry["answer"] is None else str(entry["answer"])
+
+
+def generate_reasoning_gym(spec: ReasoningGymData) -> list[dict]:
+    """The dataset's canonical records: question + format instruction, the demonstration, the task."""
+    dataset = _dataset(spec.reasoning_gym, _config_json(spec.config), spec.seed, spec.n)
+    instruction = DEFAULT_INSTRUCTIONS[spec.answer_format] if spec.instruction is None else spec.instruction
+    records = []
+    for index in range(spec.n):
+        entry = dataset[index]
+        answer = _answer_text(entry)
+        question = entry["question"].rstrip()
+        messages = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt is not None else []
+        messages.append({"role": "user", "content": f"{question}\n\n{instruction}" if instruction else question})
+        if answer is not None:  # a task with no single reference answer has nothing to demonstrate
+            messages.append({"role": "assistant", "content": demonstration(answer, spec.answer_format)})
+        task = {"reasoning_gym": spec.reasoning_gym, "config": spec.config, "seed": spec.seed, "size": spec.n,
+                "index": index, "answer_format": spec.answer_format}
+        records.append({"messages": messages, "answer": answer, "task": task})
+    return records
+
+
+def regenerate(task: Any) -> tuple[Any, dict]:
+    """(dataset, entry) named by a ``task`` dict; ValueError saying what is wrong with it."""
+    if not isinstance(task, dict):
+        raise ValueError(f"a task is a mapping {{reasoning_gym, config, seed, size, index}}, got {task!r}")
+    unknown = sorted(set(task) - {"reasoning_gym", "config", "seed", "size", "index", "answer_format"})
+    missing = [key for key in ("reasoning_gym", "size", "index") if key not in task]
+    if unknown or missing:
+        problems = [f"{what} {', '.join(keys)}" for what, keys in (("missing", missing), ("unknown", unknown)) if keys]
+        raise ValueError(f"task {task!r}: {'; '.join(problems)}")
+    size, index, seed = task["size"], task["index"], task.get("seed", 0)
+    if not all(isinstance(v, int) for v in (size, index, seed)) or not 0 <= index < size:
+        raise ValueError(f"task {task!r}: seed, size and index must be integers with 0 <= index < size")
+    config = task.get("config") or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"task {task!r}: config must be a mapping")
+    names = task_names()
+    if task["reasoning_gym"] not in names:
+        raise ValueError(f"unknown reasoning-gym task {task['reasoning_gym']!r}")
+    key = (task["reasoning_gym"], _config_json(config), seed, size)
+    return _dataset(*key), _entry(*key, index)
+
+
+def task_problem(task: Any) -> str | None:
+    """What is wrong with a hand-written ``task`` (a reward case's), or None."""
+    try:
+        regenerate(task)
+        if task.get("answer_format", "answer_tags") not in DEFAULT_INSTRUCTIONS:
+            return f"answer_format must be one of {', '.join(DEFAULT_INSTRUCTIONS)} (got {task['answer_format']!r})"
+    except DataError as error:
+        return str(error)
+    except (TypeError, AssertionError, ValueError, KeyError) as error:
+        return f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
+    return None
+
+
+# ---------------------------------------------------------------- the reward
+
+
+def reasoning_gym_answer(completions: list[str], answer: list[str | None], task: list[dict | None] | None = None,
+                         **_) -> RewardOutput:
+    """reasoning-gym's own ``score_answer`` on the answer extracted per the task's answer_format."""
+    if task is None or any(t is None for t in task):
+        raise RewardError("the reasoning_gym reward scores reasoning_gym datasets only (`data: {reasoning_gym: "
+                          "TASK, ...}`): these completions have no `task` column to regenerate their entry from")
+    try:
+        _package()
+    except DataError as error:
+        raise RewardError(str(error)) from None
+    scores, parsed = [], []
+    for text, reference, ref in zip(completions, answer, task):
+        try:
+            dataset, entry = regenerate(ref)
+        except ValueError as error:
+            raise RewardError(f"reasoning_gym reward: {error}") from None
+        if reference is not None and _answer_text(entry) != reference:
+            raise RewardError(
+                f"reasoning_gym reward: the installed reasoning-gym {reasoning_gym_version()} generates different "
+                f"data than the materialised dataset: entry {ref['index']} of {ref['reasoning_gym']} (seed "
+                f"{ref.get('seed', 0)}) now has answer {_answer_text(entry)!r}, the dataset says {reference!r}; "
+                "rebuild the dataset with this version (its cache key includes the version) or install the one "
+                "it was built with")
+        extracted = extract(text, ref.get("answer_format", "answer_tags"))
+        try:
+            score = dataset.score_answer(extracted, entry)
+        except Exception:  # a few tasks' parsers raise on a malformed answer: the task could not read it
+            extracted, score = None, dataset.score_answer(None, entry)
+        scores.append(float(score))
+        parsed.append(extracted is not None)
+    return RewardOutput(scores, parsed)
