@@ -216,6 +216,20 @@ def _dotted(path: tuple) -> str:
 # ------------------------------------------------------------------ overrides
 
 
+def unshared(value):
+    """A copy of loaded YAML in which no two places share a dict or list.
+
+    A YAML alias (``sampling: *sampling``) loads as the very object its anchor names, so an
+    override of one stage's ``sampling.seed`` would silently change every stage that shares
+    the anchor. ``copy.deepcopy`` keeps such sharing; this does not.
+    """
+    if isinstance(value, dict):
+        return {key: unshared(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [unshared(item) for item in value]
+    return value
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> list[SpecIssue]:
     """Apply ``dotted.path=value`` overrides in place; values are parsed as YAML scalars."""
     issues = []
@@ -755,6 +769,7 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Loade
 
     lines = _line_index(text)
     issues = duplicate_key_issues(text)
+    raw = unshared(raw)
     issues += apply_overrides(raw, overrides)
     spec = None
     try:

@@ -154,3 +154,12 @@ def test_cli_exits_2_and_starts_nothing(tmp_path, home, capsys):
     assert "stages.sft.max_steps: must be >= 1 (got 0)" in err and "nothing was run" in err
     assert not (home / "mlflow.db").exists()
     assert run_cli("validate", str(tmp_path / "absent.yaml")) == 2
+
+
+def test_an_override_of_one_stage_leaves_stages_sharing_a_yaml_anchor_alone(tmp_path):
+    text = VALID.replace("eval_sft: {kind: eval, model: sft, data: heldout, rewards: [correct]}",
+                         "eval_sft: {kind: eval, model: sft, data: heldout, rewards: [correct], sampling: &s {seed: 1}}\n"
+                         "  eval_base: {kind: eval, model: base, data: heldout, rewards: [correct], sampling: *s}")
+    loaded = load_pipeline(write(tmp_path / "p.yaml", text), ["stages.eval_sft.sampling.seed=5"])
+    assert loaded.spec.stages["eval_sft"].sampling.seed == 5
+    assert loaded.spec.stages["eval_base"].sampling.seed == 1  # the alias is a copy, not the same object
