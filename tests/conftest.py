@@ -4,6 +4,7 @@ Prefect test-harness server per session, and a tiny model built once."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,17 @@ def run_cli(*argv: str) -> int:
     from flows.cli import main
 
     return main(list(argv))
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch on ``n`` CPU threads for a block (spinning threads of several torch users on a
+    2-core machine make tiny models much slower), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import torch_threads
 from stages.data import ArithmeticData, ArithmeticPreferenceData, materialize
 from stages.rewards import RewardSpec
 
@@ -19,10 +20,8 @@ SCALE = LORA["alpha"] / LORA["r"]
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def code_point_sum(completions, **_):

@@ -9,16 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import torch_threads
 from stages.data import ArithmeticData, ArithmeticPreferenceData, materialize, read_materialized
 from stages.rewards import RewardSpec
 
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def preference_file(home, n=320, **fields):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import torch_threads
 from stages.data import ReasoningGymData, materialize, read_materialized
 from stages.models import GGUFModelSpec
 from stages.rewards import RewardSpec
@@ -53,10 +54,8 @@ def smollm2(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def two_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(2):
+        yield
 
 
 def test_gguf_converts_once_to_a_plain_checkpoint_keyed_by_its_bytes(smollm2, tmp_path):
