@@ -159,7 +159,7 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     from transformers import AutoModelForCausalLM
 
     from stages.lora import save_trained
-    from stages.models import load_model_and_tokenizer, set_padding_side
+    from stages.models import load_model_and_tokenizer
     from stages.preferences import check_preference_records, split_heldout, trl_dataset
     from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
@@ -202,7 +202,5 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
         metrics["heldout_reward_margin"] = float(after["eval_rewards/margins"])
     ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith("heldout_")})
 
-    outputs = save_trained(trainer.model, ctx)  # stages/lora.py: with lora, also the adapter alone
-    set_padding_side(tokenizer, "left")
-    tokenizer.save_pretrained(outputs["checkpoint"])
+    outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}

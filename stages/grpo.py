@@ -178,7 +178,7 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     from datasets import Dataset
 
     from stages.lora import save_trained
-    from stages.models import load_model_and_tokenizer, set_padding_side
+    from stages.models import load_model_and_tokenizer
     from stages.rl import log_curves
     from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
@@ -233,7 +233,5 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     ctx.log_metrics(metrics)
 
     trainer.model.config._name_or_path = str(inputs["policy"])  # was the KL anchor's, for TRL
-    outputs = save_trained(trainer.model, ctx)  # stages/lora.py: with lora, also the adapter alone
-    set_padding_side(tokenizer, "left")
-    tokenizer.save_pretrained(outputs["checkpoint"])
+    outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}

@@ -59,13 +59,16 @@ def wrap(model, spec: LoraSpec | None):
     return get_peft_model(model, spec.peft_config())
 
 
-def save_trained(model, ctx) -> dict[str, str]:
-    """Save a trained model as the stage's outputs: ``checkpoint`` (adapters merged in) and, for a
-    model with LoRA adapters, ``adapter`` (the adapters alone). Returns their paths by output name.
+def save_trained(model, tokenizer, ctx, padding_side: str = "left") -> dict[str, str]:
+    """Save a trained model as the stage's outputs: ``checkpoint`` (adapters merged in, with the
+    tokenizer, padded on ``padding_side`` by whoever reads it next) and, for a model with LoRA
+    adapters, ``adapter`` (the adapters alone). Returns their paths by output name.
 
     Merging folds the adapters into the wrapped model's weights in place: call this last.
     """
     from peft import PeftModel
+
+    from stages.models import set_padding_side
 
     outputs = {}
     if isinstance(model, PeftModel):
@@ -75,4 +78,6 @@ def save_trained(model, ctx) -> dict[str, str]:
         model = model.merge_and_unload()
     checkpoint = ctx.output_dir("checkpoint")
     model.save_pretrained(checkpoint)
+    set_padding_side(tokenizer, padding_side)
+    tokenizer.save_pretrained(checkpoint)
     return {"checkpoint": str(checkpoint), **outputs}

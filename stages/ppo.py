@@ -53,7 +53,7 @@ from torch import nn
 from stages.data import prompt_messages, read_materialized
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings
 from stages.lora import save_trained, wrap
-from stages.models import load_model_and_tokenizer, set_padding_side
+from stages.models import load_model_and_tokenizer
 from stages.reward_model import bind_reward_models, reward_model_correlations
 from stages.rewards import RewardSpec, ScoredBatch, score_completions, with_task_column
 from stages.rl import RLStageConfig, log_curves
@@ -413,10 +413,7 @@ class PPORun:
 
     def save(self, ctx) -> dict[str, str]:
         """The policy as the stage's ``checkpoint`` (and, with lora, ``adapter``) outputs."""
-        outputs = save_trained(self.policy, ctx)  # stages/lora.py
-        set_padding_side(self.tokenizer, "left")
-        self.tokenizer.save_pretrained(outputs["checkpoint"])
-        return outputs
+        return save_trained(self.policy, self.tokenizer, ctx)  # stages/lora.py
 
 
 def train_ppo(config: RLStageConfig, inputs: dict, ctx) -> dict:

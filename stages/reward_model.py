@@ -120,7 +120,6 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
     from trl import RewardConfig, RewardTrainer
 
     from stages.lora import save_trained
-    from stages.models import set_padding_side
     from stages.preferences import check_preference_records, split_heldout, trl_dataset
     from stages.trainer_callbacks import device_arguments, quiet_trainer, stop_gracefully, tracking_callback
 
@@ -177,9 +176,7 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
         metrics["heldout_reward_margin"] = float(after["eval_margin"])
     ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith("heldout_")})
 
-    outputs = save_trained(trainer.model, ctx)  # stages/lora.py: with lora, also the adapter alone
-    set_padding_side(tokenizer, "right")
-    tokenizer.save_pretrained(outputs["checkpoint"])
+    outputs = save_trained(trainer.model, tokenizer, ctx, padding_side="right")  # stages/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
 
 

@@ -87,7 +87,7 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     from trl import SFTConfig, SFTTrainer
 
     from stages.lora import save_trained
-    from stages.models import load_model_and_tokenizer, set_padding_side
+    from stages.models import load_model_and_tokenizer
     from stages.trainer_callbacks import (
         device_arguments,
         last_checkpoint,
@@ -158,9 +158,7 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     }
     ctx.log_metrics(metrics)
 
-    outputs = save_trained(trainer.model, ctx)  # stages/lora.py: with lora, also the adapter alone
-    set_padding_side(tokenizer, "left")
-    tokenizer.save_pretrained(outputs["checkpoint"])
+    outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
 
 
