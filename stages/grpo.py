@@ -7,7 +7,9 @@ What we map, and where it departs from DeepSeekMath's GRPO:
   ``scale_rewards="group"``, the paper's choice.
 - ``loss`` selects TRL's ``loss_type``: grpo (per-sequence mean, the paper), dr_grpo,
   dapo (token-level normalisation over the batch; TRL's default) or cispo (clipped
-  importance-sampling weights, gradient through every token).
+  importance-sampling weights, gradient through every token). CISPO's cap is absolute:
+  ``cispo_cap`` (default 5.0) is TRL's ``epsilon_high``, a weight min(ratio, cap); the other
+  losses clip the ratio to [1 - clip_epsilon, 1 + clip_epsilon].
 - ``kl_beta`` is TRL's ``beta``: the k3 KL estimate to the reference added to the loss
   (not to the reward, unlike PPO/InstructGPT). 0 loads no reference model.
 - With ``lora``, TRL computes the reference log-probs with the adapters disabled, so the
@@ -160,6 +162,8 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         loss_type=config.loss,
         scale_rewards="none" if config.advantage == "group_centered" else "group",
         epsilon=config.clip_epsilon,
+        # TRL's CISPO caps the weight at epsilon_high itself (absolute); the other losses clip at 1 + epsilon
+        epsilon_high=config.cispo_cap if config.loss == "cispo" else None,
         logging_steps=1,
         save_strategy="no",
         report_to="none",

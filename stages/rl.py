@@ -21,7 +21,7 @@ from stages.context import ExecutionLimits
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
-GRPO_ONLY = ("advantage", "loss", "use_vllm", "updates_per_batch")
+GRPO_ONLY = ("advantage", "loss", "use_vllm", "updates_per_batch", "cispo_cap")
 PPO_ONLY = ("gamma", "lam", "vf_coef", "cliprange_value", "ppo_epochs", "minibatch_size",
             "whiten_advantages", "kl_target", "kl_horizon", "critic_lr", "critic")
 
@@ -70,6 +70,10 @@ class RLStageConfig(ExecutionLimits):
         "group_normalized: also divided by the group's standard deviation.",
     )
     loss: Literal["grpo", "dr_grpo", "dapo", "cispo"] = Field("dapo", description="GRPO-family loss (TRL loss_type).")
+    cispo_cap: float = Field(
+        5.0, gt=1.0, allow_inf_nan=False,
+        description="loss cispo: the absolute cap on each token's importance weight (TRL's epsilon_high for "
+        "CISPO, not 1 + clip_epsilon); must be above 1, or on-policy tokens (ratio 1) would be clipped.")
     updates_per_batch: int = Field(
         1, ge=1, le=16,
         description="GRPO: optimizer steps on each generated batch (TRL num_iterations). 1 is on-policy "
@@ -102,6 +106,8 @@ class RLStageConfig(ExecutionLimits):
         if self.lora is not None and self.reference not in (None, self.policy):
             raise ValueError(f"with lora the KL reference is the policy's own starting weights (adapters off); "
                              f"reference {self.reference!r} must be left out or equal policy {self.policy!r}")
+        if "cispo_cap" in self.model_fields_set and self.algorithm == "grpo" and self.loss != "cispo":
+            raise ValueError(f"cispo_cap only applies to loss cispo, not {self.loss}; remove it or set loss: cispo")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError(f"grpo needs group_size >= 2 to compare completions of a prompt (got {self.group_size})")
         return self

@@ -133,3 +133,30 @@ def test_grpo_with_lora(tiny_checkpoint, ctx_factory, home):
     assert not (Path(outputs["checkpoint"]) / "adapter_config.json").exists()
     with pytest.raises(ValueError, match="with lora the KL reference"):
         grpo_config(lora={"r": 4}, reference="other")
+
+
+def test_cispo_caps_the_weight_at_cispo_cap_not_at_clip_epsilon(tiny_checkpoint, ctx_factory, home):
+    """TRL's CISPO reads epsilon_high as an absolute cap on the ratio: on-policy (ratio exactly 1)
+    nothing may be clipped, where a cap of clip_epsilon (0.2) clipped every positive-advantage token."""
+    from stages import rl
+
+    ctx = ctx_factory("grpo-cispo")
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    rl.run(grpo_config(rewards=["short"], max_steps=2, loss="cispo"), inputs_for(home, tiny_checkpoint, rewards), ctx)
+    clipped = [p.value for p in ctx.metric_history("clip_frac")]
+    assert len(clipped) == 2 and clipped == [0.0, 0.0]
+    assert all(p.value == pytest.approx(1.0, abs=1e-6) for p in ctx.metric_history("ratio/mean"))
+
+
+def test_cispo_cap_is_validated():
+    from stages.grpo import build_grpo_config
+
+    assert build_grpo_config(grpo_config(loss="cispo"), Path("out"), 0).epsilon_high == 5.0
+    assert build_grpo_config(grpo_config(loss="cispo", cispo_cap=3.0), Path("out"), 0).epsilon_high == 3.0
+    for bad in (1.0, 0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="cispo_cap"):
+            grpo_config(loss="cispo", cispo_cap=bad)
+    with pytest.raises(ValueError, match="cispo_cap only applies to loss cispo"):
+        grpo_config(loss="dapo", cispo_cap=3.0)
+    with pytest.raises(ValueError, match="cispo_cap only apply to algorithm grpo"):
+        RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["correct"], cispo_cap=3.0)
