@@ -22,6 +22,7 @@ text; its tokens stay in ``token_ids``), and such a completion is not truncated.
 from __future__ import annotations
 
 import importlib.util
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -107,6 +108,35 @@ def open_backend(name: str, checkpoint: Path, *, trust_remote_code: bool = False
     return HFGenerateBackend(model, tokenizer, prompt_batch_size, progress=progress, keep_logprobs=keep_logprobs)
 
 
+def neutral_generation_config(**settings):
+    """A ``GenerationConfig`` with exactly ``settings`` and every other sampling knob neutral.
+
+    A checkpoint's generation_config.json may set ``min_p``, ``repetition_penalty``,
+    ``top_k``, ``suppress_tokens`` and more; those are not declared in the spec, not hashed,
+    and vLLM ignores them, so they must not shape our samples (nor make the sampler's
+    log-probs differ from the tempered distribution PPO trains on)."""
+    from transformers import GenerationConfig
+
+    neutral = {"repetition_penalty": 1.0, **({"top_k": 0} if settings.get("do_sample") else {})}
+    return GenerationConfig(**{**neutral, **settings})
+
+
+@contextmanager
+def generation_config_as(model, config):
+    """``model.generation_config`` is ``config`` inside the block, the checkpoint's own after it.
+
+    transformers fills every field a passed config leaves unset (``min_p``,
+    ``suppress_tokens``, ``bad_words_ids``, ...) from ``model.generation_config``, so passing
+    a neutral config is not enough; the checkpoint keeps its own for saving."""
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the wrapped model
+    saved = target.generation_config
+    target.generation_config = config
+    try:
+        yield model
+    finally:
+        target.generation_config = saved
+
+
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """``text`` up to the first stop string, and whether one was found."""
     cuts = [i for i in (text.find(s) for s in stop if s) if i >= 0]
@@ -156,21 +186,21 @@ class HFGenerateBackend:
         tok.padding_side = "left"
         encoded = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
         greedy = settings.temperature == 0.0
-        with torch.no_grad():
-            out = self.model.generate(
-                **encoded,
-                do_sample=not greedy,
-                temperature=None if greedy else settings.temperature,
-                top_p=None if greedy else settings.top_p,
-                top_k=None,
-                max_new_tokens=settings.max_tokens,
-                num_return_sequences=1 if greedy else settings.attempts,  # greedy: one, repeated below
-                return_dict_in_generate=True,
-                output_scores=self.keep_logprobs,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-                **({"stop_strings": settings.stop, "tokenizer": tok} if settings.stop else {}),
-            )
+        config = neutral_generation_config(
+            do_sample=not greedy,
+            temperature=1.0 if greedy else settings.temperature,
+            top_p=1.0 if greedy else settings.top_p,
+            max_new_tokens=settings.max_tokens,
+            num_return_sequences=1 if greedy else settings.attempts,  # greedy: one, repeated below
+            return_dict_in_generate=True,
+            output_scores=self.keep_logprobs,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            stop_strings=settings.stop or None,
+        )
+        with torch.no_grad(), generation_config_as(self.model, config):
+            out = self.model.generate(**encoded, generation_config=config,
+                                      **({"tokenizer": tok} if settings.stop else {}))
         prompt_len = encoded["input_ids"].shape[1]
         new_tokens_N_T = out.sequences[:, prompt_len:]
         logprobs_N_T = None

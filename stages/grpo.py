@@ -20,6 +20,10 @@ What we map, and where it departs from DeepSeekMath's GRPO:
   ratio is exactly 1; ``ratio/mean`` is logged either way and moves off 1 once samples
   are reused.
 
+Rollouts sample with exactly the stage's settings: the checkpoint's generation_config.json
+(``min_p``, ``repetition_penalty``, ``suppress_tokens``, ...) is swapped for a neutral one
+while training (transformers would fill TRL's unset fields from it) and restored for saving.
+
 Each reward component is wrapped so parse failures and exceptions are counted per step
 (``reward/<name>/unparsed_frac``, ``reward/errors``) and the policy in
 ``reward_errors`` is applied, instead of TRL seeing a silent number.
@@ -31,6 +35,7 @@ import json
 from pathlib import Path
 
 from stages.data import prompt_messages, read_materialized
+from stages.generation import neutral_generation_config
 from stages.rewards import RewardSpec, score_component, with_task_column
 
 # TRL's metric names -> ours (DESIGN.md)
@@ -192,6 +197,12 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     tokenizer.padding_side = "left"
     # TRL builds the KL reference from the policy's `_name_or_path`: point it at the anchor.
     model.config._name_or_path = str(inputs.get("reference") or inputs["policy"])
+    # transformers fills what TRL's sampling config leaves unset (min_p, suppress_tokens, ...) from the
+    # model's own generation config: sample from a neutral one, keep the checkpoint's for saving.
+    own_generation_config = model.generation_config
+    model.generation_config = neutral_generation_config(
+        eos_token_id=own_generation_config.eos_token_id, pad_token_id=own_generation_config.pad_token_id,
+        bos_token_id=own_generation_config.bos_token_id)
 
     records = read_materialized(Path(inputs["data"]))
     dataset = Dataset.from_list([{"prompt": prompt_messages(r), "answer": r.get("answer"),
@@ -237,5 +248,6 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     ctx.log_metrics(metrics)
 
     trainer.model.config._name_or_path = str(inputs["policy"])  # was the KL anchor's, for TRL
+    model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
     outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}

@@ -160,3 +160,25 @@ def test_cispo_cap_is_validated():
         grpo_config(loss="dapo", cispo_cap=3.0)
     with pytest.raises(ValueError, match="cispo_cap only apply to algorithm grpo"):
         RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["correct"], cispo_cap=3.0)
+
+
+def test_grpo_samples_without_the_checkpoints_generation_config(tiny_checkpoint, ctx_factory, home, tmp_path):
+    """A generation_config.json that suppresses every token but "7" must not steer GRPO's rollouts."""
+    from stages import rl
+    from stages.models import load_model_and_tokenizer
+
+    from test_ppo import with_generation_config
+
+    _, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
+    keep = {tokenizer.convert_tokens_to_ids("7"), tokenizer.eos_token_id}
+    checkpoint = with_generation_config(tiny_checkpoint, tmp_path / "leaky",
+                                        suppress_tokens=[i for i in range(len(tokenizer)) if i not in keep])
+    ctx = ctx_factory("grpo-neutral")
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    outputs = rl.run(grpo_config(rewards=["short"], max_steps=1, sample_every=1),
+                     inputs_for(home, checkpoint, rewards), ctx)
+    table = json.loads(Path(ctx.client.download_artifacts(ctx.run_id, "samples/step_00001.json")).read_text())
+    completions = [row[table["columns"].index("completion")] for row in table["data"]]
+    assert len(completions) == 16 and any(set(c) - {"7"} for c in completions), completions
+    saved = json.loads((Path(outputs["checkpoint"]) / "generation_config.json").read_text())
+    assert len(saved["suppress_tokens"]) == len(tokenizer) - 2  # the checkpoint's own config is kept

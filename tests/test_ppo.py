@@ -141,3 +141,35 @@ def test_ppo_learns_a_trivial_reward(tiny_checkpoint, prompts_file, ctx_factory)
     start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert start < 0.3 and end > start + 0.5, rewards
     assert kls[0] < 1e-4 < kls[-1]  # step 1 samples from the reference itself
+
+
+def with_generation_config(checkpoint: Path, target: Path, **fields) -> Path:
+    """A copy of ``checkpoint`` whose generation_config.json also sets ``fields``, as hub checkpoints do."""
+    import shutil
+
+    shutil.copytree(checkpoint, target)
+    path = target / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return target
+
+
+def test_the_checkpoints_generation_config_does_not_leak_into_sampling(tiny_checkpoint, tmp_path):
+    """min_p, repetition_penalty and top_k in a checkpoint's generation_config.json are not our settings
+    (not hashed, ignored by vLLM): the sampler's log-probs must be the tempered distribution's."""
+    from stages.generation import HFGenerateBackend, SamplingSettings
+    from stages.models import load_model_and_tokenizer
+    from stages.ppo import build_rollout, completion_logits, prompt_token_ids, token_logprobs
+
+    checkpoint = with_generation_config(tiny_checkpoint, tmp_path / "leaky", min_p=0.2, repetition_penalty=1.3,
+                                        top_k=5)
+    model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True)
+    prompts = [[{"role": "user", "content": "What is 3+4?"}], [{"role": "user", "content": "Hi"}]]
+    groups = HFGenerateBackend(model, tokenizer).generate(
+        prompts, SamplingSettings(temperature=1.0, max_tokens=12, attempts=8, seed=1))
+    rollout = build_rollout(prompt_token_ids(tokenizer, prompts), groups, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs = token_logprobs(completion_logits(model, rollout, slice(None), 1.0), rollout.completion_ids_B_T)
+    mask = rollout.mask_B_T.bool()
+    assert torch.allclose(logprobs[mask], rollout.sample_logprobs_B_T[mask], atol=1e-4)
+    # the checkpoint keeps its own generation config (saved with it, for whoever serves it)
+    assert model.generation_config.min_p == 0.2 and model.generation_config.repetition_penalty == 1.3
