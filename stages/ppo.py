@@ -12,18 +12,24 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   from every token's reward; the task score is added at the last completion token only.
   Both log-probs are of the tempered distributions (logits / temperature), the ones the
   tokens were sampled from.
-- The importance ratio's denominator is the log-prob recorded by the sampler, not a
-  recomputed forward pass. The two agree to float error (logged as
-  ``logprob/sampler_gap``) when ``top_p`` is 1; with ``top_p < 1`` the sampler's log-probs
-  are of the nucleus-truncated distribution, while training uses the full tempered one.
+- The importance ratio's denominator (the old log-prob) comes from a no-grad forward pass
+  of the rollout-time policy over the recorded tokens: the full tempered distribution, the
+  one the loss differentiates, so the first update starts at ratio 1 whatever ``top_p``.
+  With ``top_p`` 1 it equals the sampler's recorded log-prob to float error; with ``top_p
+  < 1`` the sampler's is the nucleus-renormalised one, higher by up to -log(top_p) per
+  token, and the samples come from the nucleus while the loss treats them as drawn from the
+  full distribution (as TRL's GRPO does). ``logprob/sampler_gap`` logs the largest
+  difference. The KL penalty uses the same recomputed log-probs.
 - The critic is a separate network (a copy of the policy's transformer backbone plus a
   zero-initialised scalar head), initialised from the policy checkpoint; no shared trunk.
-  Its loss is added with ``vf_coef`` but each network has its own AdamW optimiser
-  (``critic_lr``), so the coefficient only scales the critic's gradient.
+  Each network has its own AdamW optimiser, so there is no ``vf_coef``: Adam is invariant
+  to a constant scale of the value loss, and a weight on it would change nothing (the
+  spec refuses one); ``critic_lr`` sets how fast the critic learns.
 - Losses are token-level means over the minibatch (every real completion token weighs the
   same, DAPO-style), not per-sequence means.
 - Advantages are whitened over the whole rollout batch (``whiten_advantages``); rewards are
-  not normalised. No entropy bonus. Dropout is off throughout (the policy stays in eval
+  not normalised. No entropy bonus; the logged ``entropy`` is the rollout-time policy's,
+  measured in the same no-grad pass as the old log-probs, before any update. Dropout is off throughout (the policy stays in eval
   mode) so the training forward pass reproduces the sampler's distribution.
 - Gradients are clipped to norm 1.0 for each network; no learning-rate schedule.
 - Adaptive KL (Ziegler et al. 2019) steers ``kl/sequence`` (mean summed k1 per completion,
@@ -240,25 +246,31 @@ class Targets:
     returns: torch.Tensor
     k1: torch.Tensor
     k3: torch.Tensor
+    entropy: torch.Tensor  # of the rollout-time policy
 
 
 @torch.no_grad()
-def compute_targets(reference, critic, rollout: Rollout, scores_B: torch.Tensor, beta: float,
+def compute_targets(policy, reference, critic, rollout: Rollout, scores_B: torch.Tensor, beta: float,
                     config: RLStageConfig) -> Targets:
-    """Per-token reward = -beta * k1 (+ the score at the last token), then GAE and whitening."""
+    """Old log-probs and entropy of the rollout-time policy (full tempered distribution), per-token
+    reward = -beta * k1 (+ the score at the last token), then GAE and whitening."""
     everything = slice(None)
     mask = rollout.mask_B_T
+    policy_logits = completion_logits(policy, rollout, everything, config.temperature)
+    old_logprobs = token_logprobs(policy_logits, rollout.completion_ids_B_T)
+    entropy = token_entropy(policy_logits)
+    del policy_logits
     ref_logprobs = token_logprobs(completion_logits(reference, rollout, everything, config.temperature),
                                   rollout.completion_ids_B_T)
     values = completion_values(critic, rollout, everything) * mask
-    k1, _, k3 = kl_estimators(rollout.sample_logprobs_B_T, ref_logprobs)
+    k1, _, k3 = kl_estimators(old_logprobs, ref_logprobs)
     rewards = -beta * k1 * mask
     last_B = mask.sum(-1).long() - 1
     rewards[torch.arange(len(last_B)), last_B] += scores_B.to(rewards)
     advantages, returns = gae(rewards, values, mask, config.gamma, config.lam)
     if config.whiten_advantages:
         advantages = masked_whiten(advantages, mask)
-    return Targets(rollout.sample_logprobs_B_T, values, advantages, returns, k1 * mask, k3 * mask)
+    return Targets(old_logprobs * mask, values, advantages, returns, k1 * mask, k3 * mask, entropy * mask)
 
 
 # ---------------------------------------------------------------- the update
@@ -276,7 +288,7 @@ def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, c
         sums[name] = sums.get(name, 0.0) + float(value)
         counts[name] = counts.get(name, 0) + 1
 
-    for epoch in range(config.ppo_epochs):
+    for _ in range(config.ppo_epochs):
         order = torch.randperm(n_rows, generator=generator).to(rollout.mask_B_T.device)
         for start in range(0, n_rows, minibatch):
             rows = order[start : start + minibatch]
@@ -290,16 +302,11 @@ def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, c
                 values, targets.old_values[rows], targets.returns[rows], mask, config.cliprange_value)
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
-            (policy_loss + config.vf_coef * value_loss).backward()
+            (policy_loss + value_loss).backward()  # disjoint networks, each with its own optimiser
             nn.utils.clip_grad_norm_(policy.parameters(), MAX_GRAD_NORM)
             nn.utils.clip_grad_norm_(critic.parameters(), MAX_GRAD_NORM)
             for optimizer in optimizers:
                 optimizer.step()
-            if epoch == 0:  # the rollout policy's own entropy, and how well we reproduce the sampler
-                record("entropy", masked_mean(token_entropy(logits.detach()), mask))
-                if start == 0:
-                    gap = (logprobs.detach() - targets.old_logprobs[rows]).abs() * mask
-                    record("logprob/sampler_gap", gap.max())
             for name, value in (("policy_loss", policy_loss), ("value_loss", value_loss), ("clip_frac", clip_frac),
                                 ("ratio/mean", ratio_mean), ("value_clip_frac", value_clip_frac)):
                 record(name, value.detach())
@@ -317,6 +324,9 @@ def rollout_metrics(rollout: Rollout, scored: ScoredBatch, targets: Targets, gro
         "reward/mean": float(total.mean()),
         "reward/zero_variance_group_frac": sum(is_zero_variance(g) for g in groups) / len(groups),
         "kl": float(masked_mean(targets.k3, mask)),
+        "entropy": float(masked_mean(targets.entropy, mask)),
+        # how far the sampler's recorded log-probs are from the distribution trained on (top_p < 1)
+        "logprob/sampler_gap": float(((rollout.sample_logprobs_B_T - targets.old_logprobs).abs() * mask).max()),
         "kl/sequence": float(targets.k1.sum(-1).mean()),
         "completion/mean_tokens": float(mask.sum(-1).mean()),
         "completion/truncated_frac": sum(s.truncated for s in rollout.samples) / len(rollout.samples),
@@ -403,7 +413,8 @@ class PPORun:
         self.reward_errors = check_reward_errors(scored, texts, self.reward_errors, config)
 
         beta = self.kl_control.value
-        targets = compute_targets(self.reference, self.critic, rollout, torch.tensor(scored.total), beta, config)
+        targets = compute_targets(self.policy, self.reference, self.critic, rollout, torch.tensor(scored.total),
+                                  beta, config)
         update = ppo_update(self.policy, self.critic, self.optimizers, rollout, targets, config, generator)
         metrics = {**rollout_metrics(rollout, scored, targets, config.group_size), **update,
                    **reward_model_correlations(scored, self.rewards),

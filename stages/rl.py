@@ -22,7 +22,7 @@ from stages.lora import LORA_DESCRIPTION, LoraSpec
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
 GRPO_ONLY = ("advantage", "loss", "use_vllm", "updates_per_batch", "cispo_cap")
-PPO_ONLY = ("gamma", "lam", "vf_coef", "cliprange_value", "ppo_epochs", "minibatch_size",
+PPO_ONLY = ("gamma", "lam", "cliprange_value", "ppo_epochs", "minibatch_size",
             "whiten_advantages", "kl_target", "kl_horizon", "critic_lr", "critic")
 
 
@@ -83,7 +83,6 @@ class RLStageConfig(ExecutionLimits):
     # PPO
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
-    vf_coef: float = Field(0.1, ge=0.0, description="PPO: weight of the value loss.")
     cliprange_value: float = Field(0.2, gt=0.0, description="PPO: clip range of value predictions.")
     ppo_epochs: int = Field(2, ge=1, description="PPO: passes over each rollout batch.")
     minibatch_size: int = Field(32, ge=1, description="PPO: sequences per minibatch.")
@@ -94,6 +93,16 @@ class RLStageConfig(ExecutionLimits):
     critic: str | None = Field(
         None, description="PPO: a `reward_model` stage whose checkpoint (backbone and score head) initialises "
         "the critic; default the policy's backbone with a zero value head.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_vf_coef(cls, data):
+        if isinstance(data, dict) and "vf_coef" in data:
+            raise ValueError(
+                "vf_coef has no effect in posttrain's PPO and is not a field: the critic is a separate network "
+                "with its own Adam optimiser, and Adam is invariant to a constant weight on its loss; remove "
+                "vf_coef, and set critic_lr to change how fast the critic learns")
+        return data
 
     @model_validator(mode="after")
     def _algorithm_fields(self):

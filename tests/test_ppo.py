@@ -173,3 +173,35 @@ def test_the_checkpoints_generation_config_does_not_leak_into_sampling(tiny_chec
     assert torch.allclose(logprobs[mask], rollout.sample_logprobs_B_T[mask], atol=1e-4)
     # the checkpoint keeps its own generation config (saved with it, for whoever serves it)
     assert model.generation_config.min_p == 0.2 and model.generation_config.repetition_penalty == 1.3
+
+
+def test_ppo_with_top_p_trains_against_the_distribution_it_records(tiny_checkpoint, prompts_file, ctx_factory):
+    """Sampled with top_p 0.9, the first update must still start at ratio 1: the old log-probs are the
+    full tempered distribution the loss uses, not the sampler's nucleus-renormalised one."""
+    from stages.ppo import train_ppo
+
+    ctx = ctx_factory("ppo-top-p")
+    config = ppo_config(max_steps=1, temperature=0.7, top_p=0.9, ppo_epochs=1, minibatch_size=16)
+    outputs = train_ppo(config, run_inputs(tiny_checkpoint, prompts_file), ctx)
+    assert outputs["metrics"]["ratio/mean"] == pytest.approx(1.0, abs=1e-5)
+    assert outputs["metrics"]["clip_frac"] == 0.0
+    # what the nucleus changed is still measured: the sampler's log-probs are higher than the full distribution's
+    assert outputs["metrics"]["logprob/sampler_gap"] > 0.01
+
+
+def test_ppo_entropy_is_the_rollout_policys(tiny_checkpoint, prompts_file, ctx_factory):
+    """The same first rollout batch under two learning rates: its entropy cannot depend on the update."""
+    from stages.ppo import train_ppo
+
+    entropies = []
+    for lr in (1e-6, 0.3):
+        config = ppo_config(max_steps=1, lr=lr, ppo_epochs=1, minibatch_size=4)
+        outputs = train_ppo(config, run_inputs(tiny_checkpoint, prompts_file), ctx_factory(f"ppo-entropy-{lr}"))
+        entropies.append(outputs["metrics"]["entropy"])
+    assert entropies[0] == pytest.approx(entropies[1], abs=1e-5)
+
+
+def test_vf_coef_is_refused_with_the_reason():
+    """Policy and critic have their own Adam optimisers, so a constant weight on the value loss changes nothing."""
+    with pytest.raises(ValueError, match="vf_coef has no effect.*critic_lr"):
+        ppo_config(vf_coef=0.5)
