@@ -11,7 +11,10 @@ What we map, and where it departs from DeepSeekMath's GRPO:
   ``cispo_cap`` (default 5.0) is TRL's ``epsilon_high``, a weight min(ratio, cap); the other
   losses clip the ratio to [1 - clip_epsilon, 1 + clip_epsilon].
 - ``kl_beta`` is TRL's ``beta``: the k3 KL estimate to the reference added to the loss
-  (not to the reward, unlike PPO/InstructGPT). 0 loads no reference model.
+  (not to the reward, unlike PPO/InstructGPT). 0 loads no reference model. Dropout is off
+  in policy and reference (TRL's ``disable_dropout`` plus ``turn_off_dropout`` for the
+  attention dropout transformers keeps as a float), so the KL measures how far the weights
+  moved, not dropout noise, and is 0 at the first step; LoRA's own dropout is off too.
 - With ``lora``, TRL computes the reference log-probs with the adapters disabled, so the
   KL anchor is the policy's starting checkpoint (the validator refuses another reference);
   the checkpoint has the adapters merged in, the ``adapter`` output holds them alone.
@@ -132,6 +135,20 @@ def _trainer_class():
     return PosttrainGRPOTrainer
 
 
+def turn_off_dropout(model) -> None:
+    """Dropout off everywhere: ``nn.Dropout`` modules, and the attention dropout that transformers
+    keeps as a float attribute (``attention_dropout``), which TRL's ``disable_dropout`` misses.
+    Module attributes only: the saved config keeps the checkpoint's values."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
 def sample_rows(logs, limit: int = 32) -> list[dict]:
     """The latest completions TRL kept, with their rewards and advantages, as table rows."""
     def text(x):
@@ -176,6 +193,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         data_seed=seed,
         **device_arguments(),
         gradient_checkpointing=False,
+        disable_dropout=True,  # nn.Dropout modules; turn_off_dropout below catches the rest
         use_vllm=config.use_vllm,
         vllm_mode="colocate",
         log_completions=False,
@@ -222,6 +240,9 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer,
                                peft_config=config.lora.peft_config() if config.lora else None)
+    for network in (trainer.model, trainer.ref_model):
+        if network is not None:
+            turn_off_dropout(network)
     holder["metrics"] = trainer._metrics["train"]
     history: list[dict] = []
 

@@ -182,3 +182,20 @@ def test_grpo_samples_without_the_checkpoints_generation_config(tiny_checkpoint,
     assert len(completions) == 16 and any(set(c) - {"7"} for c in completions), completions
     saved = json.loads((Path(outputs["checkpoint"]) / "generation_config.json").read_text())
     assert len(saved["suppress_tokens"]) == len(tokenizer) - 2  # the checkpoint's own config is kept
+
+
+def test_grpo_turns_the_checkpoints_dropout_off(tiny_checkpoint, ctx_factory, home, tmp_path):
+    """At step 1 the policy is the reference: the KL must be 0, not the noise of dropout in the policy."""
+    import shutil
+
+    from stages import rl
+
+    checkpoint = tmp_path / "dropout"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    ctx = ctx_factory("grpo-dropout")
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    rl.run(grpo_config(rewards=["short"], max_steps=1), inputs_for(home, checkpoint, rewards), ctx)
+    (kl,) = ctx.metric_history("kl")
+    assert kl.value == pytest.approx(0.0, abs=1e-6)
