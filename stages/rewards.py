@@ -18,6 +18,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -70,21 +71,24 @@ class RewardError(ValueError):
 # ---------------------------------------------------------------- built-ins
 
 _INTEGER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # a decimal is one number: "2.5" is not "5"
 
 
 def extract_integer(text: str, mode: str = "strict") -> str | None:
-    """The integer answer in ``text``: the whole reply (strict) or its last integer."""
+    """The answer in ``text``: the whole reply as an integer (strict), or its last number,
+    decimals read whole (last_number)."""
     text = text.strip()
     if mode == "strict":
         return text if _INTEGER.fullmatch(text) else None
-    found = _INTEGER.findall(text)
+    found = _NUMBER.findall(text)
     return found[-1] if found else None
 
 
 def exact_answer(completions: list[str], answer: list[str | None], extract: str = "strict", **_) -> RewardOutput:
     """1.0 when the extracted answer equals the reference, 0.0 when wrong; unparsable apart.
 
-    ``extract``: ``strict`` (the reply is exactly an integer) or ``last_number``.
+    ``extract``: ``strict`` (the reply is exactly an integer) or ``last_number`` (the last
+    number in the reply, compared by value: "5.0" is 5, "2.5" is not).
     """
     if extract not in ("strict", "last_number"):
         raise RewardError(f"exact_answer: extract must be 'strict' or 'last_number', got {extract!r}")
@@ -92,7 +96,7 @@ def exact_answer(completions: list[str], answer: list[str | None], extract: str 
     for text, reference in zip(completions, answer):
         value = extract_integer(text, extract)
         parsed.append(value is not None)
-        ok = value is not None and reference is not None and int(value) == int(reference)
+        ok = value is not None and reference is not None and Fraction(value) == Fraction(str(reference).strip())
         scores.append(1.0 if ok else 0.0)
     return RewardOutput(scores, parsed)
 

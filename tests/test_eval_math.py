@@ -80,3 +80,11 @@ def test_weighted_combination():
                                                                            kwargs={"target_chars": 1, "per_char": 0.1})}
     scored = score_completions(specs, ["12", "3"], {"answer": ["12", "4"]})
     assert scored.total == pytest.approx([1.0 - 0.2, 0.0])
+
+
+def test_exact_answer_last_number_reads_whole_decimals():
+    """"2.5" is not 5: the last number is read whole, not its last run of digits."""
+    out = exact_answer(["2.5", "it is 12.5", "so 5.", "5.0", "-5", "3 then 5"], answer=["5", "5", "5", "5", "5", "5"],
+                       extract="last_number")
+    assert out.scores == [0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    assert out.parsed == [True] * 6
