@@ -6,8 +6,12 @@ SymPy object; ``verify`` compares them numerically and symbolically, so
 ``\\boxed{\\frac{1}{2}}`` matches the reference ``0.5``. A completion from which no answer
 can be parsed ("no idea") is *unparsed*, not wrong.
 
-A bare reference answer (no ``$`` and no ``\\boxed``) is parsed as LaTeX math, i.e. as
-``$answer$``: ``(1, 2)`` is then an interval rather than "the last number, 2".
+Both sides are parsed alike (``parse_answer``): a bare expression -- one line, no ``$``,
+no ``\\boxed``, no word of two or more letters outside LaTeX commands -- is parsed as LaTeX
+math, i.e. as ``$text$``, so ``(1, 2)`` is an interval rather than "the last number, 2",
+``x^2+1``, ``\\sqrt{2}`` and ``\\pi`` parse, and ``2x`` is 2x, not 2. Anything else (prose
+such as "I think it is 3") goes to math-verify's extraction as it is. A reference that the
+shared rule cannot read is still tried as ``$reference$``.
 
 Timeouts: math-verify bounds each parse/compare with ``signal.alarm``, which only works in
 the main thread. Called from any other thread (Prefect runs tasks in worker threads)
@@ -17,6 +21,7 @@ needs there.
 
 from __future__ import annotations
 
+import re
 import threading
 
 from math_verify import parse, verify
@@ -32,20 +37,39 @@ def math_answer(completions: list[str], answer: list[str | None], timeout_s: int
         gold = parse_reference(reference, timeout)
         if not gold:
             raise ValueError(f"math_answer: the reference answer of completion {i} cannot be parsed: {reference!r}")
-        prediction = parse(text, parsing_timeout=timeout)
+        prediction = parse_answer(text, timeout)
         parsed.append(bool(prediction))
         ok = bool(prediction) and verify(gold, prediction, timeout_seconds=timeout)
         scores.append(1.0 if ok else 0.0)
     return RewardOutput(scores, parsed)
 
 
-def parse_reference(reference: str | None, timeout: int | None) -> list:
-    """The reference answer as math-verify objects; an empty list when it cannot be parsed."""
-    if reference is None or not str(reference).strip():
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+
+
+def is_bare_expression(text: str) -> bool:
+    """One line of math and nothing else: ``x^2+1``, ``\\sqrt{2}``, ``2x``, ``(1, 2)``; not prose."""
+    return ("$" not in text and "\\boxed" not in text and "\n" not in text
+            and not _WORD.search(_LATEX_COMMAND.sub("", text)))
+
+
+def parse_answer(text: str | None, timeout: int | None) -> list:
+    """A reply or a reference as math-verify objects (an empty list when nothing parses): a bare
+    expression as ``$text$``, anything else through math-verify's own extraction."""
+    if text is None or not str(text).strip():
         return []
-    text = str(reference).strip()
-    if "$" not in text and "\\boxed" not in text:
+    text = str(text).strip()
+    if is_bare_expression(text):
         as_math = parse(f"${text}$", parsing_timeout=timeout)
         if as_math:
             return as_math
     return parse(text, parsing_timeout=timeout)
+
+
+def parse_reference(reference: str | None, timeout: int | None) -> list:
+    """The reference answer as math-verify objects, read like a reply; an empty list when it cannot be parsed."""
+    gold = parse_answer(reference, timeout)
+    if not gold and reference is not None and str(reference).strip() and "$" not in str(reference):
+        gold = parse(f"${str(reference).strip()}$", parsing_timeout=timeout)  # a trusted answer, e.g. a word
+    return gold

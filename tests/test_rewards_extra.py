@@ -138,3 +138,11 @@ def test_math_answer_through_the_reward_registry():
     assert component.scores == [1.0, 0.0, 0.0]
     assert component.parsed == [True, False, False]
     assert [index for index, _ in component.errors] == [2]  # bad reference: counted, not silent
+
+
+def test_math_answer_parses_a_bare_completion_like_a_bare_reference():
+    """A completion written exactly like the reference scores 1; "2x" is 2x, not the number 2."""
+    result = math_answer(["x^2+1", "\\sqrt{2}", "\\pi", "2x", "2x", "x = 5", "I think it is 3"],
+                         answer=["x^2+1", "\\sqrt{2}", "\\pi", "2", "2x", "5", "3"])
+    assert result.scores == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    assert result.parsed == [True] * 7
