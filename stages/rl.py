@@ -18,6 +18,7 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits
+from stages.difficulty import DifficultyFilter
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
@@ -62,6 +63,10 @@ class RLStageConfig(ExecutionLimits):
     lora: LoraSpec | None = Field(
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")
+    difficulty_filter: DifficultyFilter | None = Field(
+        None, description="Before training, sample `attempts` completions of each prompt from the starting "
+        "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "
+        "`max_pass` (stages/difficulty.py); training reads the kept set, published as `difficulty_kept.jsonl`.")
 
     # GRPO
     advantage: Literal["group_centered", "group_normalized"] = Field(
@@ -117,6 +122,9 @@ class RLStageConfig(ExecutionLimits):
                              f"reference {self.reference!r} must be left out or equal policy {self.policy!r}")
         if "cispo_cap" in self.model_fields_set and self.algorithm == "grpo" and self.loss != "cispo":
             raise ValueError(f"cispo_cap only applies to loss cispo, not {self.loss}; remove it or set loss: cispo")
+        if self.difficulty_filter is not None and self.difficulty_filter.verifier not in (None, *self.rewards):
+            raise ValueError(f"difficulty_filter.verifier {self.difficulty_filter.verifier!r} must be one of the "
+                             f"stage's rewards {self.rewards}")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError(f"grpo needs group_size >= 2 to compare completions of a prompt (got {self.group_size})")
         return self
@@ -161,6 +169,10 @@ def verify_rewards(inputs: dict, ctx) -> None:
 def run(config: RLStageConfig, inputs: dict, ctx) -> dict:
     if config.check_rewards:
         verify_rewards(inputs, ctx)
+    if config.difficulty_filter is not None:  # train on the prompts the starting policy sometimes solves
+        from stages.difficulty import filter_prompts
+
+        inputs = {**inputs, "data": str(filter_prompts(config, inputs, ctx))}
     if config.algorithm == "grpo":
         from stages.grpo import train_grpo
 

@@ -1,0 +1,210 @@
+"""The difficulty filter of an ``rl`` stage: score the training prompts under the starting
+policy, train only on those it sometimes solves.
+
+A prompt whose k rollouts all score the same gives GRPO a zero-variance group (every
+advantage 0: compute spent, nothing learnt) and gives PPO little beyond its KL term.
+``difficulty_filter:`` runs a pre-pass before training: ``attempts`` samples of each
+prompt (the first ``max_prompts`` of the dataset when set) from the policy's starting
+checkpoint, through the project's generation backend (``open_backend``: vLLM where it can
+serve the model, HF generate otherwise), scored by the verifier (the stage's first reward,
+or ``verifier``) exactly as the eval stage scores. A prompt's pass rate is the share of
+attempts the verifier scores at least ``success_threshold``; prompts with
+``min_pass < pass < max_pass`` are kept (default 0 < pass < 1) and written, in dataset
+order and in the materialised record format (stages/data.py), to ``difficulty_kept.jsonl``,
+a published output of the stage, which training then reads instead of the full dataset.
+The per-prompt pass rates are logged as the table ``difficulty.json``; the cost as
+``difficulty/*`` metrics. A filter that keeps too few prompts to train on fails the stage
+with the counts.
+
+Where this departs from DAPO's dynamic sampling (Yu et al. 2025) and other "online
+filtering": those drop all-correct / all-wrong groups *during* training, from the current
+policy's rollouts, and over-sample to refill the batch. This is an offline pre-pass: the
+pass rates are those of the starting policy, measured once; a prompt that becomes easy as
+the policy learns is still trained on, and one that becomes solvable is never seen. It
+costs ``attempts x prompts`` generations up front and none per step, and the kept set is
+an artifact a person can read. Sampling defaults to the stage's rollout settings
+(``temperature``, ``top_p``, ``max_completion_tokens``) and the stage's seed, so "pass
+rate" means the rate the rollouts would see.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from pydantic import ConfigDict, Field, model_validator
+
+from stages.data import prompt_messages, read_materialized
+from stages.generation import BackendName, SamplingSettings, open_backend
+from stages.spec_model import SpecModel
+
+KEPT_FILE = "difficulty_kept.jsonl"
+TABLE_FILE = "difficulty.json"
+
+
+class DifficultyFilterEmpty(RuntimeError):
+    """The filter left too few prompts to train on."""
+
+
+class FilterSampling(SpecModel):
+    """How the filter samples; every unset field is the stage's rollout setting."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(
+        None, gt=0.0, le=10.0, description="Sampling temperature; default the stage's `temperature`. Must be "
+        "above 0: greedy attempts are all alike, so every pass rate would be 0 or 1.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass; default the stage's `top_p`.")
+    max_tokens: int | None = Field(
+        None, ge=1, le=32768, description="Token budget per attempt; default the stage's `max_completion_tokens`.")
+    seed: int | None = Field(None, description="Seed of the sampler; default the stage's seed.")
+    stop: list[str] = Field(default_factory=list, description="Strings that end an attempt where they first appear.")
+
+
+class DifficultyFilter(SpecModel):
+    """Before training, keep only the prompts the starting policy solves sometimes but not always."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempts: int = Field(8, ge=2, le=1024, description="Samples per prompt (k) that measure its pass rate.")
+    sampling: FilterSampling = Field(
+        default_factory=FilterSampling, description="temperature, top_p, max_tokens, seed, stop of the attempts; "
+        "each defaults to the stage's rollout setting (temperature, top_p, max_completion_tokens, seed).")
+    min_pass: float = Field(0.0, ge=0.0, le=1.0, description="Keep a prompt only if its pass rate is above this "
+                            "(exclusive; 0 drops prompts never solved).")
+    max_pass: float = Field(1.0, ge=0.0, le=1.0, description="Keep a prompt only if its pass rate is below this "
+                            "(exclusive; 1 drops prompts always solved).")
+    max_prompts: int | None = Field(
+        None, ge=1, description="Score only the first N prompts of the dataset (for cost); the rest are neither "
+        "scored nor trained on.")
+    verifier: str | None = Field(None, description="The reward that decides an attempt is correct; one of the "
+                                 "stage's `rewards`, default the first.")
+    success_threshold: float = Field(1.0, description="An attempt is correct when the verifier scores at least this.")
+    backend: BackendName | None = Field(
+        None, description="Generation backend: `hf`, `vllm`, or `auto` (vLLM wherever it can serve the model, else "
+        "hf); default the stage's rollout `backend` (and its `engine` settings), or `auto`.")
+    prompt_batch_size: int = Field(64, ge=1, description="Prompts per generate call (each with all its attempts).")
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self):
+        if self.min_pass >= self.max_pass:
+            raise ValueError(f"min_pass ({self.min_pass}) must be below max_pass ({self.max_pass}): a prompt is kept "
+                             "when min_pass < pass rate < max_pass, so these bounds keep nothing")
+        return self
+
+    def settings(self, stage, seed: int) -> SamplingSettings:
+        """The attempts' sampling settings, unset fields taken from the rl stage ``stage``."""
+        own = self.sampling
+        return SamplingSettings(
+            temperature=stage.temperature if own.temperature is None else own.temperature,
+            top_p=stage.top_p if own.top_p is None else own.top_p,
+            max_tokens=stage.max_completion_tokens if own.max_tokens is None else own.max_tokens,
+            attempts=self.attempts, seed=seed if own.seed is None else own.seed, stop=list(own.stop))
+
+
+def pass_rates(correct: list[bool], k: int) -> list[float]:
+    """Per prompt, the share of its k consecutive attempts that are correct."""
+    return [sum(correct[i : i + k]) / k for i in range(0, len(correct), k)]
+
+
+def verdict(rate: float, min_pass: float, max_pass: float) -> str:
+    """``kept`` when min_pass < rate < max_pass, else ``too_easy`` or ``too_hard``."""
+    if rate >= max_pass:
+        return "too_easy"
+    if rate <= min_pass:
+        return "too_hard"
+    return "kept"
+
+
+def filter_prompts(config, inputs: dict, ctx) -> Path:
+    """Score ``inputs['data']`` under ``inputs['policy']``, write the kept records, return their file.
+
+    ``config`` is the rl stage's config (its ``difficulty_filter`` set)."""
+    spec: DifficultyFilter = config.difficulty_filter
+    records = read_materialized(Path(inputs["data"]))
+    if spec.max_prompts:
+        records = records[: spec.max_prompts]
+    prompts = [prompt_messages(r) for r in records]
+    sampling = spec.settings(config, ctx.seed)
+    verifier = spec.verifier or config.rewards[0]
+    k = sampling.attempts
+
+    started = time.perf_counter()
+    with ctx.progress(f"difficulty filter: {k} attempts x {len(prompts)} prompts", len(prompts)) as bar:
+        backend = open_backend(spec.backend or getattr(config, "backend", "auto"), Path(inputs["policy"]),
+                               progress=bar, keep_logprobs=False, engine=getattr(config, "engine", None),
+                               trust_remote_code=inputs.get("trust_remote_code", False),
+                               prompt_batch_size=spec.prompt_batch_size)
+        try:
+            samples = backend.generate(prompts, sampling)
+        finally:
+            backend.close()
+    ctx.log_params({"difficulty/resolved_backend": backend.name, "difficulty/backend_reason": backend.why,
+                    "difficulty/resolved_verifier": verifier,
+                    **{f"difficulty/sampling/{key}": value for key, value in sampling.identity().items()}})
+
+    correct, errors = score_attempts(config, inputs, records, prompts, samples, verifier, spec.success_threshold)
+    rates = pass_rates(correct, k)
+    verdicts = [verdict(rate, spec.min_pass, spec.max_pass) for rate in rates]
+    seconds = time.perf_counter() - started
+    kept = [record for record, v in zip(records, verdicts) if v == "kept"]
+    metrics = {
+        "difficulty/prompts_scored": float(len(records)),
+        "difficulty/kept": float(len(kept)),
+        "difficulty/kept_frac": len(kept) / len(records) if records else 0.0,
+        "difficulty/too_easy": float(verdicts.count("too_easy")),
+        "difficulty/too_hard": float(verdicts.count("too_hard")),
+        "difficulty/pass_mean": sum(rates) / len(rates) if rates else 0.0,
+        "difficulty/seconds": seconds,
+        "difficulty/generated_tokens": float(sum(len(s.token_ids) for group in samples for s in group)),
+        "difficulty/reward_errors": float(len(errors)),
+    }
+    ctx.log_metrics(metrics)
+    ctx.log_table([{"prompt": p[-1]["content"], "answer": r.get("answer"), "pass_rate": rate,
+                    "correct": round(rate * k), "verdict": v}
+                   for p, r, rate, v in zip(prompts, records, rates, verdicts)], TABLE_FILE)
+
+    needed = config.prompts_per_step if config.algorithm == "grpo" else 1
+    if len(kept) < needed:
+        raise DifficultyFilterEmpty(
+            f"difficulty_filter kept {len(kept)} of {len(records)} prompts scored ({verdicts.count('too_easy')} too "
+            f"easy: pass rate >= max_pass {spec.max_pass}; {verdicts.count('too_hard')} too hard: pass rate <= "
+            f"min_pass {spec.min_pass}; {k} attempts each, verifier {verifier!r})"
+            + (f", and {config.algorithm} needs at least prompts_per_step ({needed}) distinct prompts per step"
+               if needed > 1 else "")
+            + ": widen min_pass/max_pass, raise attempts or max_prompts, or start from another policy")
+
+    path = ctx.output_file(KEPT_FILE)
+    with open(path, "w", encoding="utf-8") as handle:
+        for record in kept:
+            handle.write(json.dumps(record) + "\n")
+    return path
+
+
+def score_attempts(config, inputs: dict, records: list[dict], prompts: list, samples, verifier: str,
+                   threshold: float) -> tuple[list[bool], list[tuple[int, str]]]:
+    """(per attempt, prompt-major: whether the verifier calls it correct; the verifier's exceptions).
+
+    Scored as the eval stage scores (``score_completions`` over the answer, prompt and task
+    columns); an attempt whose reward raised is not correct, and the stage's ``reward_errors``
+    policy decides whether the stage goes on."""
+    from stages.reward_model import bind_reward_models
+    from stages.rewards import score_completions, with_task_column
+
+    k = len(samples[0]) if samples else 0
+    texts = [s.text for group in samples for s in group]
+    columns = with_task_column({
+        "answer": [r.get("answer") for r in records for _ in range(k)],
+        "prompts": [p for p in prompts for _ in range(k)],
+    }, [r.get("task") for r in records for _ in range(k)])
+    specs = {verifier: inputs["rewards"][verifier]}
+    scored = score_completions(specs, texts, columns, bind_reward_models(specs, inputs))
+    component = scored.components[0]
+    errors = component.errors
+    if errors and config.reward_errors == "fail" and len(errors) > config.max_reward_errors:
+        index, message = errors[0]
+        raise RuntimeError(f"difficulty_filter: verifier {verifier!r} raised {len(errors)} time(s) (limit "
+                           f"{config.max_reward_errors}); first offending completion {texts[index]!r}: {message}")
+    failed = {index for index, _ in errors}
+    return [score >= threshold and i not in failed for i, score in enumerate(component.scores)], errors
