@@ -11,7 +11,12 @@ regenerates that entry from the record's ``task`` column and scores with the tas
 The ``reasoning_gym`` reward:
 - extracts the answer per the record's ``answer_format``: ``answer_tags`` with
   reasoning-gym's own ``extract_answer`` (the last ``<answer>...</answer>``), ``boxed`` the
-  last ``\\boxed{...}`` (braces balanced), ``whole`` the stripped reply;
+  last ``\\boxed{...}`` (braces balanced), ``whole`` the stripped reply; empty tags or an
+  empty box are a format error (unparsed), not an answer;
+- ``kwargs: {binary: true}`` pays 1.0 at full credit and 0.0 otherwise. Without it the
+  score is reasoning-gym's, partial credit included: for chain_sum "4 - 1 =" the replies
+  13, 33, 30 and -3 each earn 0.5 (they contain the 3), a shortcut RL would learn, so
+  training stages should use ``binary``;
 - a reply with nothing to extract is *unparsed* (``parsed=False``) and gets what
   ``score_answer(None, entry)`` gives (0.0 for most tasks, 0.01 for a few); so is an
   extracted answer on which the task's own ``score_answer`` raises (a few tasks' parsers do,
@@ -131,16 +136,19 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract(text: str, answer_format: str) -> str | None:
-    """The answer in a reply, or None when the reply holds none in that format."""
+    """The answer in a reply, or None when the reply holds none in that format (empty tags or
+    an empty box hold none: a format error, not an answer)."""
     if answer_format == "answer_tags":
         from reasoning_gym.utils import extract_answer
 
-        return extract_answer(text, tag_name="answer")
-    if answer_format == "boxed":
-        return last_boxed(text)
-    if answer_format == "whole":
-        return text.strip() or None
-    raise RewardError(f"unknown answer_format {answer_format!r}; one of {', '.join(DEFAULT_INSTRUCTIONS)}")
+        found = extract_answer(text, tag_name="answer")
+    elif answer_format == "boxed":
+        found = last_boxed(text)
+    elif answer_format == "whole":
+        found = text.strip()
+    else:
+        raise RewardError(f"unknown answer_format {answer_format!r}; one of {', '.join(DEFAULT_INSTRUCTIONS)}")
+    return found if found and found.strip() else None
 
 
 # ---------------------------------------------------------------- records
@@ -208,8 +216,9 @@ def task_problem(task: Any) -> str | None:
 
 
 def reasoning_gym_answer(completions: list[str], answer: list[str | None], task: list[dict | None] | None = None,
-                         **_) -> RewardOutput:
-    """reasoning-gym's own ``score_answer`` on the answer extracted per the task's answer_format."""
+                         binary: bool = False, **_) -> RewardOutput:
+    """reasoning-gym's own ``score_answer`` on the answer extracted per the task's answer_format;
+    ``binary``: 1.0 at full credit, else 0.0 (what RL should train on)."""
     if task is None or any(t is None for t in task):
         raise RewardError("the reasoning_gym reward scores reasoning_gym datasets only (`data: {reasoning_gym: "
                           "TASK, ...}`): these completions have no `task` column to regenerate their entry from")
@@ -235,6 +244,6 @@ def reasoning_gym_answer(completions: list[str], answer: list[str | None], task:
             score = dataset.score_answer(extracted, entry)
         except Exception:  # a few tasks' parsers raise on a malformed answer: the task could not read it
             extracted, score = None, dataset.score_answer(None, entry)
-        scores.append(float(score))
+        scores.append((1.0 if score >= 1.0 else 0.0) if binary else float(score))
         parsed.append(extracted is not None)
     return RewardOutput(scores, parsed)

@@ -79,6 +79,38 @@ def test_partial_credit_is_reasoning_gyms():
     assert all(0.0 < s < 1.0 for s in out.scores) and out.parsed == [True] * 3
 
 
+FOUR_MINUS_ONE = {"reasoning_gym": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
+                                                         "max_digits": 2}, "seed": 0, "size": 4000, "index": 1}
+
+
+def test_binary_pays_only_full_credit():
+    """chain_sum "4 - 1 =": reasoning-gym pays 0.5 for 13, 33, 30 and -3 (each contains the 3);
+    binary, the option RL trains on, pays 1 for the answer only."""
+    replies = [f"<answer>{a}</answer>" for a in ("3", "13", "33", "30", "-3", "4")]
+    columns = {"answer": ["3"] * 6, "prompts": [[]] * 6, "task": [FOUR_MINUS_ONE] * 6}
+    partial = score_completions(REWARD, replies, columns).components[0]
+    assert partial.scores == [1.0, 0.5, 0.5, 0.5, 0.5, 0.0]  # reasoning-gym's own, unchanged
+    binary = score_completions({"rg": RewardSpec(fn="reasoning_gym", kwargs={"binary": True})}, replies, columns)
+    assert binary.components[0].scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert binary.components[0].parsed == [True] * 6
+
+
+def test_empty_answer_tags_are_a_format_error():
+    replies = ["<answer></answer>", "<answer>  </answer>", "\\boxed{}"]
+    tasks = [FOUR_MINUS_ONE, FOUR_MINUS_ONE, {**FOUR_MINUS_ONE, "answer_format": "boxed"}]
+    out = score_completions(REWARD, replies, {"answer": ["3"] * 3, "prompts": [[]] * 3, "task": tasks}).components[0]
+    assert out.parsed == [False, False, False] and out.scores == [0.0, 0.0, 0.0]
+
+
+def test_the_smollm2_pipeline_trains_on_the_binary_reward(home, capsys):
+    from flows.spec import load_pipeline
+
+    path = Path(__file__).resolve().parents[1] / "pipelines" / "smollm2-reasoning.yaml"
+    assert load_pipeline(path).spec.rewards["correct"].kwargs == {"binary": True}
+    assert run_cli("check-reward", str(path)) == 0
+    assert "0 violations" in capsys.readouterr().out
+
+
 def test_an_answer_the_tasks_parser_cannot_read_is_unparsed_not_an_error():
     records = load_records(gym("prime_factorization", n=2), Path("."))
     out = score(records, ["<answer>2 x 3</answer>", demonstration(records[1]["answer"], "answer_tags")])
