@@ -132,8 +132,8 @@ def filter_prompts(config, inputs: dict, ctx) -> Path:
 
     started = time.perf_counter()
     with ctx.progress(f"difficulty filter: {k} attempts x {len(prompts)} prompts", len(prompts)) as bar:
-        backend = open_backend(spec.backend or getattr(config, "backend", "auto"), Path(inputs["policy"]),
-                               progress=bar, keep_logprobs=False, engine=getattr(config, "engine", None),
+        backend = open_backend(spec.backend or config.backend, Path(inputs["policy"]),
+                               progress=bar, keep_logprobs=False, engine=config.engine,
                                trust_remote_code=inputs.get("trust_remote_code", False),
                                prompt_batch_size=spec.prompt_batch_size)
         try:
