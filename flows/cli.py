@@ -76,22 +76,33 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
 
-    from flows.home import configure_environment
+    from flows.home import HomeError, configure_environment, ensure_home, home_problem
 
-    configure_environment()  # before Prefect or MLflow are imported
+    # Before Prefect or MLflow are imported; the home itself is made only once the whole input
+    # (spec, overrides, flags, environment) is accepted: refused input leaves nothing behind.
+    home = configure_environment(create=False)
     console = Console() if sys.stdout.isatty() else Console(width=160)  # logs and CI get full rows
 
-    if args.command == "sync":
-        return _sync(console)
-    if args.command == "compare":
+    if args.command in ("sync", "compare"):
+        if (problem := home_problem(home)) is not None:
+            print(f"posttrain {args.command}: {problem}; nothing was done", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if args.command == "sync":
+            return _sync(console)
         from flows.compare import compare_command
 
+        ensure_home(home)
         return compare_command(args, console)
 
-    from flows.spec import SpecError, load_pipeline
+    from flows.spec import SpecError, SpecIssue, load_pipeline
 
     try:
         loaded = load_pipeline(args.file, args.overrides)
+        problems = [SpecIssue("POSTTRAIN_HOME", problem)] if (problem := home_problem(home)) else []
+        if args.command == "run":
+            problems += run_flag_issues(loaded, args)
+        if problems:
+            raise SpecError(args.file, problems)
     except SpecError as error:
         count = len(error.issues)
         print(f"{args.file}: {count} error{'s' if count != 1 else ''}; nothing was run", file=sys.stderr)
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     options = RunOptions(only=args.only, from_stage=args.from_stage, force=args.force, no_cache=args.no_cache)
     try:
         report = run_from_cli(loaded, options, console)
-    except PlanError as error:
+    except (PlanError, HomeError) as error:
         print(f"posttrain run: {error}; nothing was run", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
@@ -133,6 +144,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_STAGE_FAILED
     print_summary(report, console)
     return EXIT_STAGE_FAILED if report.failed or report.unrecorded else EXIT_OK
+
+
+def run_flag_issues(loaded, args) -> list:
+    """``--only``, ``--from`` and ``--force`` name stages of this pipeline."""
+    from flows.lineage import PlanError, RunOptions
+    from flows.spec import SpecIssue
+
+    options = RunOptions(only=args.only, from_stage=args.from_stage, force=args.force, no_cache=args.no_cache)
+    try:
+        options.check(loaded)
+    except PlanError as error:
+        return [SpecIssue("", str(error))]
+    return []
 
 
 def _deploy(loaded, args, console) -> int:
@@ -165,6 +189,7 @@ def _sync(console) -> int:
     from flows.home import posttrain_home
     from flows.recording import (
         TrackingUnavailable,
+        broken_journals,
         check_reachable,
         pending_runs,
         replay_pending,
@@ -186,7 +211,10 @@ def _sync(console) -> int:
         console.print(f"recorded run {run_id}")
     if left:
         print(f"posttrain sync: {len(left)} run(s) still wait: {', '.join(left)}", file=sys.stderr)
-    return EXIT_STAGE_FAILED if left else EXIT_OK
+    broken = broken_journals(home)
+    for problem in broken:
+        print(f"posttrain sync: {problem}", file=sys.stderr)
+    return EXIT_BAD_INPUT if broken else EXIT_STAGE_FAILED if left else EXIT_OK
 
 
 if __name__ == "__main__":

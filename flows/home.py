@@ -15,17 +15,55 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import quote
 
 
 def posttrain_home() -> Path:
     return Path(os.environ.get("POSTTRAIN_HOME", ".posttrain")).expanduser().resolve()
 
 
-def configure_environment() -> Path:
+class HomeError(Exception):
+    """$POSTTRAIN_HOME cannot hold runs (a file, unwritable, on a read-only mount)."""
+
+
+def home_problem(home: Path) -> str | None:
+    """Why ``home`` cannot hold posttrain's files, found without writing anything; None if it can."""
+    where = f"POSTTRAIN_HOME {str(home)!r}"
+    if home.exists():
+        if not home.is_dir():
+            return f"{where} is a file, not a directory; point POSTTRAIN_HOME at a directory"
+        if not os.access(home, os.W_OK | os.X_OK):
+            return f"{where} is not writable here (permissions or a read-only mount)"
+        return None
+    parent = home.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{where} cannot be created: {str(parent)!r} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{where} does not exist and cannot be created: {str(parent)!r} is not writable (permissions or " \
+               "a read-only mount)"
+    return None
+
+
+def sqlite_uri(path: Path, driver: str = "sqlite") -> str:
+    """A SQLite URL for ``path`` with the path escaped: a `?` or `#` in it would otherwise start the URL's query
+    or fragment and put the database somewhere else (SQLAlchemy unescapes it again)."""
+    return f"{driver}:///{quote(str(path), safe='/')}"
+
+
+def configure_environment(create: bool = True) -> Path:
+    """Point MLflow and Prefect at the home (unless set to servers); with ``create``, make the home.
+
+    The CLI configures with ``create=False`` and creates the home only once the whole input is
+    accepted (``ensure_home``), so refused input leaves nothing behind.
+    """
     home = posttrain_home()
-    home.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
+    os.environ.setdefault("MLFLOW_TRACKING_URI", sqlite_uri(home / "mlflow.db"))
     os.environ.setdefault("PREFECT_HOME", str(home / "prefect"))
+    prefect_db = home / "prefect" / "prefect.db"
+    if sqlite_uri(prefect_db) != f"sqlite:///{prefect_db}":  # Prefect's default URL would not escape the path
+        os.environ.setdefault("PREFECT_SERVER_DATABASE_CONNECTION_URL", sqlite_uri(prefect_db, "sqlite+aiosqlite"))
     # Analytics off: saves seconds at start-up and avoided "database is locked" errors here.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -42,6 +80,8 @@ def configure_environment() -> Path:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if create:
+        ensure_home(home)
     return home
 
 
@@ -52,3 +92,37 @@ def uses_local_mlflow() -> bool:
 def artifact_root(home: Path) -> str | None:
     """Artifact location for new experiments: under the home for the local store, else the server's."""
     return (home / "artifacts").as_uri() if uses_local_mlflow() else None
+
+
+def ensure_home(home: Path) -> Path:
+    """Create the home (after ``home_problem`` said it can be); HomeError says why not."""
+    problem = home_problem(home)
+    if problem:
+        raise HomeError(problem)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise HomeError(f"POSTTRAIN_HOME {str(home)!r} cannot be created ({error.strerror or error})") from None
+    _mlflow_makes_the_real_parent_dir()
+    return home
+
+
+def _mlflow_makes_the_real_parent_dir() -> None:
+    """MLflow 3 makes a SQLite store's parent dir from the URL text, still escaped: with a `?` in the
+    home's path it would create an empty ``...%3F...`` directory beside the home. Unescape first."""
+    try:
+        from mlflow.store.db import utils
+    except ImportError:
+        return
+    make = getattr(utils, "_make_parent_dirs_if_sqlite", None)
+    if make is None or getattr(make, "unescapes", False):
+        return
+
+    def unescaped(db_uri: str) -> None:
+        from urllib.parse import unquote
+
+        prefix = "sqlite:///"
+        make(prefix + unquote(db_uri[len(prefix):]) if db_uri.startswith(prefix) else db_uri)
+
+    unescaped.unescapes = True
+    utils._make_parent_dirs_if_sqlite = unescaped

@@ -31,7 +31,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from stages.spec_model import SpecModel
 
 ROUND_SEPARATOR = "@"  # stage names cannot hold it, so a step name never collides with a stage
 FAILURES_INPUT = "failures"  # the input of train@r that names round r-1's collect step
@@ -45,7 +47,7 @@ TAG_FAILURE_SET = "posttrain.failure_set"
 TAG_FAILURE_SET_SHA256 = "posttrain.failure_set_sha256"
 
 
-class IterateSpec(BaseModel):
+class IterateSpec(SpecModel):
     """Rounds of training on the failures evaluation collected."""
 
     model_config = ConfigDict(extra="forbid")

@@ -22,7 +22,7 @@ from flows.graph import (
     upstream_of,
 )
 from flows.iterate import round_fingerprint
-from flows.spec import BASE, LoadedPipeline
+from flows.spec import BASE, LoadedPipeline, did_you_mean
 from stages.context import EXECUTION_FIELDS
 from stages.data import data_key
 from stages.models import GGUFModelSpec, HubModelSpec, PathModelSpec, base_model_key
@@ -42,8 +42,11 @@ class RunOptions:
     def check(self, loaded: LoadedPipeline) -> None:
         names = list(loaded.spec.stages)
         for flag, stage in (("--only", self.only), ("--from", self.from_stage), *(("--force", s) for s in self.force)):
+            if stage is not None and not stage.strip():
+                raise PlanError(f"{flag} needs a stage name (got {stage!r}); stages: {', '.join(names)}")
             if stage is not None and stage not in names:
-                raise PlanError(f"{flag} {stage}: no such stage; stages: {', '.join(names)}")
+                raise PlanError(f"{flag} {stage}: no such stage{did_you_mean(stage, names)}; stages: "
+                                f"{', '.join(names)}")
         if self.only and self.from_stage:
             raise PlanError("--only and --from cannot be combined")
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flows.graph import stage_references
-from flows.home import artifact_root, configure_environment
+from flows.home import artifact_root, configure_environment, posttrain_home, uses_local_mlflow
 from flows.iterate import (
     FAILURES_INPUT,
     failure_set_inputs,
@@ -36,6 +36,7 @@ from flows.models import record_stage_model
 from flows.recording import (
     Recorder,
     TrackingUnavailable,
+    broken_journals,
     check_reachable,
     is_unavailable,
     replay_pending,
@@ -475,6 +476,8 @@ def prepare_store(home: Path, console) -> Tracker:
         console.print(f"recorded {len(done)} run(s) that an earlier tracking outage left waiting: {', '.join(done)}")
     if left:
         console.print(f"[yellow]{len(left)} run(s) still wait to be recorded: {', '.join(left)}[/yellow]")
+    for problem in broken_journals(home):
+        console.print(f"[yellow]{problem}[/yellow]", highlight=False, markup=False)
     return tracker
 
 
@@ -497,10 +500,27 @@ def _check_pools(loaded: LoadedPipeline, decisions: list[Decision]) -> None:
             raise PlanError(str(error)) from None
 
 
+class _EmptyStore:
+    """A tracking store with no runs, for planning before the real one exists."""
+
+    def find_cached(self, experiment_id, stage, fingerprint):
+        return None
+
+
 def run_from_cli(loaded: LoadedPipeline, options: RunOptions, console) -> PipelineReport:
     """What ``posttrain run`` does after validation: plan, then flow (or no flow if all cached)."""
     from flows.prefect_server import prefect_api
 
+    home = posttrain_home()
+    if uses_local_mlflow() and not (home / "mlflow.db").exists():
+        # Nothing is cached in a store that does not exist yet: a plan that cannot start (--only
+        # without upstream outputs) is refused before the home or the store is created.
+        plan_run(loaded, options, _EmptyStore(), None)
+    else:
+        try:
+            check_reachable()
+        except TrackingUnavailable as error:
+            raise PlanError(f"{error}; start it, or unset MLFLOW_TRACKING_URI to use the local store") from None
     home = configure_environment()
     tracker = prepare_store(home, console)
     experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))

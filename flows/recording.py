@@ -251,9 +251,39 @@ def apply_op(client, run_id: str, op: dict) -> None:
         raise ValueError(f"unknown journal operation {kind!r}")
 
 
+class BrokenJournal(ValueError):
+    """A journal in ``pending/`` that cannot be read (truncated, edited by hand): named, never guessed at."""
+
+
+def read_journal(path: Path) -> dict:
+    """A journal's payload; BrokenJournal says which file and why when it is not one."""
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise BrokenJournal(f"{path}: cannot be read as a journal ({type(error).__name__}: {error}); it may have "
+                            "been cut short by a full disk or a crash. Its run's remaining records are lost: move "
+                            "the file out of pending/ (or delete it) to go on") from None
+    if not (isinstance(payload, dict) and isinstance(payload.get("run_id"), str)
+            and isinstance(payload.get("ops"), list)):
+        raise BrokenJournal(f"{path}: not a posttrain journal (needs `run_id` and `ops`); move it out of pending/ "
+                            "(or delete it) to go on")
+    return payload
+
+
+def broken_journals(home: Path) -> list[str]:
+    """What is wrong with each journal in ``pending/`` that cannot be replayed."""
+    problems = []
+    for run_id in pending_runs(home):
+        try:
+            read_journal(pending_dir(home) / f"{run_id}.json")
+        except BrokenJournal as error:
+            problems.append(str(error))
+    return problems
+
+
 def replay_journal(client, path: Path) -> None:
     """Send one run's journal in order; rewrite it after each write so a crash never repeats much."""
-    payload = json.loads(path.read_text(encoding="utf-8"))
+    payload = read_journal(path)
     ops = payload["ops"]
     while ops:
         apply_op(client, payload["run_id"], ops[0])
@@ -274,12 +304,18 @@ def pending_runs(home: Path) -> list[str]:
 
 
 def replay_pending(client, home: Path) -> tuple[list[str], list[str]]:
-    """Send every journal in ``$POSTTRAIN_HOME/pending``; (run ids recorded, run ids still pending)."""
+    """Send every journal in ``$POSTTRAIN_HOME/pending``; (run ids recorded, run ids still pending).
+
+    A journal that cannot be read stays pending (``broken_journals`` says which and why) and
+    holds up no other.
+    """
     done, left = [], []
     folder = pending_dir(home)
     for run_id in pending_runs(home):
         try:
             replay_journal(client, folder / f"{run_id}.json")
+        except BrokenJournal:
+            left.append(run_id)
         except Exception as error:
             if not is_unavailable(error):
                 raise

@@ -12,7 +12,9 @@ from typing import Any, Protocol
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from stages.spec_model import SpecModel
 
 # Config fields that change how a stage executes, never what it computes: left out of the
 # fingerprint, so raising a time limit or checkpointing more often keeps the cache (and the
@@ -24,7 +26,7 @@ class StageTimeLimit(Exception):
     """A stage ran past its ``time_limit_minutes`` (a stage failure, not a transient one)."""
 
 
-class Resources(BaseModel):
+class Resources(SpecModel):
     """Where and on what a stage runs (never part of what it computes)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -44,7 +46,7 @@ class Resources(BaseModel):
         return max(self.processes, self.gpus, 1)
 
 
-class ExecutionLimits(BaseModel):
+class ExecutionLimits(SpecModel):
     """Fields every stage kind shares."""
 
     resources: Resources | None = Field(

@@ -202,5 +202,6 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
         metrics["heldout_reward_margin"] = float(after["eval_rewards/margins"])
     ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith("heldout_")})
 
-    outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
+    # stages/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
+    outputs = save_trained(trainer.model, tokenizer, ctx, final_loss=metrics["final_loss"])
     return {**outputs, "metrics": metrics}

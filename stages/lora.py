@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from stages.spec_model import SpecModel
 
 
-class LoraSpec(BaseModel):
+class LoraSpec(SpecModel):
     """Low-rank adapters on the model's linear layers."""
 
     model_config = ConfigDict(extra="forbid")
@@ -59,17 +61,46 @@ def wrap(model, spec: LoraSpec | None):
     return get_peft_model(model, spec.peft_config())
 
 
-def save_trained(model, tokenizer, ctx, padding_side: str = "left") -> dict[str, str]:
+class TrainingDiverged(RuntimeError):
+    """A trained model (or its final loss) holds NaN or infinity: it is never published."""
+
+
+def check_finite(model, final_loss: float | None = None) -> None:
+    """Raise TrainingDiverged naming the first non-finite value: the final loss, or a parameter.
+
+    A checkpoint is published once and then reused by every later run with the same
+    fingerprint, so one that diverged would poison all of them.
+    """
+    import math
+
+    import torch
+
+    if final_loss is not None and not math.isfinite(final_loss):
+        raise TrainingDiverged(f"training diverged: the final loss is {final_loss}; the checkpoint is not published "
+                               "(lower lr or weight_decay, or check the data)")
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                kind = "NaN" if bool(torch.isnan(tensor).any()) else "infinity"
+                raise TrainingDiverged(f"training diverged: parameter {name} holds {kind} ({bad} of {tensor.numel()} "
+                                       "values not finite); the checkpoint is not published (lower lr or "
+                                       "weight_decay, or check the data)")
+
+
+def save_trained(model, tokenizer, ctx, padding_side: str = "left", final_loss: float | None = None) -> dict[str, str]:
     """Save a trained model as the stage's outputs: ``checkpoint`` (adapters merged in, with the
     tokenizer, padded on ``padding_side`` by whoever reads it next) and, for a model with LoRA
     adapters, ``adapter`` (the adapters alone). Returns their paths by output name.
 
+    Refuses (TrainingDiverged) a model with a non-finite weight or ``final_loss``: nothing is saved.
     Merging folds the adapters into the wrapped model's weights in place: call this last.
     """
     from peft import PeftModel
 
     from stages.models import set_padding_side
 
+    check_finite(model, final_loss)
     outputs = {}
     if isinstance(model, PeftModel):
         adapter = ctx.output_dir("adapter")

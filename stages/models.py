@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag
+
+from stages.spec_model import SpecModel
 
 # The assistant's end-of-turn token is inside {% generation %} so assistant-only loss
 # teaches the model to stop (TRL checks for exactly this).
@@ -33,7 +35,7 @@ TINY_CHAT_TEMPLATE = (
 TINY_SPECIAL_TOKENS = ["<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 
-class TinyModelSpec(BaseModel):
+class TinyModelSpec(SpecModel):
     """A small Llama-style model initialised from the pipeline seed, built locally."""
 
     model_config = ConfigDict(extra="forbid")
@@ -52,7 +54,7 @@ class TinyModelSpec(BaseModel):
             )
 
 
-class PathModelSpec(BaseModel):
+class PathModelSpec(SpecModel):
     """Any local Hugging Face checkpoint directory (config, weights and tokenizer)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -65,7 +67,7 @@ class PathModelSpec(BaseModel):
     )
 
 
-class GGUFPackageFile(BaseModel):
+class GGUFPackageFile(SpecModel):
     """A GGUF file shipped inside an installed Python package (found without importing it)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -75,7 +77,7 @@ class GGUFPackageFile(BaseModel):
     file: str = Field(description="File name inside the package, e.g. `SmolLM2-135M-Instruct.Q4_1.gguf`.")
 
 
-class GGUFModelSpec(BaseModel):
+class GGUFModelSpec(SpecModel):
     """A GGUF model, dequantized once into an ordinary checkpoint cached by the file's sha256."""
 
     model_config = ConfigDict(extra="forbid")
@@ -85,7 +87,7 @@ class GGUFModelSpec(BaseModel):
         "(relative to the pipeline file). Loaded with transformers' `gguf_file=` (needs the `gguf` package).")
 
 
-class HubModelSpec(BaseModel):
+class HubModelSpec(SpecModel):
     """A Hugging Face hub model: the local cache's snapshot, downloaded only when the hub is reachable."""
 
     model_config = ConfigDict(extra="forbid")

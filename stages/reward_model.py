@@ -176,7 +176,8 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
         metrics["heldout_reward_margin"] = float(after["eval_margin"])
     ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith("heldout_")})
 
-    outputs = save_trained(trainer.model, tokenizer, ctx, padding_side="right")  # stages/lora.py: with lora, also the adapter alone
+    # stages/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
+    outputs = save_trained(trainer.model, tokenizer, ctx, padding_side="right", final_loss=metrics["final_loss"])
     return {**outputs, "metrics": metrics}
 
 

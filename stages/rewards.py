@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from stages.spec_model import SpecModel
 
 REWARD_MODEL_FN = "reward_model"  # the built-in that scores with a trained reward_model stage
 REASONING_GYM_FN = "reasoning_gym"  # the built-in that scores reasoning_gym data with the task's score_answer
 
 
-class RewardSpec(BaseModel):
+class RewardSpec(SpecModel):
     """A named reward: a built-in or a user function, with its weight and arguments."""
 
     model_config = ConfigDict(extra="forbid")
@@ -299,7 +301,7 @@ def score_completions(
 # ---------------------------------------------------------------- known cases (check-reward)
 
 
-class RewardCase(BaseModel):
+class RewardCase(SpecModel):
     """A completion whose reward is known before training: the score range it must get."""
 
     model_config = ConfigDict(extra="forbid")

@@ -158,7 +158,8 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     }
     ctx.log_metrics(metrics)
 
-    outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
+    # stages/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
+    outputs = save_trained(trainer.model, tokenizer, ctx, final_loss=metrics["final_loss"])
     return {**outputs, "metrics": metrics}
 
 

@@ -10,8 +10,8 @@ run in any state, nothing under outputs/, work/, cache/ or artifacts/.
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import sqlite3
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +33,10 @@ class Case:
     edit: str | bytes | list[tuple[str, str]]  # the whole file, or (old, new) replacements in VALID
     expect: list[str]  # fragments of stderr: what is wrong and where
     argv: tuple[str, ...] = ()  # extra arguments after `posttrain run FILE`
-    files: dict[str, str] = field(default_factory=dict)  # written beside the pipeline (.py files importable)
+    files: dict[str, str | bytes] = field(default_factory=dict)  # written beside the pipeline (.py importable)
     model: str | None = None  # a checkpoint dir to build as ./m: "nochat", "noconfig" or "custom_code"
+    command: str = "run"  # or validate, check-reward
+    env: str | None = None  # "home_file", "home_under_file", "home_read_only", "no_bwrap" or "no_vllm"
 
 
 def replace(old: str, new: str) -> list[tuple[str, str]]:
@@ -54,6 +56,17 @@ def data_file(name: str = "d.jsonl") -> list[tuple[str, str]]:
 
 
 GOOD_RECORD = json.dumps({"prompt": "What is 1+1?", "completion": "2", "answer": "2"})
+HELDOUT = "{generator: arithmetic, n: 10, seed: 9, role: heldout}"
+PREFS = [("data:\n", "data:\n  prefs: {generator: arithmetic_preferences, n: 20, role: train}\n")]  # stages then +1 line
+ALIAS_BOMB = "b0: &b0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+    f"b{i}: &b{i} [{', '.join([f'*b{i - 1}'] * 10)}]\n" for i in range(1, 10))  # 10**10 values once expanded
+
+
+HELDOUT_FILE = [(HELDOUT, "{path: h.jsonl, role: heldout}")]
+
+
+def jsonl(*records: dict) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
 
 CASES = [
     # ---- the document itself
@@ -63,12 +76,13 @@ CASES = [
     Case("comments_only", "# a pipeline, some day\n", ["p.yaml: the file is empty"]),
     Case("list_document", "- sft\n- eval\n", ["p.yaml:1: a pipeline is a mapping of keys, not a list"]),
     Case("scalar_document", "just some text\n", ["p.yaml:1: a pipeline is a mapping of keys, not a str"]),
-    Case("not_utf8", b"name: t\nseed: \xff\xfe\n", ["p.yaml: cannot read the file", "utf-8"]),
+    Case("not_utf8", b"name: t\nseed: \xff\xfe\n", ["p.yaml:2: cannot read the file: it is not utf-8 text (byte 0xff)"]),
     Case("duplicate_key", append("  sft: {kind: sft, data: train, max_steps: 5}\n"),
          ["p.yaml:12: stages.sft: duplicate key (first given at line 10)"]),
     Case("missing_sections", "name: t\n", ["p.yaml: model: required key is missing",
                                            "p.yaml: data: required key is missing", "stages: required key"]),
-    Case("bad_pipeline_name", replace("name: t", "name: my pipeline!"), ["p.yaml:1: name: String should match"]),
+    Case("bad_pipeline_name", replace("name: t", "name: my pipeline!"),
+         ["p.yaml:1: name: pipeline 'my pipeline!' is not a valid name"]),
     # ---- unknown keys, with did-you-mean
     Case("unknown_top_level_key", replace("seed: 3", "seeed: 3"),
          ["p.yaml:2: seeed: unknown key (did you mean 'seed'?)"]),
@@ -190,8 +204,113 @@ CASES = [
     Case("only_without_upstream_outputs", [],
          ["--only eval_sft needs the cached outputs of sft, and there are none", "run the pipeline first"],
          argv=("--only", "eval_sft")),
-    Case("only_unknown_stage", [], ["--only evl_sft: no such stage; stages: sft, eval_sft"], argv=("--only", "evl_sft")),
+    Case("only_unknown_stage", [], ["--only evl_sft: no such stage (did you mean 'eval_sft'?); stages: sft, eval_sft"],
+         argv=("--only", "evl_sft")),
     Case("missing_pipeline_file", "(no file)", ["absent.yaml: pipeline file does not exist"]),
+    # ---- issue 16: the loader never crashes or hangs
+    Case("alias_bomb", append(ALIAS_BOMB), ["p.yaml:16: b4: holds more than 100000 values once its YAML aliases are "
+                                            "expanded"]),
+    Case("alias_recursion", append("loop: &loop [*loop]\n"),
+         ["p.yaml:12: loop.0: a YAML alias refers to a collection that contains it"]),
+    Case("kind_is_a_list", replace("{kind: sft,", "{kind: [sft],"),
+         ["p.yaml:10: stages.sft: `kind:` must be one of dpo, eval, kto, reward_model, rl, sft (got ['sft'])"]),
+    Case("stage_key_null", append("  ~: {kind: sft, data: train}\n"),
+         ["p.yaml:12: stages.~: key '~' is read by YAML as null, not a string", 'quote it ("~")']),
+    Case("stage_key_integer", append("  1: {kind: sft, data: train}\n"),
+         ["p.yaml:12: stages.1: key '1' is read by YAML as int, not a string"]),
+    Case("data_file_latin1", data_file(), ["p.yaml:5: data.train.path:", "d.jsonl:2: not utf-8 text (byte 0xe9"],
+         files={"d.jsonl": (GOOD_RECORD + '\n{"prompt": "caf\xe9?", "completion": "2"}\n').encode("latin-1")},
+         command="validate"),
+    Case("oversized_file", "name: t\n" + "# a comment line, repeated\n" * 80_000,
+         ["p.yaml: the file is larger than 1 MB"]),
+    Case("nested_too_deep", "name: t\nseed: " + "[" * 200 + "]" * 200 + "\n",
+         ["p.yaml:2: seed.0: nests deeper than 64 levels"]),
+    Case("nested_beyond_the_parser", "name: t\nseed: " + "[" * 5000 + "]" * 5000 + "\n", ["p.yaml:2: YAML syntax error"]),
+    Case("impossible_date", replace("seed: 3", "seed: 2024-13-45"), ["p.yaml: YAML value refused: month must be in"]),
+    # ---- issue 16: nonsense values
+    Case("nan_reward_weight", replace("fn: exact_answer}", "fn: exact_answer, weight: .nan}"),
+         ["p.yaml:8: rewards.correct.weight: must be a finite number: NaN and infinity are refused (got nan)"]),
+    Case("inf_success_threshold", replace("[correct]}", "[correct], success_threshold: .inf}"),
+         ["p.yaml:11: stages.eval_sft.success_threshold: must be a finite number", "(got inf)"]),
+    Case("inf_weight_decay", replace("max_steps: 2}", "max_steps: 2, weight_decay: .inf}"),
+         ["p.yaml:10: stages.sft.weight_decay: must be a finite number"]),
+    Case("nan_kl_beta", append(GRPO.replace("]}", "], kl_beta: .nan}")), ["p.yaml:12: stages.grpo.kl_beta: must be a finite"]),
+    Case("inf_epochs", replace("max_steps: 2}", "max_steps: null, epochs: .inf}"),
+         ["p.yaml:10: stages.sft.epochs: must be a finite number"]),
+    Case("nan_string_for_float", [], ["stages.sft.lr: must be a finite number", "(from --set)"],
+         argv=("--set", "stages.sft.lr=nan")),
+    Case("nan_dpo_beta", append("  dpo: {kind: dpo, model: sft, data: prefs, beta: .nan}\n") + PREFS,
+         ["p.yaml:13: stages.dpo.beta: must be a finite number"]),
+    Case("inf_kto_beta", append("  kto: {kind: kto, model: sft, data: prefs, beta: .inf}\n") + PREFS,
+         ["p.yaml:13: stages.kto.beta: must be a finite number"]),
+    Case("thirty_digit_seed", replace("seed: 3", "seed: 123456789012345678901234567890"),
+         ["p.yaml:2: seed: a seed must be in [0, 2**32)", "(30 digits)"]),
+    Case("negative_data_seed", replace("seed: 9,", "seed: -1,"), ["p.yaml:6: data.heldout.seed: a seed must be in [0"]),
+    Case("huge_step_count", replace("max_steps: 2}", "max_steps: 99999999999}"),
+         ["p.yaml:10: stages.sft.max_steps: must be within ±2147483647"]),
+    Case("empty_stop_string", replace("[correct]}", '[correct], sampling: {stop: [""]}}'),
+         ["p.yaml:11: stages.eval_sft.sampling.stop: item 0 is an empty string"]),
+    Case("reward_kwarg_typo", replace("fn: exact_answer}", "fn: exact_answer, kwargs: {extrct: last_number}}"),
+         ["p.yaml:8: rewards.correct.kwargs.extrct: unknown argument of exact_answer (did you mean 'extract'?)"]),
+    Case("reward_kwarg_bad_value", replace("fn: exact_answer}", "fn: exact_answer, kwargs: {extract: fuzzy}}"),
+         ["p.yaml:8: rewards.correct.kwargs.extract: must be one of strict, last_number (got 'fuzzy')"]),
+    Case("reward_kwarg_bad_value_check_reward", replace("fn: exact_answer}", "fn: exact_answer, kwargs: {extract: fuzzy}}"),
+         ["p.yaml:8: rewards.correct.kwargs.extract: must be one of strict, last_number"], command="check-reward"),
+    Case("user_reward_kwarg_typo", replace("fn: exact_answer}", "fn: kw_rewards_mod:score, kwargs: {scal: 2}}"),
+         ["p.yaml:8: rewards.correct.kwargs.scal: unknown argument of 'kw_rewards_mod:score' (did you mean 'scale'?)"],
+         files={"kw_rewards_mod.py": "def score(completions, answer=None, scale=1.0):\n    return [scale] * len(completions)\n"}),
+    Case("eval_data_without_answer", HELDOUT_FILE,
+         ["p.yaml:11: stages.eval_sft.rewards.0: reward 'correct' (exact_answer) cannot score dataset 'heldout':",
+          "h.jsonl:1: the record has no `answer`", "(and 1 more of its 2 records)"],
+         files={"h.jsonl": jsonl({"prompt": "What is 3+4?"}, {"prompt": "What is 5+4?"})}),
+    Case("word_answer_for_exact_answer", HELDOUT_FILE,
+         ["p.yaml:11: stages.eval_sft.rewards.0:", "h.jsonl:2: the record has answer 'four', and exact_answer compares "
+          "numbers"], files={"h.jsonl": jsonl({"prompt": "What is 3+4?", "answer": 7},
+                                              {"prompt": "What is 2+2?", "answer": "four"})}),
+    Case("reward_names_that_collide_as_metrics", replace("  correct: {fn: exact_answer}",
+                                                          "  ok!: {fn: exact_answer}\n  ok?: {fn: exact_answer}"),
+         ["p.yaml:8: rewards.ok!: reward 'ok!' is not a valid name", "p.yaml:9: rewards.ok?: reward 'ok?' is not"]),
+    Case("sft_data_without_assistant_turn", data_file(),
+         ["p.yaml:10: stages.sft.data: dataset 'train' cannot feed stage 'sft' (sft):",
+          "d.jsonl:2: the record has no assistant turn"],
+         files={"d.jsonl": jsonl(json.loads(GOOD_RECORD), {"prompt": "What is 2+2?", "answer": "4"})}),
+    # ---- issue 16: names and paths
+    Case("stage_name_300_characters", replace("  sft: {kind: sft, model: base, data: train, max_steps: 2}",
+                                              "  " + "s" * 300 + ": {kind: sft, model: base, data: train}"),
+         ["p.yaml:10: stages." + "s" * 300 + ": stage '" + "s" * 37 + "... (300 characters)' is not a valid name"]),
+    Case("pipeline_name_300_characters", replace("name: t", "name: " + "p" * 300),
+         ["p.yaml:1: name: pipeline '" + "p" * 37 + "... (300 characters)' is not a valid name: 1-64 letters"]),
+    Case("bad_dataset_name", replace("  heldout: {generator", "  held/out: {generator"),
+         ["p.yaml:6: data.held/out: dataset 'held/out' is not a valid name"]),
+    Case("same_file_as_train_and_heldout", data_file() + [(HELDOUT, "{path: d.jsonl, role: heldout}")],
+         ["p.yaml:6: data.heldout.path: heldout dataset 'heldout' shares 2 of its 2 prompts with train dataset "
+          "'train'", "leakage guard"], files={"d.jsonl": f"{GOOD_RECORD}\n{GOOD_RECORD}\n"}),
+    Case("heldout_copy_with_other_case_and_spacing", data_file() + [(HELDOUT, "{path: h.jsonl, role: heldout}")],
+         ["p.yaml:6: data.heldout.path: heldout dataset 'heldout' shares 1 of its 2 prompts", "what is 1+1?"],
+         files={"d.jsonl": f"{GOOD_RECORD}\n",
+                "h.jsonl": jsonl({"prompt": "  WHAT is   1+1?", "answer": "2"}, {"prompt": "What is 9+9?", "answer": 18})}),
+    Case("heldout_generator_same_as_train", replace("seed: 9,", "seed: 0,"),
+         ["p.yaml:6: data.heldout.seed: heldout dataset 'heldout' draws the same questions in the same order"]),
+    # ---- issue 16: the environment and the command line
+    Case("home_is_a_file", [], ["POSTTRAIN_HOME", "is a file, not a directory"], env="home_file"),
+    Case("home_is_a_file_validate", [], ["POSTTRAIN_HOME", "is a file, not a directory"], env="home_file",
+         command="validate"),
+    Case("home_under_a_file", [], ["POSTTRAIN_HOME", "cannot be created:", "is a file, not a directory"],
+         env="home_under_file"),
+    Case("home_on_read_only_mount", [], ["POSTTRAIN_HOME", "cannot be created (Read-only file system)"],
+         env="home_read_only"),
+    Case("force_unknown_stage", [], ["--force nosuch: no such stage; stages: sft, eval_sft"], argv=("--force", "nosuch")),
+    Case("only_empty_stage_name", [], ["--only needs a stage name (got ''); stages: sft, eval_sft"], argv=("--only", "")),
+    Case("set_alias_bomb", [], ["--set stages.sft.lr: value", "holds more than 100000 values"],
+         argv=("--set", "stages.sft.lr=" + "[&a [1,1,1,1,1,1,1,1,1,1], " + ", ".join(
+             f"&{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(6)) + "]")),
+    # ---- issue 16: requirements of the host, found by validate
+    Case("code_tests_without_bubblewrap", replace("fn: exact_answer}", "fn: code_tests}"),
+         ["p.yaml:8: rewards.correct.fn: reward 'correct' (code_tests) runs model-written code in eval_sft in this "
+          "process, and its sandbox cannot run here: bubblewrap (`bwrap`) is not installed",
+          "`kwargs: {sandbox: rlimits-only}`"], env="no_bwrap", command="validate"),
+    Case("vllm_backend_without_vllm", replace("[correct]}", "[correct], backend: vllm}"),
+         ["p.yaml:11: stages.eval_sft.backend: vLLM is not installed here"], env="no_vllm", command="validate"),
 ]
 
 
@@ -232,23 +351,61 @@ def make_checkpoint(kind: str, tiny: Path, target: Path) -> Path:
 
 
 def assert_nothing_left(home: Path) -> None:
-    """No MLflow run in any state, and no file under the dirs a run writes."""
-    db = home / "mlflow.db"
-    if db.exists():
-        with sqlite3.connect(db) as connection:
-            runs = connection.execute("SELECT run_uuid, status FROM runs").fetchall()
-        assert runs == [], f"runs were recorded: {runs}"
-    for name in ("outputs", "work", "cache", "artifacts"):
-        left = [p for p in (home / name).rglob("*") if p.is_file()] if (home / name).exists() else []
-        assert left == [], f"files were left under {name}/: {left}"
+    """Nothing written to the home: it was not there before, and it is not there now."""
+    assert not home.exists(), f"the home was written: {sorted(str(p) for p in home.rglob('*'))}"
 
 
+def set_up_environment(env: str | None, home: Path, monkeypatch, request) -> None:
+    """The environment a case needs: a home that cannot be used, or a host without bubblewrap or vLLM."""
+    if env == "home_file":
+        home.write_text("not a directory\n")
+    elif env == "home_under_file":
+        blocker = home.parent / "blocker"
+        blocker.write_text("a file where a directory should be\n")
+        monkeypatch.setenv("POSTTRAIN_HOME", str(blocker / "home"))
+    elif env == "home_read_only":  # as root a read-only mount is the one thing mkdir cannot get past
+        import errno
+
+        def read_only(self, *args, **kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+        monkeypatch.setattr(Path, "mkdir", read_only)
+    elif env == "no_bwrap":
+        request.getfixturevalue("no_bwrap")
+    elif env == "no_vllm":
+        import importlib.util
+
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *args: None if name == "vllm" else find_spec(name, *args))
+
+
+@pytest.fixture()
+def no_bwrap(tmp_path, monkeypatch):
+    """A PATH with prlimit and setpriv (util-linux) but no bubblewrap."""
+    from stages import sandbox
+
+    bin_dir = tmp_path / "bin-without-bwrap"
+    bin_dir.mkdir()
+    for tool in ("prlimit", "setpriv"):
+        if found := shutil.which(tool):
+            (bin_dir / tool).symlink_to(found)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    sandbox.check_sandbox.cache_clear()
+    yield
+    sandbox.check_sandbox.cache_clear()
+
+
+@pytest.mark.timeout(120)  # the alias bomb and the oversized file once took minutes; each case takes seconds
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_refused_with_what_and_where(case: Case, tmp_path, home, capsys, monkeypatch, request):
     pipeline = tmp_path / ("absent.yaml" if case.edit == "(no file)" else "p.yaml")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub model is looked up in the local cache only
     for name, content in case.files.items():
-        (tmp_path / name).write_text(content, encoding="utf-8")
+        if isinstance(content, bytes):
+            (tmp_path / name).write_bytes(content)
+        else:
+            (tmp_path / name).write_text(content, encoding="utf-8")
     if any(name.endswith(".py") for name in case.files):
         monkeypatch.syspath_prepend(str(tmp_path))
     if case.model:
@@ -265,13 +422,20 @@ def test_bad_input_is_refused_with_what_and_where(case: Case, tmp_path, home, ca
             text = text.replace(old, new)
         pipeline.write_text(text, encoding="utf-8")
 
-    status = run_cli("run", str(pipeline), *case.argv)
+    set_up_environment(case.env, home, monkeypatch, request)
+    home_before = home.read_bytes() if case.env == "home_file" else None
+    status = run_cli(case.command, str(pipeline), *case.argv)
+    monkeypatch.undo()  # Path.mkdir and PATH as they were, before anything is inspected
     err = capsys.readouterr().err
     assert status == 2, err
-    assert "nothing was run" in err
+    assert "nothing was run" in err and "Traceback" not in err
     for fragment in case.expect:
         assert fragment in err, f"missing {fragment!r} in:\n{err}"
-    assert_nothing_left(home)
+    if case.env == "home_file":
+        assert home.read_bytes() == home_before
+    else:
+        assert_nothing_left(home)
+        assert not (home.parent / "blocker" / "home").exists()
     assert not (tmp_path / "CUSTOM_CODE_RAN").exists(), "validation ran the checkpoint's own code"
     for name in case.files:  # a refused reward module is never half-imported into the process
         if name.endswith(".py"):
@@ -312,3 +476,119 @@ def test_pass_k_within_attempts_chooses_the_reported_k():
     assert {k: v for k, v in metrics.items() if k.startswith("pass_at_")} == {"pass_at_1": 0.25, "pass_at_4": 1.0}
     default = summarise(samples, correct, scored, [True] * 4, 4)
     assert sorted(k for k in default if k.startswith("pass_at_")) == ["pass_at_1", "pass_at_2", "pass_at_4"]
+
+
+# ---------------------------------------------------------------- issue 16: beyond the catalogue
+
+
+def test_a_truncated_journal_is_named_and_holds_up_nothing(home, capsys, monkeypatch):
+    """`sync` names the file and exits 2; `run`'s first step (prepare_store) warns and goes on."""
+    from rich.console import Console
+
+    from flows.home import configure_environment
+    from flows.pipeline import prepare_store
+    from flows.tracking import Tracker
+
+    configure_environment()
+    tracker = Tracker(home)
+    experiment = tracker.experiment_id("journals", None)
+    good = tracker.client.create_run(experiment).info.run_id
+    pending = home / "pending"
+    pending.mkdir()
+    (pending / f"{good}.json").write_text(json.dumps({"run_id": good, "ops": [{"op": "tags", "tags": {"k": "v"}}]}))
+    (pending / "cut-short.json").write_text('{"run_id": "cut-short", "ops": [{"op": "ta')
+
+    assert run_cli("sync") == 2
+    captured = capsys.readouterr()
+    assert f"recorded run {good}" in captured.out and "Traceback" not in captured.err
+    assert f"{pending / 'cut-short.json'}: cannot be read as a journal" in captured.err
+    assert "move the file out of pending/" in captured.err
+    assert tracker.client.get_run(good).data.tags["k"] == "v"
+
+    console = Console(file=None, width=300)
+    with console.capture() as output:
+        prepare_store(home, console)  # what every `posttrain run` does first: it no longer refuses
+    assert "cut-short.json: cannot be read as a journal" in output.get()
+
+
+def test_a_home_whose_path_holds_uri_characters_keeps_everything_inside(tmp_path, monkeypatch):
+    """`?` and `#` once cut the SQLite URL short and put mlflow.db outside the home."""
+    from sqlalchemy.engine import make_url
+
+    from flows.home import artifact_root, configure_environment
+    from flows.tracking import Tracker
+
+    parent = tmp_path / "homes"
+    parent.mkdir()
+    home = parent / "we?ird#home %"
+    monkeypatch.setenv("POSTTRAIN_HOME", str(home))
+    for name in ("MLFLOW_TRACKING_URI", "PREFECT_HOME", "PREFECT_SERVER_DATABASE_CONNECTION_URL"):
+        monkeypatch.setenv(name, "placeholder")  # so that monkeypatch restores what configure_environment sets
+        monkeypatch.delenv(name)
+    configure_environment()
+    tracker = Tracker(home)
+    experiment = tracker.experiment_id("uri", artifact_root(home))
+    run_id = tracker.client.create_run(experiment).info.run_id
+    tracker.client.log_text(run_id, "inside", "note.txt")
+
+    assert (home / "mlflow.db").is_file()
+    assert [p.name for p in parent.iterdir()] == [home.name]  # nothing beside the home
+    assert list(home.rglob("note.txt")) and list(home.rglob("note.txt"))[0].read_text() == "inside"
+    prefect_url = os.environ["PREFECT_SERVER_DATABASE_CONNECTION_URL"]
+    assert make_url(prefect_url).database == str(home / "prefect" / "prefect.db")
+
+
+def test_home_problems_are_found_without_writing(tmp_path, monkeypatch):
+    from flows.home import home_problem
+
+    assert home_problem(tmp_path / "new" / "home") is None
+    assert not (tmp_path / "new").exists()
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # what a read-only mount answers
+    assert "not writable (permissions or a read-only mount)" in home_problem(tmp_path / "new" / "home")
+    assert "is not writable here" in home_problem(tmp_path)
+
+
+def test_a_diverged_model_or_loss_is_never_saved():
+    """`weight_decay: .inf` once trained a NaN checkpoint that later runs reused; save_trained refuses one."""
+    import torch
+
+    from stages.lora import TrainingDiverged, save_trained
+
+    class NoOutputs:  # any output dir asked for would mean something was saved
+        def output_dir(self, name):
+            raise AssertionError(f"{name} was saved")
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(TrainingDiverged, match="the final loss is nan"):
+        save_trained(model, None, NoOutputs(), final_loss=float("nan"))
+    with torch.no_grad():
+        model[1].bias[0] = float("inf")
+    with pytest.raises(TrainingDiverged, match=r"parameter 1.bias holds infinity \(1 of 2 values not finite\)"):
+        save_trained(model, None, NoOutputs(), final_loss=0.5)
+
+
+def test_an_sft_stage_that_diverges_fails_and_says_which_value(tiny_checkpoint, ctx_factory, home):
+    """Finite but huge settings can still diverge: the stage fails rather than publish the checkpoint."""
+    from stages import sft
+    from stages.lora import TrainingDiverged
+    from stages.sft import SFTStageConfig
+
+    data = home / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "completion": str(i + 1)}) + "\n" for i in range(8)))
+    from stages.data import FileData, materialize
+
+    path = materialize(FileData(path=str(data), role="train"), home, home / "data")
+    config = SFTStageConfig(kind="sft", data="train", max_steps=3, batch_size=4, lr=1.0, weight_decay=1e9,
+                            lr_schedule="constant", save_steps=None)
+    ctx = ctx_factory("sft-diverges")
+    with pytest.raises(TrainingDiverged, match="training diverged: (the final loss is|parameter .* holds)"):
+        sft.run(config, {"model": str(tiny_checkpoint), "data": str(path)}, ctx)
+    assert not (ctx.work_dir / "staging" / "checkpoint").exists()
+
+
+def test_the_pipelines_and_the_quickstart_still_validate(capsys, home):
+    from conftest import ROOT
+
+    for pipeline in sorted((ROOT / "pipelines").glob("*.yaml")):
+        assert run_cli("validate", str(pipeline)) == 0, capsys.readouterr().err
+    assert_nothing_left(home)

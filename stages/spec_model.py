@@ -1,0 +1,108 @@
+"""The base of every pipeline config model: each value has a type and a finite range.
+
+A pipeline's numbers reach optimisers, samplers and seeds that do not check them: NaN or
+infinity in a weight decay trains a NaN checkpoint, a 30-digit seed crashes numpy after
+the stages before it ran. So every model in a pipeline spec derives from ``SpecModel``,
+and the rules below hold for every field, including fields added later:
+
+- no NaN or infinity anywhere (pydantic's ``allow_inf_nan=False``, and the same for numbers
+  inside free-form mappings such as a reward's ``kwargs``);
+- numbers within ``±MAX_FLOAT`` / ``±MAX_INT`` (no count, size, step or weight posttrain
+  runs comes near; a larger one is a typo or an overflow waiting to happen);
+- a field named ``seed`` or ``*_seed`` is in ``[0, 2**32)``, what numpy, torch and vLLM take;
+- no empty string inside a list (an empty stop string ends every completion at once, an
+  empty reward or module name names nothing).
+
+Names that become file names, MLflow metric keys and Prefect task names match ``NAME_PATTERN``
+(a pipeline) or ``KEY_NAME_PATTERN`` (a stage, dataset or reward).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+MAX_INT = 2**31 - 1
+MAX_FLOAT = 1e9
+SEED_LIMIT = 2**32
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # a pipeline's name (its MLflow experiment)
+KEY_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"  # stage, dataset, reward names: no '.', which --set paths split on
+_WHY = "names become file names, MLflow metric keys and Prefect task names"
+
+
+def name_problem(name: Any, pattern: str = KEY_NAME_PATTERN) -> str | None:
+    """Why ``name`` cannot name a stage, dataset or reward (or, with NAME_PATTERN, a pipeline), or None."""
+    if not isinstance(name, str):
+        return f"a name must be a string (got {type(name).__name__} {name!r})"
+    if not re.fullmatch(pattern, name):
+        shown = name if len(name) <= 40 else f"{name[:37]}... ({len(name)} characters)"
+        dots = ", '.'" if "." in pattern else ""
+        return f"{shown!r} is not a valid name: 1-64 letters, digits, '_'{dots} and '-', starting with a letter " \
+               f"or digit ({_WHY})"
+    return None
+
+
+def _number_problem(value: Any, seed: bool) -> str | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        if seed and not 0 <= value < SEED_LIMIT:
+            return f"a seed must be in [0, 2**32) (numpy, torch and vLLM take no other), got {_short(value)}"
+        if not seed and abs(value) > MAX_INT:
+            return f"must be within ±{MAX_INT} (2**31 - 1): larger than any count or step posttrain runs, got " \
+                   f"{_short(value)}"
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            return f"must be a finite number: NaN and infinity are refused (got {value!r})"
+        if abs(value) > MAX_FLOAT:
+            return f"must be within ±{MAX_FLOAT:g}: larger than any rate, weight or limit posttrain uses, got " \
+                   f"{value!r}"
+    return None
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
+
+
+def value_problem(value: Any, seed: bool = False, depth: int = 0) -> str | None:
+    """The first out-of-range number or empty list item in ``value`` (searched through lists and mappings)."""
+    if depth > 32:
+        return "nests deeper than 32 levels"
+    if isinstance(value, (int, float)):
+        return _number_problem(value, seed)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = value_problem(item, seed or key == "seed", depth + 1)
+            if problem:
+                return f"{key}: {problem}" if depth == 0 else problem
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            if isinstance(item, str) and not item:
+                return f"item {i} is an empty string, which names nothing (an empty stop string would end " \
+                       "every completion at once)"
+            problem = value_problem(item, seed, depth + 1)
+            if problem:
+                return problem
+    return None
+
+
+class SpecModel(BaseModel):
+    """Every pipeline config model: unknown keys refused, every number finite and bounded."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite_and_bounded(cls, value: Any, info: ValidationInfo):
+        if isinstance(value, BaseModel) or value is None or isinstance(value, str):
+            return value
+        name = info.field_name or ""
+        problem = value_problem(value, seed=name == "seed" or name.endswith("_seed"))
+        if problem:
+            raise ValueError(problem)
+        return value
