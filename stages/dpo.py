@@ -13,7 +13,8 @@ restates it and tests/test_preferences.py checks the two agree); ``loss: ipo`` a
 ``rewards/rejected`` (the implicit rewards beta * log-ratio), ``rewards/margin``,
 ``rewards/accuracy`` (share of pairs whose chosen implicit reward is higher) and the
 reply log-probs. A seeded ``heldout_fraction`` of the pairs is kept out of training and
-reported as ``heldout_pairwise_accuracy`` / ``heldout_reward_margin`` at the end.
+reported as ``heldout_pairwise_accuracy`` / ``heldout_reward_margin`` at the end, pooled
+over all held-out pairs (TRL's own is a mean of per-batch means).
 
 Departures from the paper: none in the loss by default; dropout is off in both models
 (TRL's default). ``sft_weight > 0`` adds a token-mean negative log-likelihood of the chosen
@@ -37,7 +38,7 @@ from pydantic import ConfigDict, Field, model_validator
 from stages.context import ExecutionLimits
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
-from stages.trainer_callbacks import metric_renamer, schedule_arguments
+from stages.trainer_callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments
 
 
 class PreferenceOptimisationConfig(ExecutionLimits):
@@ -119,6 +120,9 @@ METRIC_NAMES = {
 
 
 rename_metrics = metric_renamer(METRIC_NAMES)
+# per-pair means TRL averages per batch: pooled over pairs instead (stages/trainer_callbacks.py)
+POOLED_METRICS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected",
+                  "logps/chosen", "logps/rejected")
 
 
 def build_dpo_config(config: DPOStageConfig, output_dir: Path, seed: int):
@@ -148,7 +152,7 @@ def run(config: DPOStageConfig, inputs: dict, ctx) -> dict:
     from trl import DPOTrainer
 
     args = build_dpo_config(config, ctx.work_dir / "trainer", ctx.seed if config.seed is None else config.seed)
-    return train_on_preferences(DPOTrainer, args, config, inputs, ctx)
+    return train_on_preferences(pooling_pair_metrics(DPOTrainer, POOLED_METRICS), args, config, inputs, ctx)
 
 
 def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConfig, inputs: dict, ctx,

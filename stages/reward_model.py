@@ -7,8 +7,8 @@ initialised from the stage seed. Each pair is rendered with the chat template (p
 reply) and the model's score is read at the last token; the loss is -log sigmoid(r_chosen -
 r_rejected) (stages/preference_math.py ``bradley_terry_loss``, the same expression TRL
 computes). A seeded ``heldout_fraction`` of the pairs is never trained on: the stage logs
-its pairwise accuracy (share of pairs ranked the right way; ties count as wrong) and mean
-reward margin before training, every ``eval_every`` steps, and at the end, as
+its pairwise accuracy (share of pairs ranked the right way; ties count as wrong; pooled
+over all held-out pairs, not a mean of per-batch means) and mean reward margin before training, every ``eval_every`` steps, and at the end, as
 ``heldout_pairwise_accuracy`` and ``heldout_reward_margin``. With ``lora`` the backbone
 trains LoRA adapters (TRL wraps the classifier with PEFT, task ``SEQ_CLS``) while the new
 score head trains in full (PEFT's ``modules_to_save``); the checkpoint is the merged
@@ -38,7 +38,7 @@ from stages.context import ExecutionLimits
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 from stages.rewards import REWARD_MODEL_FN, RewardSpec, ScoredBatch, reward_input_key
-from stages.trainer_callbacks import metric_renamer, schedule_arguments
+from stages.trainer_callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments
 
 
 class RewardModelStageConfig(ExecutionLimits):
@@ -96,6 +96,8 @@ METRIC_NAMES = {
 
 
 rename_metrics = metric_renamer(METRIC_NAMES)
+# per-pair means TRL averages per batch: pooled over pairs instead (stages/trainer_callbacks.py)
+POOLED_METRICS = ("accuracy", "margin", "mean_reward")
 
 
 def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
@@ -146,7 +148,7 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
         dataloader_num_workers=0,
         **device_arguments(),
     )
-    trainer = RewardTrainer(
+    trainer = pooling_pair_metrics(RewardTrainer, POOLED_METRICS)(
         model=model, args=args, train_dataset=trl_dataset(train),
         eval_dataset=trl_dataset(heldout) if heldout else None, processing_class=tokenizer,
         peft_config=config.lora.peft_config("SEQ_CLS") if config.lora else None,  # SEQ_CLS: the head trains too

@@ -56,6 +56,39 @@ def metric_renamer(names: dict[str, str]) -> Callable[[dict], dict[str, float]]:
     return rename
 
 
+def pooling_pair_metrics(trainer_class, keys: tuple[str, ...]):
+    """``trainer_class`` (a TRL pairwise trainer: batches are [chosen..., rejected...]) whose
+    logged per-pair means ``keys`` are pooled over every pair since the last log.
+
+    TRL appends one mean per batch and logs the mean of those, so a short last batch of a
+    held-out set (65 pairs in batches of 64 + 1) weighs as much as a full one; here each
+    batch's mean is weighted by its number of pairs, i.e. correct pairs / all pairs."""
+
+    class PooledPairMetrics(trainer_class):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            mode = "train" if self.model.training else "eval"
+            before = {key: len(self._metrics[mode].get(key, ())) for key in keys}
+            result = super().compute_loss(model, inputs, *args, **kwargs)
+            pairs = inputs["input_ids"].shape[0] // 2
+            weights = self.__dict__.setdefault("_pair_weights", {"train": {}, "eval": {}})[mode]
+            for key in keys:
+                if len(self._metrics[mode].get(key, ())) == before[key] + 1:
+                    weights.setdefault(key, []).append(pairs)
+            return result
+
+        def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+            mode = "train" if self.model.training else "eval"
+            weights = self.__dict__.get("_pair_weights", {}).get(mode, {})
+            for key in keys:
+                values, counts = self._metrics[mode].get(key), weights.pop(key, [])
+                if values and len(counts) == len(values):
+                    self._metrics[mode][key] = [sum(v * n for v, n in zip(values, counts)) / sum(counts)]
+            super().log(logs, *args, **kwargs)
+
+    PooledPairMetrics.__name__ = f"Pooled{trainer_class.__name__}"
+    return PooledPairMetrics
+
+
 def schedule_arguments(config) -> dict:
     """Trainer arguments the reward-model and preference stage configs spell the same way."""
     return {

@@ -214,3 +214,36 @@ def test_kto_trains_on_unpaired_replies_from_the_same_pairs(tiny_checkpoint, ctx
     before, _ = load_model_and_tokenizer(tiny_checkpoint)
     after, _ = load_model_and_tokenizer(Path(outputs["checkpoint"]))
     assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
+
+
+def test_heldout_pairwise_accuracy_is_pooled_over_pairs_not_batches(tiny_checkpoint, ctx_factory, home):
+    """65 held-out pairs are scored in batches of 64 + 1 at batch_size 8 and in one batch at 80:
+    the untrained model's held-out accuracy cannot depend on that (a mean of per-batch means
+    gives the lone 65th pair half the weight)."""
+    data = preference_file(home, n=130)
+    accuracies = [train_reward_model(tiny_checkpoint, ctx_factory(f"rm-pool-{batch}"), data, max_steps=1,
+                                     batch_size=batch, heldout_fraction=0.5)[1]["metrics"]
+                  ["initial_heldout_pairwise_accuracy"] for batch in (8, 80)]
+    assert accuracies[0] == pytest.approx(accuracies[1], abs=1e-6)  # float32 means
+    assert accuracies[0] * 65 == pytest.approx(round(accuracies[0] * 65), abs=1e-6)  # a share of 65 pairs
+
+
+def test_dpo_heldout_pairwise_accuracy_is_pooled_over_pairs_not_batches(tiny_checkpoint, ctx_factory, home,
+                                                                        tmp_path):
+    """As for the reward model: DPO's held-out accuracy against another reference, at a learning rate
+    too small to change it, is the same whether 65 pairs come in batches of 64 + 1 or in one."""
+    from stages import dpo
+    from stages.models import TinyModelSpec, resolve_base_checkpoint
+
+    other = resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=32, num_layers=1, num_heads=2,
+                                                  intermediate_size=64), 1, tmp_path, tmp_path)
+    data = preference_file(home, n=130)
+    accuracies = []
+    for batch in (8, 80):
+        config = dpo.DPOStageConfig(kind="dpo", model="base", data="prefs", max_steps=1, batch_size=batch, lr=1e-9,
+                                    heldout_fraction=0.5)
+        outputs = dpo.run(config, {"model": str(tiny_checkpoint), "reference": str(other), "data": str(data)},
+                          ctx_factory(f"dpo-pool-{batch}"))
+        accuracies.append(outputs["metrics"]["heldout_pairwise_accuracy"])
+    assert accuracies[0] == pytest.approx(accuracies[1], abs=1e-6)  # float32 means
+    assert accuracies[0] * 65 == pytest.approx(round(accuracies[0] * 65), abs=1e-6)
