@@ -29,7 +29,8 @@ COLUMNS = ("answer", "prompts", "task")  # what a reward receives from the data,
 
 class ExactAnswerKwargs(SpecModel):
     extract: Literal["strict", "last_number"] = Field(
-        "strict", description="`strict`: the whole reply is the integer; `last_number`: its last integer.")
+        "strict", description="`strict`: the whole reply is the integer; `last_number`: its last number, "
+        "decimals read whole (\"2.5\" is not 5).")
 
 
 class RegexFormatKwargs(SpecModel):
