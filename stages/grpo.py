@@ -38,7 +38,7 @@ import json
 from pathlib import Path
 
 from stages.data import prompt_messages, read_materialized
-from stages.generation import neutral_generation_config, resolve_backend, vllm_problem
+from stages.generation import neutral_generation_config, resolve_backend
 from stages.rewards import RewardSpec, score_component, with_task_column
 
 # TRL's metric names -> ours (DESIGN.md)
@@ -53,6 +53,8 @@ METRIC_NAMES = {
     "completions/mean_length": "completion/mean_tokens",
     "completions/clipped_ratio": "completion/truncated_frac",
     "ratio/mean": "ratio/mean",
+    "dynamic/rounds": "dynamic/rounds",
+    "dynamic/kept_zero_variance_frac": "dynamic/kept_zero_variance_frac",
     "loss": "loss",
     "grad_norm": "grad_norm",
     "learning_rate": "lr",
@@ -114,7 +116,29 @@ def _trainer_class():
     from trl import GRPOTrainer
 
     class PosttrainGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer that also logs the importance ratio's mean and sample tables."""
+        """GRPOTrainer that also logs the importance ratio's mean and sample tables, and (with
+        ``dynamic_sampling``) trains only on groups that carry signal."""
+
+        dynamic = None  # (DynamicSampling, the training rows, random.Random) when the stage declares it
+
+        def _generate_and_score_completions(self, inputs):
+            batch = super()._generate_and_score_completions(inputs)
+            if self.dynamic is None or not self.model.training:
+                return batch
+            settings, rows, rng = self.dynamic
+            group_size, wanted = self.num_generations, len(inputs) // self.num_generations
+            kept, spare = split_by_signal(batch, group_size)
+            rounds = 1
+            while len(kept) < wanted and rounds < settings.max_rounds:
+                fresh = [rows[i] for i in rng.sample(range(len(rows)), wanted) for _ in range(group_size)]
+                more = super()._generate_and_score_completions(fresh)
+                more_kept, more_spare = split_by_signal(more, group_size)
+                kept, spare, rounds = kept + more_kept, spare + more_spare, rounds + 1
+            chosen = (kept + spare)[:wanted]  # topped up with zero-variance groups only when the budget ran out
+            metrics = self._metrics["train"]
+            metrics["dynamic/rounds"].append(float(rounds))
+            metrics["dynamic/kept_zero_variance_frac"].append(sum(not g.signal for g in chosen) / wanted)
+            return merge_groups(chosen)
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
@@ -151,6 +175,53 @@ def turn_off_dropout(model) -> None:
         for name, value in list(vars(module).items()):
             if "dropout" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
+
+
+class Group:
+    """One prompt's ``group_size`` rows of a generated batch, and whether their rewards differ."""
+
+    def __init__(self, tensors: dict, signal: bool):
+        self.tensors, self.signal = tensors, signal
+
+
+# per-row tensors of TRL's generated batch and the side they are padded on
+LEFT_PADDED = ("prompt_ids", "prompt_mask")
+RIGHT_PADDED = ("completion_ids", "completion_mask", "old_per_token_logps", "sampling_per_token_logps",
+                "ref_per_token_logps", "tool_mask")
+
+
+def split_by_signal(batch: dict, group_size: int) -> tuple[list[Group], list[Group]]:
+    """(groups whose advantages are not all zero, groups whose are): a group's advantages are all
+    zero exactly when its rewards are all equal, for centred and normalised advantages alike."""
+    unknown = set(batch) - set(LEFT_PADDED) - set(RIGHT_PADDED) - {"advantages", "num_items_in_batch"}
+    if unknown:
+        raise RuntimeError(f"dynamic sampling cannot regroup TRL's batch fields {sorted(unknown)}")
+    advantages_B = batch["advantages"]
+    kept, spare = [], []
+    for start in range(0, advantages_B.shape[0], group_size):
+        rows = slice(start, start + group_size)
+        group = Group({key: value[rows] for key, value in batch.items() if key != "num_items_in_batch"},
+                      bool((advantages_B[rows].abs() > 1e-8).any()))
+        (kept if group.signal else spare).append(group)
+    return kept, spare
+
+
+def merge_groups(groups: list[Group]) -> dict:
+    """One batch from groups generated in different rounds (re-padded to the longest of each side)."""
+    import torch
+    import torch.nn.functional as F
+
+    merged = {}
+    for key in groups[0].tensors:
+        parts = [g.tensors[key] for g in groups]
+        if key in LEFT_PADDED or key in RIGHT_PADDED:
+            width = max(p.shape[1] for p in parts)
+            parts = [F.pad(p, (width - p.shape[1], 0) if key in LEFT_PADDED else (0, width - p.shape[1]))
+                     for p in parts]
+        merged[key] = torch.cat(parts)
+    mask = merged["completion_mask"] * merged["tool_mask"] if "tool_mask" in merged else merged["completion_mask"]
+    merged["num_items_in_batch"] = mask.sum()
+    return merged
 
 
 def sample_rows(logs, limit: int = 32) -> list[dict]:
@@ -208,19 +279,15 @@ def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int):
     vLLM, else None (TRL samples with generate on the training model)."""
     import os
 
-    from stages.rollouts import GRPORollouts
+    from stages.rollouts import GRPORollouts, context_length, rollout_backend
 
-    if resolve_backend(config.backend, Path(inputs["policy"]))[0] != "vllm":
+    if rollout_backend(config, Path(inputs["policy"]))[0] != "vllm":
         return None
-    if (problem := vllm_problem(Path(inputs["policy"]))) is not None:
-        raise RuntimeError(f"backend vllm: {problem}; use `backend: hf` or `auto`")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
-    longest = max(len(tokenizer(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
-                                                              tokenize=False), add_special_tokens=False)["input_ids"])
-                  for row in dataset)
     return GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=config.group_size,
                         temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_completion_tokens,
-                        seed=seed, engine=config.engine, max_model_len=longest + config.max_completion_tokens + 8,
+                        seed=seed, engine=config.engine,
+                        max_model_len=context_length(tokenizer, dataset["prompt"], config.max_completion_tokens),
                         trust_remote_code=inputs.get("trust_remote_code", False))
 
 
@@ -261,8 +328,8 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
     rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed)
-    ctx.log_params({"resolved_backend": "vllm" if rollouts else "hf", "backend_reason": resolve_backend(
-        config.backend, Path(inputs["policy"]))[1]})
+    ctx.log_params({"resolved_backend": "vllm" if rollouts else "hf",
+                    "backend_reason": resolve_backend(config.backend, Path(inputs["policy"]))[1]})
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)
@@ -270,6 +337,10 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
         if network is not None:
             turn_off_dropout(network)
     holder["metrics"] = trainer._metrics["train"]
+    if config.dynamic_sampling is not None:
+        import random
+
+        trainer.dynamic = (config.dynamic_sampling, list(dataset), random.Random(seed))
     history: list[dict] = []
 
     def on_metrics(state, metrics):

@@ -20,6 +20,11 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   token, and the samples come from the nucleus while the loss treats them as drawn from the
   full distribution (as TRL's GRPO does). ``logprob/sampler_gap`` logs the largest
   difference. The KL penalty uses the same recomputed log-probs.
+- Rollouts come from posttrain's generation backend: with ``backend: vllm`` (or ``auto``
+  where vLLM can serve the model) an in-process vLLM engine that receives the policy's
+  weights (LoRA merged) before every rollout batch, else HF generate on the policy itself.
+  The engine's log-probs are the recorded ones; ``logprob/sampler_abs_log_ratio`` is their
+  mean distance from the recomputed old log-probs (0 to float error in float32, top_p 1).
 - The critic is a separate network (a copy of the policy's transformer backbone plus a
   zero-initialised scalar head), initialised from the policy checkpoint; no shared trunk.
   Each network has its own AdamW optimiser, so there is no ``vf_coef``: Adam is invariant
@@ -57,7 +62,7 @@ import torch
 from torch import nn
 
 from stages.data import prompt_messages, read_materialized
-from stages.generation import HFGenerateBackend, Sample, SamplingSettings
+from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend
 from stages.lora import save_trained, wrap
 from stages.models import load_model_and_tokenizer
 from stages.reward_model import bind_reward_models, reward_model_correlations
@@ -74,6 +79,7 @@ from stages.rl_math import (
     ppo_policy_loss,
     ppo_value_loss,
 )
+from stages.rollouts import context_length, rollout_backend, sync_policy
 
 SAMPLE_TABLE_ROWS = 16
 MAX_GRAD_NORM = 1.0
@@ -327,6 +333,8 @@ def rollout_metrics(rollout: Rollout, scored: ScoredBatch, targets: Targets, gro
         "entropy": float(masked_mean(targets.entropy, mask)),
         # how far the sampler's recorded log-probs are from the distribution trained on (top_p < 1)
         "logprob/sampler_gap": float(((rollout.sample_logprobs_B_T - targets.old_logprobs).abs() * mask).max()),
+        "logprob/sampler_abs_log_ratio": float(masked_mean((rollout.sample_logprobs_B_T - targets.old_logprobs).abs(),
+                                                           mask)),
         "kl/sequence": float(targets.k1.sum(-1).mean()),
         "completion/mean_tokens": float(mask.sum(-1).mean()),
         "completion/truncated_frac": sum(s.truncated for s in rollout.samples) / len(rollout.samples),
@@ -374,6 +382,7 @@ class PPORun:
     device: torch.device
     reward_fns: dict  # bound reward-model scorers by reward name
     reward_errors: int = 0
+    engine: VLLMBackend | None = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
 
     @classmethod
     def load(cls, config: RLStageConfig, inputs: dict, seed: int) -> "PPORun":
@@ -402,7 +411,11 @@ class PPORun:
         answers = [r.get("answer") for r in batch]
         settings = SamplingSettings(temperature=config.temperature, top_p=config.top_p, seed=self.seed + step,
                                     max_tokens=config.max_completion_tokens, attempts=config.group_size)
-        groups = HFGenerateBackend(self.policy, self.tokenizer, len(prompts)).generate(prompts, settings)
+        if self.engine is not None:
+            sync_policy(self.engine, self.policy)  # the policy the last update left, merged LoRA included
+            groups = self.engine.generate(prompts, settings)
+        else:
+            groups = HFGenerateBackend(self.policy, self.tokenizer, len(prompts)).generate(prompts, settings)
         rollout = build_rollout(prompt_token_ids(self.tokenizer, prompts), groups, self.tokenizer.pad_token_id)
         rollout = rollout.to(self.device)
         texts = [s.text for s in rollout.samples]
@@ -429,27 +442,34 @@ class PPORun:
 
 def train_ppo(config: RLStageConfig, inputs: dict, ctx) -> dict:
     """Run PPO on ``inputs['policy']`` against ``inputs['rewards']``; save the policy."""
-    if config.use_vllm:
-        raise ValueError("use_vllm applies to algorithm grpo only: ppo rolls out with the HF generate backend; "
-                         "remove use_vllm from this stage")
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
     run = PPORun.load(config, inputs, seed)
     records = read_materialized(Path(inputs["data"]))
+    backend, why = rollout_backend(config, Path(inputs["policy"]))
+    if backend == "vllm":
+        run.engine = VLLMBackend(Path(inputs["policy"]), trust_remote_code=inputs.get("trust_remote_code", False),
+                                 engine=config.engine, max_model_len=context_length(
+                                     run.tokenizer, [prompt_messages(r) for r in records], config.max_completion_tokens))
+    ctx.log_params({"resolved_backend": backend, "backend_reason": why})
     batches = prompt_batches(records, config.prompts_per_step, seed)
     generator = torch.Generator().manual_seed(seed)  # minibatch order
     ctx.log_params({"resolved_seed": seed, "prompts": len(records),
                     "rollout_sequences": config.prompts_per_step * config.group_size})
 
     history, metrics, started = [], {}, time.perf_counter()
-    with ctx.progress(f"ppo: {config.max_steps} rollout batches", config.max_steps) as bar:
-        for step in range(1, config.max_steps + 1):
-            metrics, rows = run.step(step, next(batches), generator)
-            ctx.log_metrics(metrics, step=step)
-            history.append({"step": step, **metrics})
-            if step in (1, config.max_steps) or step % config.sample_every == 0:
-                ctx.log_table(rows, f"samples/step_{step:05d}.json")
-            bar.advance()
+    try:
+        with ctx.progress(f"ppo: {config.max_steps} rollout batches", config.max_steps) as bar:
+            for step in range(1, config.max_steps + 1):
+                metrics, rows = run.step(step, next(batches), generator)
+                ctx.log_metrics(metrics, step=step)
+                history.append({"step": step, **metrics})
+                if step in (1, config.max_steps) or step % config.sample_every == 0:
+                    ctx.log_table(rows, f"samples/step_{step:05d}.json")
+                bar.advance()
+    finally:
+        if run.engine is not None:
+            run.engine.close()
 
     log_curves(ctx, history)
     outputs = run.save(ctx)

@@ -21,11 +21,25 @@ from stages.context import ExecutionLimits
 from stages.difficulty import DifficultyFilter
 from stages.generation import BackendName, EngineSettings
 from stages.lora import LORA_DESCRIPTION, LoraSpec
+from stages.spec_model import SpecModel
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
-GRPO_ONLY = ("advantage", "loss", "updates_per_batch", "cispo_cap")
+GRPO_ONLY = ("advantage", "loss", "updates_per_batch", "cispo_cap", "dynamic_sampling")
 PPO_ONLY = ("gamma", "lam", "cliprange_value", "ppo_epochs", "minibatch_size",
             "whiten_advantages", "kl_target", "kl_horizon", "critic_lr", "critic")
+
+
+class DynamicSampling(SpecModel):
+    """DAPO's dynamic sampling: groups whose completions all earn the same reward carry no signal."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_rounds: int = Field(
+        4, ge=2, le=64,
+        description="Generation rounds one step may take, the first included: after each, the groups whose "
+        "rewards are all equal are dropped and `prompts_per_step` fresh prompts sampled, until `prompts_per_step` "
+        "groups with signal are kept. When the budget runs out the batch is topped up with zero-variance groups "
+        "(advantage 0: no policy gradient), counted in `dynamic/kept_zero_variance_frac`.")
 
 
 class RLStageConfig(ExecutionLimits):
@@ -85,6 +99,10 @@ class RLStageConfig(ExecutionLimits):
         5.0, gt=1.0, allow_inf_nan=False,
         description="loss cispo: the absolute cap on each token's importance weight (TRL's epsilon_high for "
         "CISPO, not 1 + clip_epsilon); must be above 1, or on-policy tokens (ratio 1) would be clipped.")
+    dynamic_sampling: DynamicSampling | None = Field(
+        None, description="GRPO: drop zero-variance groups and refill the batch with fresh prompts (DAPO), within "
+        "a budget of generation rounds; the raw `reward/zero_variance_group_frac` is logged beside "
+        "`dynamic/kept_zero_variance_frac` and the extra generations, `dynamic/rounds`.")
     updates_per_batch: int = Field(
         1, ge=1, le=16,
         description="GRPO: optimizer steps on each generated batch (TRL num_iterations). 1 is on-policy "

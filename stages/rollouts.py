@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.generation import EngineSettings, SamplingSettings, VLLMBackend
+from stages.generation import EngineSettings, SamplingSettings, VLLMBackend, resolve_backend, vllm_problem
 
 
 def merged_named_weights(model):
@@ -52,12 +52,28 @@ def sync_policy(engine: VLLMBackend, model) -> None:
             model.unmerge_adapter()
 
 
+def rollout_backend(config, checkpoint: Path) -> tuple[str, str]:
+    """(backend, why) for an RL stage's rollouts; a declared ``vllm`` that cannot serve the model fails here."""
+    chosen, why = resolve_backend(config.backend, checkpoint)
+    if chosen == "vllm" and (problem := vllm_problem(checkpoint)) is not None:
+        raise RuntimeError(f"backend vllm: {problem}; use `backend: hf` or `auto`")
+    return chosen, why
+
+
+def context_length(tokenizer, prompts: list[list[dict]], max_tokens: int) -> int:
+    """Tokens the engine must hold for the longest rendered prompt plus the completion budget
+    (vLLM sizes its caches from it; the model's own maximum may be far longer)."""
+    longest = max(len(tokenizer(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False)["input_ids"]) for p in prompts)
+    return longest + max_tokens + 8
+
+
 class GRPORollouts:
     """TRL ``rollout_func``: one group of ``group_size`` samples per distinct prompt from the vLLM engine.
 
     TRL hands over the step's prompts with each repeated ``group_size`` times in a row (its
     ``RepeatSampler``); they are sampled once per prompt with ``n = group_size`` and a seed of
-    ``seed + step * 100_003 + prompt index``, so a rerun draws the same rollouts.
+    ``seed + call * 100_003 + prompt index``, so a rerun draws the same rollouts.
     """
 
     def __init__(self, checkpoint: Path, tokenizer, *, group_size: int, temperature: float, top_p: float,
@@ -71,6 +87,7 @@ class GRPORollouts:
         self.backend: VLLMBackend | None = None
         self.synced_step: int | None = None
         self.syncs = 0
+        self.calls = 0  # generation calls so far: seeds each call's draws (several per step with dynamic sampling)
 
     def open(self) -> VLLMBackend:
         if self.backend is None:
@@ -97,7 +114,8 @@ class GRPORollouts:
                     for p in distinct]
         prompt_ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
         settings = SamplingSettings(**self.settings, seed=self.seed)
-        groups = backend.generate_ids(prompt_ids, settings, seed_offset=step * 100_003)
+        groups = backend.generate_ids(prompt_ids, settings, seed_offset=self.calls * 100_003)
+        self.calls += 1
         samples = [(ids, sample) for ids, group in zip(prompt_ids, groups) for sample in group]
         return {"prompt_ids": [list(ids) for ids, _ in samples],
                 "completion_ids": [sample.token_ids for _, sample in samples],
