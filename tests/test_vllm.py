@@ -202,3 +202,21 @@ def test_grpo_rolls_out_through_vllm_on_policy(vllm_tiny, ctx_factory, home):
     ratios = [p.value for p in ctx.metric_history("ratio/mean")]
     assert len(ratios) == 3 and all(abs(r - 1.0) < 1e-3 for r in ratios), ratios
     assert Path(outputs["checkpoint"]).is_dir()
+
+
+def test_ppo_rolls_out_through_vllm_and_records_the_engine_logprobs(vllm_tiny, ctx_factory, home):
+    """At the first update the engine's recorded log-probs and the trainer's recomputed ones agree:
+    both are float32 forwards of the same weights, so the tolerance is float error (1e-4 nats),
+    not the ~1e-2 a bfloat16 engine would show."""
+    from stages import rl
+    from stages.rl import RLStageConfig
+
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["short"], kl_beta=0.05,
+                           group_size=2, prompts_per_step=4, max_steps=2, max_completion_tokens=4, lr=5e-3,
+                           minibatch_size=4, engine={"dtype": "float32", "kv_cache_gib": 0.25})
+    ctx = ctx_factory("ppo-vllm")
+    rl.run(config, grpo_inputs(home, vllm_tiny, rewards), ctx)
+    assert ctx.client.get_run(ctx.run_id).data.params["resolved_backend"] == "vllm"
+    gaps = [p.value for p in ctx.metric_history("logprob/sampler_abs_log_ratio")]
+    assert len(gaps) == 2 and all(gap < 1e-4 for gap in gaps), gaps  # step 2: after a sync of updated weights
