@@ -262,7 +262,7 @@ def build_round_data(loaded, feed: FailureFeed, failures_path: Path, recorded_in
     guard_failure_source(loaded, feed, recorded_input)
     spec = loaded.spec
     config = spec.stages[feed.step]
-    original_path = materialize(spec.data[config.data], loaded.base_dir, cache_dir)
+    original_path = materialize(spec.data[config.data], loaded.base_dir, cache_dir, spec.data)
     failures_sha256 = hashlib.sha256(Path(failures_path).read_bytes()).hexdigest()
     from_failures = failure_training_records(read_failures(failures_path), demonstrations=config.kind == "sft",
                                              where=f"failure set of {feed.collect}")

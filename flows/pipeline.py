@@ -112,7 +112,7 @@ def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[st
             path = upstream_outputs[target]["checkpoint"]
         inputs[field_name] = str(path)
     for i, name in enumerate(config.dataset_names()):
-        path = materialize(spec.data[name], loaded.base_dir, home / "cache" / "data")
+        path = materialize(spec.data[name], loaded.base_dir, home / "cache" / "data", spec.data)
         inputs["data" if i == 0 else f"data_{name}"] = str(path)
     inputs["rewards"] = loaded.rewards_for(config.reward_names())
     inputs["reward_checks"] = {n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks}

@@ -617,6 +617,13 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
         for where, message in kwargs_issues(spec.fn, fn, spec.kwargs):
             add(("rewards", name, "kwargs", *where), message)
 
+    for name, spec in data.items():
+        for i, other in enumerate(getattr(spec, "exclude", [])):
+            if other == name:
+                add(("data", name, "exclude", i), f"dataset {name!r} cannot exclude itself")
+            elif other not in raw_data:
+                add(("data", name, "exclude", i), f"unknown dataset {other!r}{_did_you_mean(other, raw_data)}; "
+                    f"datasets: {', '.join(raw_data)}")
     records = _DatasetRecords(data, base_dir)
     for name, spec in data.items():
         if isinstance(spec, FileData) and records.error(name):

@@ -152,6 +152,14 @@ class ReasoningGymData(SpecModel):
     instruction: str | None = Field(None, description="Appended to the question in the user turn; default a short "
                                     "instruction for `answer_format`; an empty string appends nothing.")
     system_prompt: str | None = Field(None, description="System message put before the question (none by default).")
+    demo_error_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of demonstrations whose assistant answer is wrong (an imperfect "
+        "demonstrator: a numeric answer off by 1 or 10, a slip in one digit; another entry's answer otherwise); the "
+        "reference `answer` and the task the reward regenerates stay correct.")
+    exclude: list[str] = Field(
+        default_factory=list, description="Datasets (names under `data:`) whose prompts this one must not contain: "
+        "entries whose normalised prompt text appears there are dropped, so the dataset may hold fewer than `n` "
+        "(a train set that excludes the heldout set never shows the model a heldout question).")
 
     @field_validator("config")
     @classmethod
@@ -371,12 +379,25 @@ def data_key(spec, base_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def materialize(spec, base_dir: Path, cache_dir: Path) -> Path:
-    """Write the dataset's canonical JSONL once (atomically) and return its path."""
-    target = cache_dir / f"{data_key(spec, base_dir)}.jsonl"
+def materialize(spec, base_dir: Path, cache_dir: Path, excluded: dict | None = None) -> Path:
+    """Write the dataset's canonical JSONL once (atomically) and return its path.
+
+    ``excluded`` holds the specs of the datasets named in the spec's ``exclude`` (by name): their
+    prompts are dropped from this one, and their content keys are part of its key."""
+    excluded = {name: excluded[name] for name in getattr(spec, "exclude", [])} if excluded else {}
+    key = data_key(spec, base_dir)
+    if excluded:
+        key = hashlib.sha256(json.dumps([key, {n: data_key(s, base_dir) for n, s in sorted(excluded.items())}])
+                             .encode()).hexdigest()[:16]
+    target = cache_dir / f"{key}.jsonl"
     if target.exists():
         return target
     records = load_records(spec, base_dir)
+    if excluded:
+        seen = {prompt_text(r) for other in excluded.values() for r in load_records(other, base_dir)}
+        records = [r for r in records if prompt_text(r) not in seen]
+        if not records:
+            raise DataError(f"every entry's prompt appears in {', '.join(sorted(excluded))} (exclude): nothing is left")
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".writing-", suffix=".jsonl", dir=cache_dir)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:

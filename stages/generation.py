@@ -114,6 +114,17 @@ def checkpoint_head_size(checkpoint: Path) -> int | None:
     return None
 
 
+def checkpoint_dtype(checkpoint: Path) -> str:
+    """The dtype a checkpoint's config.json declares (``float32`` when it says nothing)."""
+    try:
+        config = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "float32"
+    config = config.get("text_config", config)
+    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return str(declared).removeprefix("torch.")
+
+
 def vllm_problem(checkpoint: Path | None = None) -> str | None:
     """Why vLLM cannot serve ``checkpoint`` in this process, or None (checked without importing vLLM).
 
@@ -336,7 +347,7 @@ class VLLMBackend:
         from transformers import AutoTokenizer
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its per-step warnings drown the stage's output
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
         import vllm
         from vllm import LLM
@@ -348,8 +359,10 @@ class VLLMBackend:
         self.on_gpu = torch.cuda.is_available()
         self.version = vllm.__version__
         self.dtype = engine.dtype
+        # vLLM's own "auto" is bfloat16 on a CPU whatever the checkpoint holds: ours means the checkpoint's
+        dtype = checkpoint_dtype(checkpoint) if engine.dtype == "auto" else engine.dtype
         arguments = dict(model=str(checkpoint), tokenizer=str(checkpoint), trust_remote_code=trust_remote_code,
-                         dtype=engine.dtype, seed=0, logprobs_mode="processed_logprobs", max_model_len=max_model_len)
+                         dtype=dtype, seed=0, logprobs_mode="processed_logprobs", max_model_len=max_model_len)
         if self.on_gpu:
             arguments.update(gpu_memory_utilization=engine.gpu_memory_utilization, enable_prefix_caching=True)
         else:

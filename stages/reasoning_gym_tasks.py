@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import json
+import random
 import re
 from typing import Any
 
@@ -158,19 +159,39 @@ def _answer_text(entry: dict) -> str | None:
     return None if entry["answer"] is None else str(entry["answer"])
 
 
+def wrong_answer(answer: str, dataset, index: int, rng: random.Random) -> str:
+    """An imperfect demonstrator's answer: a number off by 1 or 10 (a slipped digit), else the answer of
+    another entry; never the right one."""
+    try:
+        value = int(answer)
+    except ValueError:
+        value = None
+    if value is not None:
+        return str(value + rng.choice([-10, -1, 1, 10]))
+    for _ in range(32):
+        other = _answer_text(dataset[rng.randrange(len(dataset))])
+        if other is not None and other != answer:
+            return other
+    return answer + "?"  # a dataset whose entries all share one answer: still not it
+
+
 def generate_reasoning_gym(spec: ReasoningGymData) -> list[dict]:
     """The dataset's canonical records: question + format instruction, the demonstration, the task."""
     dataset = _dataset(spec.reasoning_gym, _config_json(spec.config), spec.seed, spec.n)
     instruction = DEFAULT_INSTRUCTIONS[spec.answer_format] if spec.instruction is None else spec.instruction
     records = []
+    slips = random.Random(f"demo-errors:{spec.seed}")
     for index in range(spec.n):
         entry = dataset[index]
         answer = _answer_text(entry)
+        shown = answer
+        if answer is not None and spec.demo_error_rate and slips.random() < spec.demo_error_rate:
+            shown = wrong_answer(answer, dataset, index, slips)
         question = entry["question"].rstrip()
         messages = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt is not None else []
         messages.append({"role": "user", "content": f"{question}\n\n{instruction}" if instruction else question})
         if answer is not None:  # a task with no single reference answer has nothing to demonstrate
-            messages.append({"role": "assistant", "content": demonstration(answer, spec.answer_format)})
+            messages.append({"role": "assistant", "content": demonstration(shown, spec.answer_format)})
         task = {"reasoning_gym": spec.reasoning_gym, "config": spec.config, "seed": spec.seed, "size": spec.n,
                 "index": index, "answer_format": spec.answer_format}
         records.append({"messages": messages, "answer": answer, "task": task})

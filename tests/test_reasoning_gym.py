@@ -280,3 +280,45 @@ def test_eval_stage_scores_a_reasoning_gym_dataset(tiny_checkpoint, ctx_factory,
     # the right answers, scored as the stage scores its attempts, pass every prompt
     right = score(records, [r["messages"][-1]["content"] for r in records])
     assert sum(s >= config.success_threshold for s in right.scores) / len(records) == 1.0
+
+
+CHAIN = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+
+
+def test_an_imperfect_demonstrator_shows_wrong_answers_but_keeps_the_reference():
+    spec = ReasoningGymData(reasoning_gym="chain_sum", config=CHAIN, n=400, seed=0, role="train", demo_error_rate=0.4)
+    records = load_records(spec, Path("."))
+    shown = [r["messages"][-1]["content"] for r in records]
+    wrong = [s != demonstration(r["answer"], "answer_tags") for s, r in zip(shown, records)]
+    assert 0.3 < sum(wrong) / len(records) < 0.5
+    for s, r, w in zip(shown, records, wrong):
+        if w:  # a slipped digit: off by 1 or 10, in the answer's own format
+            value = int(s.removeprefix("<answer>").removesuffix("</answer>"))
+            assert abs(value - int(r["answer"])) in (1, 10)
+    clean = load_records(spec.model_copy(update={"demo_error_rate": 0.0}), Path("."))
+    assert [r["answer"] for r in clean] == [r["answer"] for r in records]  # references never change
+
+
+def test_exclude_drops_every_prompt_of_the_named_dataset_and_keys_the_cache(tmp_path):
+    from stages.data import prompt_text
+
+    train = ReasoningGymData(reasoning_gym="chain_sum", config=CHAIN, n=600, seed=0, role="train", exclude=["heldout"])
+    heldout = ReasoningGymData(reasoning_gym="chain_sum", config=CHAIN, n=200, seed=1_000_000, role="heldout")
+    plain = load_records(train, Path("."))
+    held = {prompt_text(r) for r in load_records(heldout, Path("."))}
+    assert sum(prompt_text(r) in held for r in plain) > 0  # this small space does collide
+    path = materialize(train, Path("."), tmp_path, {"heldout": heldout})
+    kept = read_materialized(path)
+    assert kept and not any(prompt_text(r) in held for r in kept)
+    assert len(kept) == sum(prompt_text(r) not in held for r in plain)
+    other = materialize(train, Path("."), tmp_path, {"heldout": heldout.model_copy(update={"seed": 7})})
+    assert other != path  # what is excluded is part of the content key
+
+
+def test_exclude_names_a_dataset(tmp_path, home, capsys):
+    text = (Path(__file__).resolve().parents[1] / "pipelines" / "smollm2-reasoning.yaml").read_text(encoding="utf-8")
+    bad = text.replace("exclude: [heldout]", "exclude: [heldot]")
+    assert bad != text
+    assert run_cli("validate", str(write(tmp_path / "p.yaml", bad))) == 2
+    err = capsys.readouterr().err
+    assert "data.train.exclude.0" in err and "did you mean 'heldout'" in err
