@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         loaded = load_pipeline(args.file, args.overrides)
-        problems = [SpecIssue("POSTTRAIN_HOME", problem)] if (problem := home_problem(home)) else []
+        problems = [SpecIssue("", problem)] if (problem := home_problem(home)) else []
         if args.command == "run":
             problems += run_flag_issues(loaded, args)
         if problems:

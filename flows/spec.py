@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,7 +130,8 @@ class SpecIssue:
 
     def render(self, source: str) -> str:
         where = f"{source}:{self.line}: " if self.line else f"{source}: "
-        return f"{where}{self.path + ': ' if self.path else ''}{self.message}"
+        message = " ".join(part.strip() for part in self.message.splitlines())  # one issue, one line
+        return f"{where}{self.path + ': ' if self.path else ''}{message}"
 
 
 class SpecError(Exception):
@@ -238,7 +241,11 @@ def _structure_issues(root) -> list[SpecIssue]:
     return issues
 
 
-def _yaml_error_issue(error: Exception, what: str = "") -> SpecIssue:
+def _yaml_error_issue(error: Exception, what: str = "", text: str = "") -> SpecIssue:
+    if isinstance(error, yaml.reader.ReaderError):  # a character YAML does not allow, e.g. NUL
+        line = text[: error.position].count("\n") + 1 if text else None
+        return SpecIssue(what, f"YAML syntax error: character {error.character!r} is not allowed in YAML text "
+                               "(control characters other than tab and newline)", line)
     mark = getattr(error, "problem_mark", None)
     problem = getattr(error, "problem", None) or str(error)
     column = f", column {mark.column + 1}" if mark else ""
@@ -268,7 +275,7 @@ def read_yaml(text: str, what: str = "") -> tuple[Any, Any, list[SpecIssue]]:
                 error = detailed
             except RecursionError:
                 pass
-        return None, None, [_yaml_error_issue(error, what)]
+        return None, None, [_yaml_error_issue(error, what, text)]
     except RecursionError:  # the pure-Python composer on a deeply nested document
         return None, None, [SpecIssue(what, f"the document nests deeper than {MAX_DEPTH} levels; a pipeline "
                                       "needs a handful")]
@@ -342,7 +349,8 @@ def _line_for(lines: dict[tuple, int], path: tuple) -> int | None:
 
 
 def _dotted(path: tuple) -> str:
-    return ".".join(str(p) for p in path)
+    """``stages.sft.max_steps``; a key that is empty or holds a space, dot or colon is quoted (``stages."a b"``)."""
+    return ".".join(str(p) if re.fullmatch(r"[^\s.:\"]+", str(p)) else json.dumps(str(p)) for p in path)
 
 
 # ------------------------------------------------------------------ overrides
@@ -495,7 +503,7 @@ def _describe(error: dict, model_cls) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if kind in ("model_source", "data_source"):
         return message
-    if isinstance(value, (dict, list)):
+    if isinstance(value, (dict, list)) or "(got " in message:
         return message
     return f"{message} (got {value!r})"
 
@@ -538,9 +546,27 @@ def _lenient_stages(raw_stages: dict) -> dict:
         except ValidationError:
             config_cls = STAGE_KINDS.get(_stage_kind(value))
             if config_cls is not None:
-                known = {k: v for k, v in value.items() if k in config_cls.model_fields}
-                stages[name] = config_cls.model_construct(**known)
+                stages[name] = config_cls.model_construct(**_valid_fields(config_cls, value))
     return stages
+
+
+def _valid_fields(config_cls, value: dict) -> dict:
+    """The fields of ``value`` that validate on their own; a required one that does not is None (an
+    empty list or mapping for those types), which every reference and name check skips: no check
+    meets a value of the wrong type."""
+    fields = {}
+    for name, info in config_cls.model_fields.items():
+        if name in value:
+            try:
+                annotation = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
+                fields[name] = TypeAdapter(annotation).validate_python(value[name])
+                continue
+            except ValidationError:
+                pass
+        if info.is_required():
+            origin = typing.get_origin(_unwrap(info.annotation)[0])
+            fields[name] = [] if origin is list else {} if origin is dict else None
+    return fields
 
 
 def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
@@ -583,7 +609,8 @@ def _semantic_issues(raw: dict, base_dir: Path, lines) -> list[SpecIssue]:
                 continue
             where = ("stages", name, "data")
             if data_name not in raw_data:
-                add(where, f"unknown dataset {data_name!r}{_did_you_mean(data_name, raw_data)}; datasets: {', '.join(raw_data)}")
+                add(where, f"unknown dataset {data_name!r}{_did_you_mean(data_name, raw_data)}; datasets: "
+                           f"{', '.join(map(str, raw_data)) or 'none declared'}")
             elif config.trains and isinstance(raw_data[data_name], dict) and raw_data[data_name].get("role") == "heldout":
                 add(where, f"dataset {data_name!r} has role heldout and cannot feed training stage {name!r} "
                            "(leakage guard: heldout data is only ever evaluated)")

@@ -50,16 +50,16 @@ def _number_problem(value: Any, seed: bool) -> str | None:
         return None
     if isinstance(value, int):
         if seed and not 0 <= value < SEED_LIMIT:
-            return f"a seed must be in [0, 2**32) (numpy, torch and vLLM take no other), got {_short(value)}"
+            return f"a seed must be in [0, 2**32): numpy, torch and vLLM take no other (got {_short(value)})"
         if not seed and abs(value) > MAX_INT:
-            return f"must be within ±{MAX_INT} (2**31 - 1): larger than any count or step posttrain runs, got " \
-                   f"{_short(value)}"
+            return f"must be within ±{MAX_INT} (2**31 - 1): larger than any count or step posttrain runs " \
+                   f"(got {_short(value)})"
     elif isinstance(value, float):
         if not math.isfinite(value):
             return f"must be a finite number: NaN and infinity are refused (got {value!r})"
         if abs(value) > MAX_FLOAT:
-            return f"must be within ±{MAX_FLOAT:g}: larger than any rate, weight or limit posttrain uses, got " \
-                   f"{value!r}"
+            return f"must be within ±{MAX_FLOAT:g}: larger than any rate, weight or limit posttrain uses " \
+                   f"(got {value!r})"
     return None
 
 
