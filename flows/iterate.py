@@ -266,7 +266,7 @@ def build_round_data(loaded, feed: FailureFeed, failures_path: Path, recorded_in
     failures_sha256 = hashlib.sha256(Path(failures_path).read_bytes()).hexdigest()
     from_failures = failure_training_records(read_failures(failures_path), demonstrations=config.kind == "sft",
                                              where=f"failure set of {feed.collect}")
-    seed = f"{getattr(config, 'seed', None) if getattr(config, 'seed', None) is not None else spec.seed}:{feed.round}"
+    seed = f"{spec.seed_for(feed.step)}:{feed.round}"
     records, counts = mix_records(read_materialized(original_path), from_failures, feed.mix, seed)
     key = hashlib.sha256(json.dumps({"original": original_path.name, "failures": failures_sha256, "mix": feed.mix,
                                      "seed": seed, "kind": config.kind, "recipe": MIX_RECIPE},

@@ -45,6 +45,7 @@ from flows.spec import BASE, LoadedPipeline, load_pipeline
 from flows.tracking import (
     TAG_FINGERPRINT,
     TAG_KIND,
+    TAG_SEED,
     TAG_STAGE_RUNS,
     TAG_UPSTREAM,
     MlflowStageContext,
@@ -181,8 +182,9 @@ def _run_stage(loaded, stage, fp, upstream_runs, upstream_outputs, tracker, expe
         inputs = resolve_inputs(loaded, stage, upstream_outputs, home)
         inputs = failure_set_inputs(loaded, stage, inputs, upstream_runs, tracker, recorder, home)  # iterate
         recorder.params({f"input.{k}": v for k, v in inputs.items() if k not in ("rewards", "reward_checks")})
-        ctx = MlflowStageContext(tracker, run_id, work_dir, getattr(config, "seed", None) or loaded.spec.seed,
-                                 console, resume_dir=resume_dir, recorder=recorder)
+        seed = loaded.spec.seed_for(stage)
+        recorder.tags({TAG_SEED: str(seed)})
+        ctx = MlflowStageContext(tracker, run_id, work_dir, seed, console, resume_dir=resume_dir, recorder=recorder)
         limit = getattr(config, "time_limit_minutes", None)
         resources = loaded.spec.resources_for(stage)
         with time_limit(stage, limit * 60 if limit else None, ctx):

@@ -114,6 +114,11 @@ class Pipeline(SpecModel):
     iterate: IterateSpec | None = Field(
         None, description="Rounds of training on the failure cases an eval stage collected (flows/iterate.py).")
 
+    def seed_for(self, stage: str) -> int:
+        """A stage's seed: its own when it sets one (0 included), else the pipeline's."""
+        own = getattr(self.stages[stage], "seed", None)
+        return self.seed if own is None else own
+
     def resources_for(self, stage: str) -> Resources:
         """A stage's resources: its own, else the pipeline default, else in-process on one process."""
         return self.stages[stage].resources or self.resources or Resources()

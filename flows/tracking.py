@@ -24,6 +24,7 @@ from flows.recording import Recorder
 TAG_KIND = "posttrain.kind"
 TAG_STAGE = "posttrain.stage"
 TAG_FINGERPRINT = "posttrain.fingerprint"
+TAG_SEED = "posttrain.seed"  # the seed the stage ran with: its own, else the pipeline's
 TAG_UPSTREAM = "posttrain.upstream"
 TAG_VERSION = "posttrain.version"
 TAG_OUTPUTS = "posttrain.outputs"
