@@ -1,15 +1,18 @@
 """Generation backends side by side: the same prompts and settings through each, with
 tokens/s, the structure of what they return, and how often their greedy answers agree.
 
-    python bench/backends.py --backends hf            # CPU: HF generate alone
-    python bench/backends.py --backends hf vllm       # a GPU worker (bench/gpu_check.sh)
+    python bench/backends.py                                   # this CPU: HF, vLLM fp32, vLLM bf16
+    python bench/backends.py --backends hf vllm vllm-bf16      # a GPU worker (bench/gpu_check.sh)
 
-Prompts are reasoning-gym chain_sum questions rendered with SmolLM2's chat template (the
-smollm2-reasoning pipeline's heldout data). Each backend gets an untimed warm-up, then
-one timed sampled pass (``--attempts`` per prompt at temperature 1.0) and one greedy pass
-(temperature 0). Prints a JSON summary (and writes it with ``--out``): tokens/s per
-backend, the ratio to the first backend, whether every backend returned the same
-structure, and the share of prompts whose greedy answers agree (exact text).
+Backends: ``hf`` (transformers generate, the checkpoint's float32), ``vllm`` (vLLM in float32,
+the trainer's dtype) and ``vllm-bf16`` (vLLM in bfloat16). Prompts are reasoning-gym chain_sum
+questions rendered with SmolLM2's chat template (the smollm2-reasoning pipeline's heldout data).
+Each backend gets an untimed warm-up, then one timed sampled pass (``--attempts`` per prompt at
+temperature 1.0, ``--max-tokens`` each) and one greedy pass (temperature 0). All backends run in
+this one process, one after the other, so the ratios compare like with like on a noisy machine.
+Prints a JSON summary (and writes it with ``--out``): tokens/s per backend, the ratio to the
+first backend, engine start-up seconds, whether every backend returned the same structure, and
+the share of prompts whose greedy answers agree with the first backend's (exact token ids).
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ def structure(groups) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["hf"], choices=["hf", "vllm"])
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--attempts", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--backends", nargs="+", default=["hf", "vllm", "vllm-bf16"], choices=["hf", "vllm", "vllm-bf16"])
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--attempts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -55,7 +58,7 @@ def main() -> None:
     from pydantic import TypeAdapter
 
     from stages.data import DataSpec, load_records, prompt_messages
-    from stages.generation import SamplingSettings, open_backend
+    from stages.generation import EngineSettings, SamplingSettings, open_backend
     from stages.models import ModelSpec, resolve_base_checkpoint
 
     checkpoint = resolve_base_checkpoint(TypeAdapter(ModelSpec).validate_python(SMOLLM2), 0, home / "cache", home)
@@ -66,16 +69,20 @@ def main() -> None:
 
     results, answers, shapes = {}, {}, {}
     for name in args.backends:
-        backend = open_backend(name, checkpoint, prompt_batch_size=args.prompts)
+        started = time.perf_counter()
+        backend = open_backend("hf" if name == "hf" else "vllm", checkpoint, prompt_batch_size=args.prompts,
+                               engine=EngineSettings(dtype="bfloat16" if name == "vllm-bf16" else "float32"))
+        startup = time.perf_counter() - started
         backend.generate(prompts[:2], sampled)  # warm-up: kernels, caches, CUDA graphs
         started = time.perf_counter()
         groups = backend.generate(prompts, sampled)
         seconds = time.perf_counter() - started
         tokens = sum(len(s.token_ids) for group in groups for s in group)
-        answers[name] = [group[0].text for group in backend.generate(prompts, greedy)]
+        answers[name] = [group[0].token_ids for group in backend.generate(prompts, greedy)]
         shapes[name] = structure(groups)
         results[name] = {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-                         "logprobs_mode": getattr(backend, "logprobs_mode", "processed (after temperature/top-p)")}
+                         "startup_seconds": round(startup, 1), "identity": backend.identity()}
+        backend.close()
         del backend
     first = args.backends[0]
     summary = {
@@ -87,7 +94,6 @@ def main() -> None:
         "structure": shapes[first],
         "greedy_agreement_with_" + first: {
             n: round(sum(a == b for a, b in zip(answers[n], answers[first])) / len(prompts), 3) for n in answers},
-        "greedy_examples": {n: answers[n][:3] for n in answers},
     }
     text = json.dumps(summary, indent=2)
     print(text)

@@ -5,7 +5,7 @@
 #   1. SmolLM2 through vLLM and through HF generate on the same prompts and settings:
 #      tokens/s ratio, same structure, share of greedy answers that agree;
 #   2. pipelines/smollm2-reasoning.yaml scaled up, evaluations on vLLM (backend: auto)
-#      and GRPO with vLLM colocated: before/after pass_at_1.
+#      and GRPO rollouts through posttrain's in-process vLLM engine: before/after pass_at_1.
 # Figures go to $OUT/gpu_check.json and $OUT/gpu_check.md (date, GPU, versions), which
 # the README quotes.
 #
@@ -47,7 +47,7 @@ json.dump({"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-
 EOF
 
 echo "== 1/2 backends: vLLM vs HF generate"
-timeout 240 "$PYTHON" bench/backends.py --backends hf vllm --prompts 128 --attempts 8 --max-tokens 48 \
+timeout 240 "$PYTHON" bench/backends.py --backends hf vllm vllm-bf16 --prompts 128 --attempts 8 --max-tokens 48 \
     --out "$OUT/backends.json" || echo "backends step failed or ran out of time (rc=$?)"
 
 echo "== 2/2 smollm2-reasoning, scaled up, vLLM for evaluation and GRPO rollouts"
@@ -56,10 +56,10 @@ rm -rf "$POSTTRAIN_HOME"
 timeout 330 "$PYTHON" -m flows.cli run pipelines/smollm2-reasoning.yaml \
     --set stages.sft.max_steps=200 --set stages.sft.batch_size=32 \
     --set stages.grpo.max_steps=40 --set stages.grpo.group_size=16 --set stages.grpo.prompts_per_step=8 \
-    --set stages.grpo.use_vllm=true \
+    --set stages.grpo.backend=vllm \
     --set stages.eval_base.max_prompts=500 --set stages.eval_sft.max_prompts=500 --set stages.eval_grpo.max_prompts=500 \
-    --set stages.eval_base.gpu_memory_utilization=0.3 --set stages.eval_sft.gpu_memory_utilization=0.3 \
-    --set stages.eval_grpo.gpu_memory_utilization=0.3 \
+    --set stages.eval_base.engine.gpu_memory_utilization=0.3 --set stages.eval_sft.engine.gpu_memory_utilization=0.3 \
+    --set stages.eval_grpo.engine.gpu_memory_utilization=0.3 --set stages.grpo.engine.gpu_memory_utilization=0.3 \
     > "$OUT/pipeline.log" 2>&1 || echo "pipeline step failed or ran out of time (rc=$?); see $OUT/pipeline.log"
 tail -25 "$OUT/pipeline.log"
 
