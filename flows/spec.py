@@ -993,7 +993,21 @@ def _reasoning_gym_issues(stages: dict, rewards: dict[str, RewardSpec], data: di
                                f"i from seed + i, so seeds {held.seed}..{held.seed + held.n - 1} and {other.seed}.."
                                f"{other.seed + other.n - 1} overlap): leakage guard; e.g. seed: "
                                f"{max(held.seed, other.seed + other.n)}"))
+            elif held_name not in other.exclude and (shared := _shared_prompts(held, other)):
+                issues.append((("data", other_name, "exclude"), f"{other.role} dataset {other_name!r} asks "
+                               f"{shared} of heldout dataset {held_name!r}'s questions (the task's question space is "
+                               f"small: disjoint seeds draw the same questions; compared as normalised text): leakage "
+                               f"guard; add `exclude: [{held_name}]` to drop them from {other_name!r}"))
     return issues
+
+
+def _shared_prompts(held: ReasoningGymData, other: ReasoningGymData) -> int:
+    """How many of ``held``'s prompts ``other`` also holds (0 when either cannot be generated: reported elsewhere)."""
+    try:
+        held_prompts = {prompt_text(r) for r in load_records(held, Path("."))}
+        return sum(prompt_text(r) in held_prompts for r in load_records(other, Path(".")))
+    except Exception:  # an unknown task or config: its own check names it
+        return 0
 
 
 def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dict, raw_stages: dict,

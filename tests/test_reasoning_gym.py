@@ -190,7 +190,7 @@ GYM_PIPELINE = """\
 name: t
 model: {init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2}
 data:
-  train: {reasoning_gym: chain_sum, config: &sums {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, n: 50, role: train}
+  train: {reasoning_gym: chain_sum, config: &sums {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, n: 50, role: train, exclude: [heldout]}
   heldout: {reasoning_gym: chain_sum, config: *sums, n: 10, seed: 1000, role: heldout}
   sums: {generator: arithmetic, n: 10, seed: 9, role: heldout}
 rewards:
@@ -322,3 +322,14 @@ def test_exclude_names_a_dataset(tmp_path, home, capsys):
     assert run_cli("validate", str(write(tmp_path / "p.yaml", bad))) == 2
     err = capsys.readouterr().err
     assert "data.train.exclude.0" in err and "did you mean 'heldout'" in err
+
+
+def test_a_training_set_that_asks_heldout_questions_is_refused_by_content(tmp_path, home, capsys):
+    """Disjoint seed ranges are not enough when the question space is small: the guard compares text."""
+    text = (Path(__file__).resolve().parents[1] / "pipelines" / "smollm2-reasoning.yaml").read_text(encoding="utf-8")
+    leaky = text.replace("    exclude: [heldout]\n", "")
+    assert leaky != text
+    assert run_cli("validate", str(write(tmp_path / "p.yaml", leaky))) == 2
+    err = capsys.readouterr().err
+    assert "data.train.exclude" in err and "add `exclude: [heldout]`" in err
+    assert not (home / "mlflow.db").exists()
