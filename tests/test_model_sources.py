@@ -109,7 +109,8 @@ def test_hf_backend_samples_carry_ids_logprobs_and_stop_strings(tiny_checkpoint)
     from stages.generation import HFGenerateBackend, SamplingSettings, open_backend, resolve_backend
 
     backend = open_backend("auto", tiny_checkpoint)
-    assert isinstance(backend, HFGenerateBackend) and resolve_backend("auto") == "hf"  # no GPU, no vLLM here
+    # no GPU here, and vLLM's CPU kernels do not take this model's head size (16): HF generate
+    assert isinstance(backend, HFGenerateBackend) and resolve_backend("auto", tiny_checkpoint)[0] == "hf"
     prompts = [[{"role": "user", "content": f"What is {a}+{a}?"}] for a in range(3)]
     settings = SamplingSettings(temperature=1.0, max_tokens=12, attempts=3, seed=4)
     groups = backend.generate(prompts, settings)
@@ -147,7 +148,8 @@ def test_vllm_is_never_imported_unless_asked_and_asking_without_it_is_clear(tiny
     result = subprocess.run([sys.executable, "-c", code, str(tiny_checkpoint)], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "backend vllm:" in result.stdout and ("not installed" in result.stdout or "CUDA" in result.stdout)
+    assert "backend vllm:" in result.stdout
+    assert any(why in result.stdout for why in ("not installed", "no GPU", "head sizes"))
 
 
 def test_vllm_stage_in_this_process_without_vllm_is_refused_but_a_pooled_one_is_not(tmp_path, capsys):
@@ -160,9 +162,16 @@ def test_vllm_stage_in_this_process_without_vllm_is_refused_but_a_pooled_one_is_
     assert "stages.eval_sft.backend" in capsys.readouterr().err
     pooled = VALID.replace("rewards: [correct]}", "rewards: [correct], backend: vllm, resources: {pool: gpu}}")
     assert run_cli("validate", str(write(tmp_path / "q.yaml", pooled))) == 0
+    grpo = VALID + "  grpo: {kind: rl, algorithm: grpo, policy: sft, data: train, rewards: [correct], backend: vllm}\n"
+    assert run_cli("validate", str(write(tmp_path / "r.yaml", grpo))) == 2
+    assert "stages.grpo.backend" in capsys.readouterr().err
+
+
+def test_use_vllm_is_refused_with_its_replacement(tmp_path, capsys):
     grpo = VALID + "  grpo: {kind: rl, algorithm: grpo, policy: sft, data: train, rewards: [correct], use_vllm: true}\n"
     assert run_cli("validate", str(write(tmp_path / "r.yaml", grpo))) == 2
-    assert "stages.grpo.use_vllm" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "stages.grpo" in err and "use_vllm was replaced by `backend: vllm`" in err
 
 
 def test_eval_settings_hash_is_unchanged_by_an_unset_stop_list(tmp_path):
