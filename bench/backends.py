@@ -8,7 +8,9 @@ Backends: ``hf`` (transformers generate, the checkpoint's float32), ``vllm`` (vL
 the trainer's dtype) and ``vllm-bf16`` (vLLM in bfloat16). Prompts are reasoning-gym chain_sum
 questions rendered with SmolLM2's chat template (the smollm2-reasoning pipeline's heldout data).
 Each backend gets an untimed warm-up, then one timed sampled pass (``--attempts`` per prompt at
-temperature 1.0, ``--max-tokens`` each) and one greedy pass (temperature 0). All backends run in
+temperature 1.0, ``--max-tokens`` each; skipped for ``--greedy-only`` backends, by default vLLM in
+float32, whose throughput is not the point) and one greedy pass (temperature 0) over the first
+``--greedy-prompts``. All backends run in
 this one process, one after the other, so the ratios compare like with like on a noisy machine.
 Prints a JSON summary (and writes it with ``--out``): tokens/s per backend, the ratio to the
 first backend, engine start-up seconds, whether every backend returned the same structure, and
@@ -51,6 +53,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--attempts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--greedy-prompts", type=int, default=64, help="prompts of the greedy agreement pass")
+    parser.add_argument("--greedy-only", nargs="*", default=["vllm"], choices=["hf", "vllm", "vllm-bf16"],
+                        help="backends measured for greedy agreement only (no timed sampled pass)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -72,28 +77,31 @@ def main() -> None:
         started = time.perf_counter()
         backend = open_backend("hf" if name == "hf" else "vllm", checkpoint, prompt_batch_size=args.prompts,
                                engine=EngineSettings(dtype="bfloat16" if name == "vllm-bf16" else "float32"))
-        startup = time.perf_counter() - started
+        results[name] = {"startup_seconds": round(time.perf_counter() - started, 1), "identity": backend.identity()}
         backend.generate(prompts[:2], sampled)  # warm-up: kernels, caches, CUDA graphs
-        started = time.perf_counter()
-        groups = backend.generate(prompts, sampled)
-        seconds = time.perf_counter() - started
-        tokens = sum(len(s.token_ids) for group in groups for s in group)
-        answers[name] = [group[0].token_ids for group in backend.generate(prompts, greedy)]
-        shapes[name] = structure(groups)
-        results[name] = {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-                         "startup_seconds": round(startup, 1), "identity": backend.identity()}
+        if name not in args.greedy_only:
+            started = time.perf_counter()
+            groups = backend.generate(prompts, sampled)
+            seconds = time.perf_counter() - started
+            tokens = sum(len(s.token_ids) for group in groups for s in group)
+            shapes[name] = structure(groups)
+            results[name].update(seconds=round(seconds, 1), tokens=tokens, tokens_per_s=round(tokens / seconds, 1))
+        answers[name] = [group[0].token_ids for group in backend.generate(prompts[: args.greedy_prompts], greedy)]
         backend.close()
         del backend
+        print(name, json.dumps(results[name]), flush=True)
     first = args.backends[0]
+    timed = {n: r for n, r in results.items() if "tokens_per_s" in r}
     summary = {
         "prompts": len(prompts), "attempts": args.attempts, "max_tokens": args.max_tokens,
-        "backends": results,
-        "tokens_per_s_ratio_to_" + first: {n: round(r["tokens_per_s"] / results[first]["tokens_per_s"], 2)
-                                           for n, r in results.items()},
-        "same_structure": all(shape == shapes[first] for shape in shapes.values()),
-        "structure": shapes[first],
+        "greedy_prompts": min(args.greedy_prompts, len(prompts)), "backends": results,
+        "tokens_per_s_ratio_to_" + first: {n: round(r["tokens_per_s"] / timed[first]["tokens_per_s"], 2)
+                                           for n, r in timed.items()} if first in timed else {},
+        "same_structure": all(shape == next(iter(shapes.values())) for shape in shapes.values()),
+        "structure": next(iter(shapes.values()), {}),
         "greedy_agreement_with_" + first: {
-            n: round(sum(a == b for a, b in zip(answers[n], answers[first])) / len(prompts), 3) for n in answers},
+            n: round(sum(a == b for a, b in zip(answers[n], answers[first])) / len(answers[first]), 3)
+            for n in answers},
     }
     text = json.dumps(summary, indent=2)
     print(text)
