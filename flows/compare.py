@@ -21,14 +21,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flows.models import (
-    CHAMPION,
+from flows.models import CHAMPION, ensure_registered, link_eval, promote
+from flows.tags import (
+    TAG_COMPARE_METRIC,
+    TAG_COMPARE_PROMOTED,
+    TAG_COMPARE_SETTINGS,
     TAG_EVAL_SETTINGS,
+    TAG_LINKED_MODEL_ID,
     TAG_MODEL_VERSION,
+    TAG_ROLE,
     TAG_ROUND,
-    ensure_registered,
-    link_eval,
-    promote,
+    TAG_STAGE,
+    TAG_UPSTREAM,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -101,12 +105,12 @@ def evaluated_checkpoints(client, experiment_id: str, register_missing: bool = T
         if not settings:
             continue
         stage = params.get("model", "base")
-        checkpoint_run_id = json.loads(tags.get("posttrain.upstream", "{}")).get(stage)
+        checkpoint_run_id = json.loads(tags.get(TAG_UPSTREAM, "{}")).get(stage)
         key = (checkpoint_run_id or f"base:{run.data.tags.get('posttrain.stage')}", settings)
         if key in seen:  # an older evaluation of the same checkpoint under the same settings
             continue
         seen.add(key)
-        row = Row(stage, tags.get("posttrain.stage", "?"), run.info.run_id, checkpoint_run_id, settings,
+        row = Row(stage, tags.get(TAG_STAGE, "?"), run.info.run_id, checkpoint_run_id, settings,
                   _settings_text(params), tags.get(TAG_ROUND, "-"), dict(run.data.metrics), run.info.start_time)
         if checkpoint_run_id:
             row.version, round_tag = _registered_version(client, checkpoint_run_id, run, register_missing)
@@ -125,7 +129,7 @@ def _registered_version(client, checkpoint_run_id: str, eval_run, register_missi
     except MlflowException:
         return None, None
     version = checkpoint.data.tags.get(TAG_MODEL_VERSION)
-    if register_missing and (version is None or "posttrain.linked_model_id" not in eval_run.data.tags):
+    if register_missing and (version is None or TAG_LINKED_MODEL_ID not in eval_run.data.tags):
         try:
             model_id = ensure_registered(client, checkpoint_run_id)
             if model_id:
@@ -214,8 +218,8 @@ def log_comparison(client, experiment_id: str, metric: str, groups: list[Group],
                    text: str, chosen: str | None) -> str:
     """A run tagged ``posttrain.role=compare`` holding the table, the chart and the text output."""
     run = client.create_run(experiment_id, run_name=f"compare {time.strftime('%Y-%m-%d %H:%M:%S')}",
-                            tags={"posttrain.role": "compare", "posttrain.compare.metric": metric,
-                                  "posttrain.compare.settings": ",".join(g.settings for g in groups)})
+                            tags={TAG_ROLE: "compare", TAG_COMPARE_METRIC: metric,
+                                  TAG_COMPARE_SETTINGS: ",".join(g.settings for g in groups)})
     run_id = run.info.run_id
     try:
         rows = [row for group in groups for row in table_rows(group, metric)]
@@ -225,7 +229,7 @@ def log_comparison(client, experiment_id: str, metric: str, groups: list[Group],
         client.log_artifact(run_id, str(chart))
         client.log_text(run_id, text, "compare.txt")
         if chosen:
-            client.set_tag(run_id, "posttrain.compare.promoted", chosen)
+            client.set_tag(run_id, TAG_COMPARE_PROMOTED, chosen)
         client.set_terminated(run_id, "FINISHED")
     except Exception:
         client.set_terminated(run_id, "FAILED")
@@ -342,7 +346,7 @@ def _promote_best(client, group: Group, metric: str, say) -> tuple[int, str | No
     elif str(previous.version) == version:
         say(f"{CHAMPION} unchanged: {name} version {version} already was the best", "bold green")
     else:
-        old_stage = previous.tags.get("posttrain.stage", "?")
+        old_stage = previous.tags.get(TAG_STAGE, "?")
         say(f"promoted: {what}; replaced version {previous.version} (stage {old_stage})", "bold green")
     return EXIT_OK, best.version
 

@@ -4,7 +4,7 @@ The orchestrating process keeps the stage's MLflow run and publication; the trai
 itself is launched as N processes of ``python -m flows.distributed SPEC.json``:
 - on CPU through ``torchrun`` (``torch.distributed.run``): ``accelerate launch --cpu
   --num_processes 2`` and a ``MULTI_CPU`` accelerate config were both seen to start ONE
-  process on this machine, torchrun starts N (FACTS.md);
+  process on this machine, torchrun starts N (seen on this project's CI machine);
 - on GPUs through ``accelerate launch`` with ``infra/accelerate/<ddp|fsdp|zero3>.yaml``.
 Every rank runs the same stage function; rank 0 holds the real stage context (metrics,
 params, the staged checkpoint), the others a silent one. The HF trainers see ``WORLD_SIZE``

@@ -33,6 +33,12 @@ from pathlib import Path
 
 from pydantic import ConfigDict, Field
 
+from flows.tags import (
+    TAG_FAILURE_SET,
+    TAG_FAILURE_SET_SHA256,
+    TAG_ROUND,
+    TAG_ROUND_OF,
+)
 from stages.spec_model import SpecModel
 
 ROUND_SEPARATOR = "@"  # stage names cannot hold it, so a step name never collides with a stage
@@ -41,10 +47,6 @@ FAILURE_ARTIFACT = "outputs/failures.jsonl"  # where an eval run publishes its f
 ITERABLE_KINDS = ("sft", "rl")  # training kinds that read conversations / prompts a failure set can feed
 MIX_RECIPE = 1  # bump when stages/failures.py changes what a given mix produces (part of the fingerprint)
 
-TAG_ROUND = "posttrain.round"
-TAG_ROUND_OF = "posttrain.round_of"
-TAG_FAILURE_SET = "posttrain.failure_set"
-TAG_FAILURE_SET_SHA256 = "posttrain.failure_set_sha256"
 
 
 class IterateSpec(SpecModel):

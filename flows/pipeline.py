@@ -30,7 +30,7 @@ from flows.iterate import (
     round_tags,
     rounds_markdown,
 )
-from flows.lineage import Decision, PlanError, RunOptions, fingerprint, plan_run
+from flows.lineage import Action, Decision, PlanError, RunOptions, fingerprint, plan_run
 from flows.locks import stage_lock
 from flows.models import record_stage_model
 from flows.recording import (
@@ -42,15 +42,16 @@ from flows.recording import (
     replay_pending,
 )
 from flows.spec import BASE, LoadedPipeline, load_pipeline
-from flows.tracking import (
+from flows.tags import (
+    TAG_ERROR,
     TAG_FINGERPRINT,
     TAG_KIND,
+    TAG_PREFECT_FLOW_RUN,
     TAG_SEED,
     TAG_STAGE_RUNS,
     TAG_UPSTREAM,
-    MlflowStageContext,
-    Tracker,
 )
+from flows.tracking import MlflowStageContext, Tracker
 from stages.context import StageTimeLimit
 from stages.data import materialize
 from stages.models import resolve_base_checkpoint
@@ -196,13 +197,13 @@ def _run_stage(loaded, stage, fp, upstream_runs, upstream_outputs, tracker, expe
                 stage_runner(config.kind)(config, inputs, ctx)
         ctx.flush()
     except KeyboardInterrupt:
-        recorder.tags({"posttrain.error": "interrupted (Ctrl-C); trainer checkpoints so far are kept in "
+        recorder.tags({TAG_ERROR: "interrupted (Ctrl-C); trainer checkpoints so far are kept in "
                                           f"{resume_dir} and the next run of this stage resumes from them"})
         recorder.terminate("KILLED")
         raise
     except BaseException as error:
         try:  # record why; if recording itself breaks, the stage's error still wins
-            recorder.tags({"posttrain.error": f"{type(error).__name__}: {error}"[:5000]})
+            recorder.tags({TAG_ERROR: f"{type(error).__name__}: {error}"[:5000]})
             recorder.text(traceback.format_exc(), "error.txt")
             recorder.terminate("FAILED")
         except Exception:
@@ -342,7 +343,7 @@ def run_pipeline(loaded, options, home, stage_call=None, flow_run_id=None, decis
     recorder.text(loaded.path.read_text(encoding="utf-8"), "pipeline.yaml")
     recorder.text(json.dumps(spec.model_dump(mode="json"), indent=2), "pipeline.resolved.json")
     if flow_run_id:
-        recorder.tags({"posttrain.prefect_flow_run_id": flow_run_id})
+        recorder.tags({TAG_PREFECT_FLOW_RUN: flow_run_id})
 
     rows: list[StageRow] = []
     outputs: dict[str, dict] = {}
@@ -350,13 +351,13 @@ def run_pipeline(loaded, options, home, stage_call=None, flow_run_id=None, decis
     failed = False
     for decision in decisions:
         kind = spec.stages[decision.stage].kind
-        if decision.action == "skip":
+        if decision.action is Action.SKIP:
             rows.append(StageRow(decision.stage, kind, "skipped", note=decision.reason))
             continue
         if failed:
             rows.append(StageRow(decision.stage, kind, "not run", note="an earlier stage failed"))
             continue
-        if decision.action == "cached":
+        if decision.action is Action.CACHED:
             run = tracker.get_run(decision.cached_run_id)
             outputs[decision.stage] = tracker.outputs_of(run)
             run_ids[decision.stage] = decision.cached_run_id
@@ -364,7 +365,7 @@ def run_pipeline(loaded, options, home, stage_call=None, flow_run_id=None, decis
                                  headline_metrics(tracker, decision.cached_run_id, kind), decision.reason))
             continue
         upstream = {u: run_ids[u] for u in _upstream(loaded, decision.stage)}
-        may_reuse = decision.reason != "forced"
+        may_reuse = decision.may_reuse
         args = (loaded, decision.stage, upstream, {u: outputs[u] for u in upstream}, experiment_id, parent, home,
                 may_reuse)
         try:
@@ -444,7 +445,7 @@ def _prefect_summary(report: PipelineReport) -> None:
 
 def print_plan(decisions: list[Decision], console) -> None:
     for d in decisions:
-        symbol = {"run": "run   ", "cached": "cached", "skip": "skip  "}[d.action]
+        symbol = {Action.RUN: "run   ", Action.CACHED: "cached", Action.SKIP: "skip  "}[d.action]
         extra = f" ({d.cached_run_id})" if d.cached_run_id else ""
         console.print(f"  {symbol} {d.stage}: {d.reason}{extra}")
 
@@ -485,7 +486,7 @@ def prepare_store(home: Path, console) -> Tracker:
 
 def _check_pools(loaded: LoadedPipeline, decisions: list[Decision]) -> None:
     """Stages that will run on a work pool need a real Prefect server and that pool."""
-    pools = {d.stage: loaded.spec.resources_for(d.stage).pool for d in decisions if d.action == "run"}
+    pools = {d.stage: loaded.spec.resources_for(d.stage).pool for d in decisions if d.action is Action.RUN}
     pools = {stage: pool for stage, pool in pools.items() if pool}
     if not pools:
         return
@@ -532,7 +533,7 @@ def run_from_cli(loaded: LoadedPipeline, options: RunOptions, console) -> Pipeli
     _check_pools(loaded, decisions)
     console.print(f"plan for {loaded.spec.name}:")
     print_plan(decisions, console)
-    if not any(d.action == "run" for d in decisions):
+    if not any(d.action is Action.RUN for d in decisions):
         console.print("every selected stage is cached; nothing to launch")
         return run_pipeline(loaded, options, home, decisions=decisions)
     with prefect_api(home):

@@ -26,9 +26,12 @@ import os
 import time
 from pathlib import Path
 
+from flows.tags import (
+    TAG_DISPATCHED,
+    TAG_POOL,
+    TAG_PREFECT_FLOW_RUN,
+)
 STAGE_DEPLOYMENT_FLOW = "posttrain-stage"
-TAG_DISPATCHED = "posttrain.dispatched."
-TAG_POOL = "posttrain.pool"
 
 
 class DeployError(Exception):
@@ -159,7 +162,7 @@ def execute_dispatched_stage(pipeline_file: str, overrides: list[str], stage: st
     try:
         row = execute_stage(loaded, stage, upstream_runs, upstream_outputs, tracker, experiment_id, parent_run_id,
                             home, may_reuse=may_reuse,
-                            extra_tags={TAG_POOL: pool or "", "posttrain.prefect_flow_run_id": str(flow_run.get_id())})
+                            extra_tags={TAG_POOL: pool or "", TAG_PREFECT_FLOW_RUN: str(flow_run.get_id())})
     except StageFailed as error:
         tracker.client.set_tag(parent_run_id, TAG_DISPATCHED + stage,
                                json.dumps({"run_id": error.run_id, "status": "failed", "error": str(error)[:2000]}))

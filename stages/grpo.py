@@ -41,7 +41,7 @@ from stages.data import prompt_messages, read_materialized
 from stages.generation import neutral_generation_config, resolve_backend
 from stages.rewards import RewardSpec, score_component, with_task_column
 
-# TRL's metric names -> ours (DESIGN.md)
+# TRL's metric names -> the names every rl stage logs (stages/rl.py lists them)
 METRIC_NAMES = {
     "reward": "reward/mean",
     "reward_std": "reward/std",

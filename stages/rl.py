@@ -2,7 +2,7 @@
 
 ``algorithm: grpo`` runs TRL's ``GRPOTrainer`` (stages/grpo.py); ``algorithm: ppo`` runs
 posttrain's own compact PPO with a critic (stages/ppo.py), since TRL removed its PPO
-trainer. Both log the same metric names (DESIGN.md): ``reward/mean``,
+trainer. Both log the same metric names, so runs compare across algorithms: ``reward/mean``,
 ``reward/<component>/mean``, ``reward/zero_variance_group_frac``, ``kl``, ``entropy``,
 ``clip_frac``, ``ratio/mean``, ``completion/mean_tokens``, ``completion/truncated_frac``,
 plus sample-completion tables every ``sample_every`` steps and a PNG of the reward and KL
