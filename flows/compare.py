@@ -244,7 +244,7 @@ def compare_command(args, console) -> int:
     from mlflow.tracking import MlflowClient
 
     from flows.home import posttrain_home
-    from flows.recording import TrackingUnavailable, check_reachable
+    from flows.store import TrackingUnavailable, check_reachable
 
     experiment_name = args.experiment or _pipeline_name(args.file, args.overrides)
     if experiment_name is None:

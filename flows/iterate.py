@@ -190,29 +190,6 @@ def iterate_issues(raw_iterate, stages: dict, raw_data: dict, raw_rewards: dict,
     return issues
 
 
-# ------------------------------------------------------------------ unrolling the rounds
-
-
-def expand_rounds(pipeline):
-    """The pipeline with round 2..R's steps added after round 1's stages (their references renamed)."""
-    spec = getattr(pipeline, "iterate", None)
-    if spec is None or spec.rounds == 1:
-        return pipeline
-    from flows.graph import descendants
-
-    repeated = [name for name in pipeline.stages
-                if name == spec.train or name in descendants(pipeline, spec.train)]
-    stages = dict(pipeline.stages)
-    for round_ in range(2, spec.rounds + 1):
-        for name in repeated:
-            config = pipeline.stages[name]
-            renamed = {field: step_name(target, round_) for field, target in config.references().items()
-                       if target in repeated}
-            assert all(hasattr(config, field) for field in renamed), (name, renamed)  # references() names fields
-            stages[step_name(name, round_)] = config.model_copy(update=renamed)
-    return pipeline.model_copy(update={"stages": stages})
-
-
 # ------------------------------------------------------------------ a round's training data
 
 

@@ -41,7 +41,7 @@ import json
 import sys
 import time
 
-from flows.recording import is_unavailable
+from flows.store import is_unavailable
 from flows.tags import (
     TAG_CHECKPOINT_URI,
     TAG_EVAL_SETTINGS,

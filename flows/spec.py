@@ -28,7 +28,8 @@ from pydantic import (
     ValidationError,
 )
 
-from flows.iterate import IterateSpec, expand_rounds, iterate_issues
+from flows.graph import BASE, expand_rounds
+from flows.iterate import IterateSpec, iterate_issues
 from stages.context import Resources
 from stages.data import (
     ArithmeticData,
@@ -71,9 +72,6 @@ from stages.rewards import (
 from stages.reward_schemas import RECORD_READERS, kwargs_issues, record_problem
 from stages.sandbox import ISOLATION_MODES
 from stages.spec_model import KEY_NAME_PATTERN, NAME_PATTERN, SpecModel, name_problem
-
-BASE = "base"  # the reserved name of the pipeline's own model
-
 
 def _stage_kind(value) -> str | None:
     if isinstance(value, BaseModel):

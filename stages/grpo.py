@@ -296,7 +296,7 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
 
     from stages.lora import save_trained
     from stages.models import load_model_and_tokenizer
-    from stages.rl import log_curves
+    from stages.rl_common import log_curves
     from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
     seed = config.seed if config.seed is not None else ctx.seed

@@ -67,7 +67,7 @@ from stages.lora import save_trained, wrap
 from stages.models import load_model_and_tokenizer
 from stages.reward_model import bind_reward_models, reward_model_correlations
 from stages.rewards import RewardSpec, ScoredBatch, score_completions, with_task_column
-from stages.rl import RLStageConfig, log_curves
+from stages.rl_common import RLStageConfig, log_curves
 from stages.rl_math import (
     AdaptiveKLController,
     FixedKLController,
