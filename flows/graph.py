@@ -8,7 +8,7 @@ from flows.iterate import downstream, failure_references, step_name
 from stages.rewards import reward_input_key
 
 if TYPE_CHECKING:
-    from flows.spec import Pipeline
+    from flows.schema import Pipeline
 
 BASE = "base"  # the reserved name of the pipeline's own model in stage references
 
