@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
 
-    from flows.home import HomeError, configure_environment, ensure_home, home_problem
+    from flows.home import configure_environment, ensure_home, home_problem
 
     # Before Prefect or MLflow are imported; the home itself is made only once the whole input
     # (spec, overrides, flags, environment) is accepted: refused input leaves nothing behind.
@@ -126,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return check_rewards_command(loaded, args.reward, console)
 
+    return _run(loaded, args, console)
+
+
+def _run(loaded, args, console) -> int:
+    """``posttrain run`` on a pipeline that validated: the plan, the run, the summary, the exit status."""
+    from flows.home import HomeError
     from flows.lineage import PlanError, RunOptions
     from flows.pipeline import print_summary
 

@@ -10,7 +10,7 @@ picks one.
 
 The table is printed and, with a bar chart (PNG), logged to an MLflow run tagged
 ``posttrain.role=compare`` in the experiment. ``--promote`` points the registered model
-alias ``champion`` (``flows/models.py``) at the best registered checkpoint of the group.
+alias ``champion`` (``flows/model_registry.py``) at the best registered checkpoint of the group.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flows.models import CHAMPION, ensure_registered, link_eval, promote
+from flows.home import posttrain_home
+from flows.model_registry import CHAMPION, champion_version, ensure_registered, link_eval, promote
 from flows.tags import (
     TAG_COMPARE_METRIC,
     TAG_COMPARE_PROMOTED,
@@ -240,45 +241,19 @@ def log_comparison(client, experiment_id: str, metric: str, groups: list[Group],
 # ------------------------------------------------------------------ the command
 
 
+class _Refused(Exception):
+    """``posttrain compare`` cannot go on (exit status 2); the message says why."""
+
+
 def compare_command(args, console) -> int:
-    from mlflow.tracking import MlflowClient
-
-    from flows.home import posttrain_home
-    from flows.store import TrackingUnavailable, check_reachable
-
     experiment_name = args.experiment or _pipeline_name(args.file, args.overrides)
     if experiment_name is None:
         return EXIT_BAD_INPUT
     try:
-        check_reachable()
-    except TrackingUnavailable as error:
+        client, experiment, rows, groups = _select(args, experiment_name)
+    except _Refused as error:
         print(f"posttrain compare: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    client = MlflowClient()
-    experiment = client.get_experiment_by_name(experiment_name)
-    if experiment is None:
-        print(f"posttrain compare: no MLflow experiment {experiment_name!r}: run the pipeline first "
-              "(`posttrain run FILE`)", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    rows = evaluated_checkpoints(client, experiment.experiment_id)
-    if not rows:
-        print(f"posttrain compare: experiment {experiment_name!r} has no finished eval stage runs: nothing to "
-              "compare", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    groups = group_by_settings(rows, args.metric)
-    if args.settings:
-        groups = [g for g in groups if g.settings.startswith(args.settings)]
-        if len(groups) != 1:
-            known = ", ".join(g.settings for g in group_by_settings(rows, args.metric))
-            print(f"posttrain compare: --settings {args.settings} matches {len(groups)} settings groups; "
-                  f"the groups are: {known}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    if not any(args.metric in r.metrics for g in groups for r in g.rows):
-        names = sorted({k for g in groups for r in g.rows for k in r.metrics})
-        print(f"posttrain compare: no evaluated checkpoint has metric {args.metric!r}; the eval runs log: "
-              f"{', '.join(names)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-
     lines: list[str] = []
 
     def say(message: str, style: str | None = None) -> None:
@@ -291,36 +266,72 @@ def compare_command(args, console) -> int:
            if args.settings else ""))
     if len(groups) > 1:
         say(f"not ranked together: {WHY_NOT_RANKED_TOGETHER}.", "bold yellow")
-    champions = {}
+    champions = _champions(client, groups)
     for group in groups:
-        for row in group.rows:
-            if row.version and row.version.split("/")[0] not in champions:
-                name = row.version.split("/")[0]
-                from flows.models import champion_version
-
-                current = champion_version(client, name)
-                champions[name] = f"{name}/{current.version}" if current else None
         shown = print_group(group, args.metric, console, _champion_of(group, champions))
         lines.extend(json.dumps(row) for row in shown)
-
-    home = posttrain_home()
-    chart = Path(args.output) if args.output else home / "compare" / experiment_name / f"compare-{args.metric}.png"
+    default_chart = posttrain_home() / "compare" / experiment_name / f"compare-{args.metric}.png"
+    chart = Path(args.output) if args.output else default_chart
     save_chart(groups, args.metric, chart, f"{experiment_name}: {args.metric} by eval settings")
     say(f"chart: {chart}")
-
-    code, promoted = EXIT_OK, None
-    if args.promote:
-        if len(groups) > 1:
-            hashes = ", ".join(f"{g.settings} ({g.settings_text})" for g in groups)
-            print(f"posttrain compare: --promote refused: the evaluated checkpoints fall in {len(groups)} settings "
-                  f"groups ({hashes}), and scores from different settings are not comparable. Pick the group "
-                  f"to promote from with --settings HASH (e.g. --settings {groups[0].settings}).", file=sys.stderr)
-            code = EXIT_BAD_INPUT
-        else:
-            code, promoted = _promote_best(client, groups[0], args.metric, say)
+    code, promoted = _promote(args, client, groups, say)
     run_id = log_comparison(client, experiment.experiment_id, args.metric, groups, chart, "\n".join(lines), promoted)
     console.print(f"logged to MLflow run {run_id} (experiment {experiment.experiment_id})")
     return code
+
+
+def _select(args, experiment_name: str):
+    """(client, experiment, every evaluated checkpoint, the settings groups to show); _Refused if none."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.store import TrackingUnavailable, check_reachable
+
+    try:
+        check_reachable()
+    except TrackingUnavailable as error:
+        raise _Refused(str(error)) from None
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        raise _Refused(f"no MLflow experiment {experiment_name!r}: run the pipeline first (`posttrain run FILE`)")
+    rows = evaluated_checkpoints(client, experiment.experiment_id)
+    if not rows:
+        raise _Refused(f"experiment {experiment_name!r} has no finished eval stage runs: nothing to compare")
+    groups = group_by_settings(rows, args.metric)
+    if args.settings:
+        groups = [g for g in groups if g.settings.startswith(args.settings)]
+        if len(groups) != 1:
+            known = ", ".join(g.settings for g in group_by_settings(rows, args.metric))
+            raise _Refused(f"--settings {args.settings} matches {len(groups)} settings groups; the groups are: "
+                           f"{known}")
+    if not any(args.metric in r.metrics for g in groups for r in g.rows):
+        names = sorted({k for g in groups for r in g.rows for k in r.metrics})
+        raise _Refused(f"no evaluated checkpoint has metric {args.metric!r}; the eval runs log: {', '.join(names)}")
+    return client, experiment, rows, groups
+
+
+def _champions(client, groups: list[Group]) -> dict[str, str | None]:
+    """Registered model name -> its current champion version (``NAME/VERSION``), for the models shown."""
+    champions = {}
+    for group in groups:
+        for row in group.rows:
+            name = row.version.split("/")[0] if row.version else None
+            if name and name not in champions:
+                current = champion_version(client, name)
+                champions[name] = f"{name}/{current.version}" if current else None
+    return champions
+
+
+def _promote(args, client, groups: list[Group], say) -> tuple[int, str | None]:
+    if not args.promote:
+        return EXIT_OK, None
+    if len(groups) > 1:
+        hashes = ", ".join(f"{g.settings} ({g.settings_text})" for g in groups)
+        print(f"posttrain compare: --promote refused: the evaluated checkpoints fall in {len(groups)} settings "
+              f"groups ({hashes}), and scores from different settings are not comparable. Pick the group "
+              f"to promote from with --settings HASH (e.g. --settings {groups[0].settings}).", file=sys.stderr)
+        return EXIT_BAD_INPUT, None
+    return _promote_best(client, groups[0], args.metric, say)
 
 
 def _champion_of(group: Group, champions: dict) -> str | None:

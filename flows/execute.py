@@ -25,7 +25,7 @@ from flows.graph import stage_references
 from flows.iterate import FAILURES_INPUT, failure_set_inputs, round_tags
 from flows.job import StageJob
 from flows.locks import stage_lock
-from flows.models import record_stage_model
+from flows.model_registry import record_stage_model
 from flows.recording import Recorder
 from flows.store import TrackingUnavailable, is_unavailable
 from flows.spec import BASE, LoadedPipeline
@@ -196,7 +196,8 @@ def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowS
 def _report_row(row: StageRow, recorder: Recorder, tracker: Tracker) -> StageRow:
     """The row's headline metrics, or, if the store went away meanwhile, what waits to be recorded."""
     if recorder.offline and not recorder.retry(float(os.environ.get("POSTTRAIN_TRACKING_RETRY_SECONDS", "60"))):
-        row.unrecorded = (f"stage {row.stage} finished and its outputs are on disk ({', '.join(row.outputs.values())}), "
+        on_disk = ", ".join(row.outputs.values())
+        row.unrecorded = (f"stage {row.stage} finished and its outputs are on disk ({on_disk}), "
                           f"but the MLflow store became unreachable ({recorder.unavailable}); not recorded: "
                           f"{recorder.summary()}. They wait in {recorder.journal_path}; `posttrain sync` "
                           "(or any later `posttrain run`) records them once the store is back")

@@ -4,8 +4,8 @@
 iterate: {rounds: 2, collect: eval_probe, train: sft, mix: 0.5}
 ```
 
-Round 1 is the pipeline as written. Round r >= 2 reruns ``train`` and every stage
-downstream of it as *steps* named ``<stage>@<r>`` (``sft@2``, ``eval_probe@2``); stages
+Round 1 is the pipeline as written. Round r >= 2 (unrolled by ``flows.graph.expand_rounds``)
+reruns ``train`` and every stage downstream of it as *steps* named ``<stage>@<r>`` (``sft@2``, ``eval_probe@2``); stages
 upstream of ``train`` (and those beside it) are shared by all rounds and run once.
 ``train@r`` starts from the same checkpoint as ``train`` (its upstream is shared) and
 trains on its own dataset mixed with the failure set that ``collect`` wrote in round

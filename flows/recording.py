@@ -117,7 +117,7 @@ class Recorder:
         self._do({"op": "artifact", "path": str(path), "artifact_path": artifact_path})
 
     def model(self, op: dict) -> None:
-        """A logged-model / registered-model write (``flows.models``), journalled like the rest."""
+        """A logged-model / registered-model write (``flows.model_registry``), journalled like the rest."""
         self._do(op)
 
     def terminate(self, status: str) -> None:
@@ -207,7 +207,7 @@ def apply_op(client, run_id: str, op: dict) -> None:
     elif kind == "terminate":
         client.set_terminated(run_id, status=op["status"])
     elif kind.startswith("model."):  # logged / registered models of the run's checkpoint or scores
-        from flows.models import apply_model_op
+        from flows.model_registry import apply_model_op
 
         apply_model_op(client, run_id, op)
     else:

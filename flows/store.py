@@ -1,7 +1,7 @@
 """Whether the MLflow tracking store answers, and which errors mean it does not.
 
 Shared by the journal that keeps writes while the store is away (``flows/recording.py``)
-and the model registry (``flows/models.py``), which both must tell "unreachable" from
+and the model registry (``flows/model_registry.py``), which both must tell "unreachable" from
 "the request was wrong".
 """
 

@@ -32,7 +32,7 @@ TAG_ROUND = "posttrain.round"  # an iteration round, where a pipeline iterates
 TAG_ROUND_OF = "posttrain.round_of"  # the stage a round's step repeats
 TAG_FAILURE_SET = "posttrain.failure_set"  # runs:/<collect run>/outputs/failures.jsonl that train@r read
 TAG_FAILURE_SET_SHA256 = "posttrain.failure_set_sha256"
-TAG_EVAL_SETTINGS = "posttrain.eval_settings"  # written by stages.eval as EVAL_SETTINGS_TAG (stages do not import flows)
+TAG_EVAL_SETTINGS = "posttrain.eval_settings"  # = stages.eval.EVAL_SETTINGS_TAG (stages do not import flows)
 
 # ------------------------------------------------------------------ the model registry
 TAG_MODEL_ID = "posttrain.model_id"
