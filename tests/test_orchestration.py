@@ -101,3 +101,29 @@ def test_no_import_cycles_in_flows_or_stages():
         if name not in state:
             visit(name, [name])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_stage_kinds_do_not_import_each_other():
+    """What two kinds share lives beside them (rl_common, reward_model_scoring, preference_training);
+    ``rl`` alone reaches into the two algorithms it dispatches to."""
+    from stages.registry import STAGE_KINDS
+
+    modules = _modules()
+    kinds = {f"stages.{kind}" for kind in STAGE_KINDS} | {"stages.grpo", "stages.ppo"}
+    allowed = {("stages.rl", "stages.grpo"), ("stages.rl", "stages.ppo")}
+    crossings = sorted((name, target) for name in kinds for target in _imports(modules[name], modules) & kinds
+                       if target != name and (name, target) not in allowed)
+    assert not crossings, crossings
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_in_flows_or_stages_is_longer_than_a_screen():
+    import ast
+
+    long = [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for name, tree in _modules().items() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
