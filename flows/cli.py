@@ -218,10 +218,6 @@ def _sync(console) -> int:
     return EXIT_BAD_INPUT if broken else EXIT_STAGE_FAILED if left else EXIT_OK
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # ------------------------------------------------------------------ posttrain run
 
 
@@ -295,3 +291,7 @@ def _check_pools(loaded, decisions) -> None:
             require_pool(pool)
         except DeployError as error:
             raise PlanError(str(error)) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
