@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
 
-    from flows.home import HomeError, configure_environment, ensure_home, home_problem
+    from flows.home import configure_environment, ensure_home, home_problem
 
     # Before Prefect or MLflow are imported; the home itself is made only once the whole input
     # (spec, overrides, flags, environment) is accepted: refused input leaves nothing behind.
@@ -126,8 +126,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return check_rewards_command(loaded, args.reward, console)
 
+    return _run(loaded, args, console)
+
+
+def _run(loaded, args, console) -> int:
+    """``posttrain run`` on a pipeline that validated: the plan, the run, the summary, the exit status."""
+    from flows.home import HomeError
     from flows.lineage import PlanError, RunOptions
-    from flows.pipeline import print_summary, run_from_cli
+    from flows.pipeline import print_summary
 
     options = RunOptions(only=args.only, from_stage=args.from_stage, force=args.force, no_cache=args.no_cache)
     try:
@@ -162,12 +168,12 @@ def run_flag_issues(loaded, args) -> list:
 def _deploy(loaded, args, console) -> int:
     import os
 
-    from flows.pools import DeployError, deploy_pipeline, require_pool
-
     if not os.environ.get("PREFECT_API_URL"):
         print("posttrain deploy: a deployment lives on a Prefect server; set PREFECT_API_URL "
               "(e.g. http://127.0.0.1:4200/api after `prefect server start`); nothing was deployed", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from flows.deployment import DeployError, deploy_pipeline, require_pool  # Prefect reads the URL on import
+
     try:
         for stage in loaded.spec.stages:  # the pools its stages name must exist too
             pool = loaded.spec.resources_for(stage).pool
@@ -187,13 +193,8 @@ def _deploy(loaded, args, console) -> int:
 def _sync(console) -> int:
     """Send the journals of runs an outage left unrecorded; 1 while some still wait."""
     from flows.home import posttrain_home
-    from flows.recording import (
-        TrackingUnavailable,
-        broken_journals,
-        check_reachable,
-        pending_runs,
-        replay_pending,
-    )
+    from flows.recording import broken_journals, pending_runs, replay_pending
+    from flows.store import TrackingUnavailable, check_reachable
     from flows.tracking import Tracker
 
     home = posttrain_home()
@@ -215,6 +216,81 @@ def _sync(console) -> int:
     for problem in broken:
         print(f"posttrain sync: {problem}", file=sys.stderr)
     return EXIT_BAD_INPUT if broken else EXIT_STAGE_FAILED if left else EXIT_OK
+
+
+# ------------------------------------------------------------------ posttrain run
+
+
+class _EmptyStore:
+    """A tracking store with no runs, for planning before the real one exists."""
+
+    def find_cached(self, experiment_id, stage, fingerprint):
+        return None
+
+
+def run_from_cli(loaded, options, console):
+    """What ``posttrain run`` does after validation: plan, then the Prefect flow, or no flow if all cached.
+
+    When every selected stage is a cache hit there is nothing to launch, so no flow is
+    started (nor Prefect imported): the pipeline run is still recorded in MLflow and
+    summarised, which keeps a fully cached rerun close to the cost of a few MLflow queries
+    instead of Prefect's ~10 s server start-up.
+    """
+    from flows.home import artifact_root, configure_environment, posttrain_home, uses_local_mlflow
+    from flows.lineage import Action, PlanError, plan_run
+    from flows.pipeline import prepare_store, print_plan, run_pipeline
+    from flows.prefect_server import prefect_api
+    from flows.store import TrackingUnavailable, check_reachable
+
+    home = posttrain_home()
+    if uses_local_mlflow() and not (home / "mlflow.db").exists():
+        # Nothing is cached in a store that does not exist yet: a plan that cannot start (--only
+        # without upstream outputs) is refused before the home or the store is created.
+        plan_run(loaded, options, _EmptyStore(), None)
+    else:
+        try:
+            check_reachable()
+        except TrackingUnavailable as error:
+            raise PlanError(f"{error}; start it, or unset MLFLOW_TRACKING_URI to use the local store") from None
+    home = configure_environment()
+    tracker = prepare_store(home, console)
+    experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))
+    for run_id in tracker.reap_dead_runs(experiment_id):
+        console.print(f"[yellow]run {run_id} was left RUNNING by a process that died; marked FAILED[/yellow]")
+    decisions = plan_run(loaded, options, tracker, experiment_id)
+    _check_pools(loaded, decisions)
+    console.print(f"plan for {loaded.spec.name}:")
+    print_plan(decisions, console)
+    if not any(d.action is Action.RUN for d in decisions):
+        console.print("every selected stage is cached; nothing to launch")
+        return run_pipeline(loaded, options, home, decisions=decisions)
+    with prefect_api(home):
+        from flows.deployment import run_flow  # Prefect reads its API URL when first imported
+
+        return run_flow(loaded, options, decisions)
+
+
+def _check_pools(loaded, decisions) -> None:
+    """Stages that will run on a work pool need a real Prefect server and that pool."""
+    import os
+
+    from flows.lineage import Action, PlanError
+
+    pools = {d.stage: loaded.spec.resources_for(d.stage).pool for d in decisions if d.action is Action.RUN}
+    pools = {stage: pool for stage, pool in pools.items() if pool}
+    if not pools:
+        return
+    if not os.environ.get("PREFECT_API_URL"):
+        stage, pool = next(iter(pools.items()))
+        raise PlanError(f"stage {stage!r} runs on work pool {pool!r}, which needs a Prefect server with workers: "
+                        "set PREFECT_API_URL (see README, Scaling out)")
+    from flows.deployment import DeployError, require_pool
+
+    for pool in set(pools.values()):
+        try:
+            require_pool(pool)
+        except DeployError as error:
+            raise PlanError(str(error)) from None
 
 
 if __name__ == "__main__":

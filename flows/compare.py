@@ -10,7 +10,7 @@ picks one.
 
 The table is printed and, with a bar chart (PNG), logged to an MLflow run tagged
 ``posttrain.role=compare`` in the experiment. ``--promote`` points the registered model
-alias ``champion`` (``flows/models.py``) at the best registered checkpoint of the group.
+alias ``champion`` (``flows/model_registry.py``) at the best registered checkpoint of the group.
 """
 
 from __future__ import annotations
@@ -21,14 +21,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flows.models import (
-    CHAMPION,
+from flows.home import posttrain_home
+from flows.model_registry import CHAMPION, champion_version, ensure_registered, link_eval, promote
+from flows.tags import (
+    TAG_COMPARE_METRIC,
+    TAG_COMPARE_PROMOTED,
+    TAG_COMPARE_SETTINGS,
     TAG_EVAL_SETTINGS,
+    TAG_LINKED_MODEL_ID,
     TAG_MODEL_VERSION,
+    TAG_ROLE,
     TAG_ROUND,
-    ensure_registered,
-    link_eval,
-    promote,
+    TAG_STAGE,
+    TAG_UPSTREAM,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -101,12 +106,12 @@ def evaluated_checkpoints(client, experiment_id: str, register_missing: bool = T
         if not settings:
             continue
         stage = params.get("model", "base")
-        checkpoint_run_id = json.loads(tags.get("posttrain.upstream", "{}")).get(stage)
+        checkpoint_run_id = json.loads(tags.get(TAG_UPSTREAM, "{}")).get(stage)
         key = (checkpoint_run_id or f"base:{run.data.tags.get('posttrain.stage')}", settings)
         if key in seen:  # an older evaluation of the same checkpoint under the same settings
             continue
         seen.add(key)
-        row = Row(stage, tags.get("posttrain.stage", "?"), run.info.run_id, checkpoint_run_id, settings,
+        row = Row(stage, tags.get(TAG_STAGE, "?"), run.info.run_id, checkpoint_run_id, settings,
                   _settings_text(params), tags.get(TAG_ROUND, "-"), dict(run.data.metrics), run.info.start_time)
         if checkpoint_run_id:
             row.version, round_tag = _registered_version(client, checkpoint_run_id, run, register_missing)
@@ -125,7 +130,7 @@ def _registered_version(client, checkpoint_run_id: str, eval_run, register_missi
     except MlflowException:
         return None, None
     version = checkpoint.data.tags.get(TAG_MODEL_VERSION)
-    if register_missing and (version is None or "posttrain.linked_model_id" not in eval_run.data.tags):
+    if register_missing and (version is None or TAG_LINKED_MODEL_ID not in eval_run.data.tags):
         try:
             model_id = ensure_registered(client, checkpoint_run_id)
             if model_id:
@@ -214,8 +219,8 @@ def log_comparison(client, experiment_id: str, metric: str, groups: list[Group],
                    text: str, chosen: str | None) -> str:
     """A run tagged ``posttrain.role=compare`` holding the table, the chart and the text output."""
     run = client.create_run(experiment_id, run_name=f"compare {time.strftime('%Y-%m-%d %H:%M:%S')}",
-                            tags={"posttrain.role": "compare", "posttrain.compare.metric": metric,
-                                  "posttrain.compare.settings": ",".join(g.settings for g in groups)})
+                            tags={TAG_ROLE: "compare", TAG_COMPARE_METRIC: metric,
+                                  TAG_COMPARE_SETTINGS: ",".join(g.settings for g in groups)})
     run_id = run.info.run_id
     try:
         rows = [row for group in groups for row in table_rows(group, metric)]
@@ -225,7 +230,7 @@ def log_comparison(client, experiment_id: str, metric: str, groups: list[Group],
         client.log_artifact(run_id, str(chart))
         client.log_text(run_id, text, "compare.txt")
         if chosen:
-            client.set_tag(run_id, "posttrain.compare.promoted", chosen)
+            client.set_tag(run_id, TAG_COMPARE_PROMOTED, chosen)
         client.set_terminated(run_id, "FINISHED")
     except Exception:
         client.set_terminated(run_id, "FAILED")
@@ -236,45 +241,19 @@ def log_comparison(client, experiment_id: str, metric: str, groups: list[Group],
 # ------------------------------------------------------------------ the command
 
 
+class _Refused(Exception):
+    """``posttrain compare`` cannot go on (exit status 2); the message says why."""
+
+
 def compare_command(args, console) -> int:
-    from mlflow.tracking import MlflowClient
-
-    from flows.home import posttrain_home
-    from flows.recording import TrackingUnavailable, check_reachable
-
     experiment_name = args.experiment or _pipeline_name(args.file, args.overrides)
     if experiment_name is None:
         return EXIT_BAD_INPUT
     try:
-        check_reachable()
-    except TrackingUnavailable as error:
+        client, experiment, rows, groups = _select(args, experiment_name)
+    except _Refused as error:
         print(f"posttrain compare: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    client = MlflowClient()
-    experiment = client.get_experiment_by_name(experiment_name)
-    if experiment is None:
-        print(f"posttrain compare: no MLflow experiment {experiment_name!r}: run the pipeline first "
-              "(`posttrain run FILE`)", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    rows = evaluated_checkpoints(client, experiment.experiment_id)
-    if not rows:
-        print(f"posttrain compare: experiment {experiment_name!r} has no finished eval stage runs: nothing to "
-              "compare", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    groups = group_by_settings(rows, args.metric)
-    if args.settings:
-        groups = [g for g in groups if g.settings.startswith(args.settings)]
-        if len(groups) != 1:
-            known = ", ".join(g.settings for g in group_by_settings(rows, args.metric))
-            print(f"posttrain compare: --settings {args.settings} matches {len(groups)} settings groups; "
-                  f"the groups are: {known}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    if not any(args.metric in r.metrics for g in groups for r in g.rows):
-        names = sorted({k for g in groups for r in g.rows for k in r.metrics})
-        print(f"posttrain compare: no evaluated checkpoint has metric {args.metric!r}; the eval runs log: "
-              f"{', '.join(names)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-
     lines: list[str] = []
 
     def say(message: str, style: str | None = None) -> None:
@@ -287,36 +266,72 @@ def compare_command(args, console) -> int:
            if args.settings else ""))
     if len(groups) > 1:
         say(f"not ranked together: {WHY_NOT_RANKED_TOGETHER}.", "bold yellow")
-    champions = {}
+    champions = _champions(client, groups)
     for group in groups:
-        for row in group.rows:
-            if row.version and row.version.split("/")[0] not in champions:
-                name = row.version.split("/")[0]
-                from flows.models import champion_version
-
-                current = champion_version(client, name)
-                champions[name] = f"{name}/{current.version}" if current else None
         shown = print_group(group, args.metric, console, _champion_of(group, champions))
         lines.extend(json.dumps(row) for row in shown)
-
-    home = posttrain_home()
-    chart = Path(args.output) if args.output else home / "compare" / experiment_name / f"compare-{args.metric}.png"
+    default_chart = posttrain_home() / "compare" / experiment_name / f"compare-{args.metric}.png"
+    chart = Path(args.output) if args.output else default_chart
     save_chart(groups, args.metric, chart, f"{experiment_name}: {args.metric} by eval settings")
     say(f"chart: {chart}")
-
-    code, promoted = EXIT_OK, None
-    if args.promote:
-        if len(groups) > 1:
-            hashes = ", ".join(f"{g.settings} ({g.settings_text})" for g in groups)
-            print(f"posttrain compare: --promote refused: the evaluated checkpoints fall in {len(groups)} settings "
-                  f"groups ({hashes}), and scores from different settings are not comparable. Pick the group "
-                  f"to promote from with --settings HASH (e.g. --settings {groups[0].settings}).", file=sys.stderr)
-            code = EXIT_BAD_INPUT
-        else:
-            code, promoted = _promote_best(client, groups[0], args.metric, say)
+    code, promoted = _promote(args, client, groups, say)
     run_id = log_comparison(client, experiment.experiment_id, args.metric, groups, chart, "\n".join(lines), promoted)
     console.print(f"logged to MLflow run {run_id} (experiment {experiment.experiment_id})")
     return code
+
+
+def _select(args, experiment_name: str):
+    """(client, experiment, every evaluated checkpoint, the settings groups to show); _Refused if none."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.store import TrackingUnavailable, check_reachable
+
+    try:
+        check_reachable()
+    except TrackingUnavailable as error:
+        raise _Refused(str(error)) from None
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        raise _Refused(f"no MLflow experiment {experiment_name!r}: run the pipeline first (`posttrain run FILE`)")
+    rows = evaluated_checkpoints(client, experiment.experiment_id)
+    if not rows:
+        raise _Refused(f"experiment {experiment_name!r} has no finished eval stage runs: nothing to compare")
+    groups = group_by_settings(rows, args.metric)
+    if args.settings:
+        groups = [g for g in groups if g.settings.startswith(args.settings)]
+        if len(groups) != 1:
+            known = ", ".join(g.settings for g in group_by_settings(rows, args.metric))
+            raise _Refused(f"--settings {args.settings} matches {len(groups)} settings groups; the groups are: "
+                           f"{known}")
+    if not any(args.metric in r.metrics for g in groups for r in g.rows):
+        names = sorted({k for g in groups for r in g.rows for k in r.metrics})
+        raise _Refused(f"no evaluated checkpoint has metric {args.metric!r}; the eval runs log: {', '.join(names)}")
+    return client, experiment, rows, groups
+
+
+def _champions(client, groups: list[Group]) -> dict[str, str | None]:
+    """Registered model name -> its current champion version (``NAME/VERSION``), for the models shown."""
+    champions = {}
+    for group in groups:
+        for row in group.rows:
+            name = row.version.split("/")[0] if row.version else None
+            if name and name not in champions:
+                current = champion_version(client, name)
+                champions[name] = f"{name}/{current.version}" if current else None
+    return champions
+
+
+def _promote(args, client, groups: list[Group], say) -> tuple[int, str | None]:
+    if not args.promote:
+        return EXIT_OK, None
+    if len(groups) > 1:
+        hashes = ", ".join(f"{g.settings} ({g.settings_text})" for g in groups)
+        print(f"posttrain compare: --promote refused: the evaluated checkpoints fall in {len(groups)} settings "
+              f"groups ({hashes}), and scores from different settings are not comparable. Pick the group "
+              f"to promote from with --settings HASH (e.g. --settings {groups[0].settings}).", file=sys.stderr)
+        return EXIT_BAD_INPUT, None
+    return _promote_best(client, groups[0], args.metric, say)
 
 
 def _champion_of(group: Group, champions: dict) -> str | None:
@@ -342,7 +357,7 @@ def _promote_best(client, group: Group, metric: str, say) -> tuple[int, str | No
     elif str(previous.version) == version:
         say(f"{CHAMPION} unchanged: {name} version {version} already was the best", "bold green")
     else:
-        old_stage = previous.tags.get("posttrain.stage", "?")
+        old_stage = previous.tags.get(TAG_STAGE, "?")
         say(f"promoted: {what}; replaced version {previous.version} (stage {old_stage})", "bold green")
     return EXIT_OK, best.version
 

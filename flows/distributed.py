@@ -1,10 +1,10 @@
 """Stages on several processes: ``resources: {processes: N}`` (CPU, gloo) or ``{gpus: N}``.
 
 The orchestrating process keeps the stage's MLflow run and publication; the training
-itself is launched as N processes of ``python -m flows.distributed SPEC.json``:
+itself is launched as N processes of ``python -m flows.rank JOB.json`` (``flows/rank.py``):
 - on CPU through ``torchrun`` (``torch.distributed.run``): ``accelerate launch --cpu
   --num_processes 2`` and a ``MULTI_CPU`` accelerate config were both seen to start ONE
-  process on this machine, torchrun starts N (FACTS.md);
+  process on this machine, torchrun starts N (seen on this project's CI machine);
 - on GPUs through ``accelerate launch`` with ``infra/accelerate/<ddp|fsdp|zero3>.yaml``.
 Every rank runs the same stage function; rank 0 holds the real stage context (metrics,
 params, the staged checkpoint), the others a silent one. The HF trainers see ``WORLD_SIZE``
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,15 +30,13 @@ ACCELERATE_CONFIGS = ROOT / "infra" / "accelerate"
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def launch_command(resources, spec_path: Path) -> list[str]:
-    entry = ["-m", "flows.distributed", str(spec_path)]
+    entry = ["-m", "flows.rank", str(spec_path)]
     if resources.gpus > 1:
         config = ACCELERATE_CONFIGS / f"{resources.accelerate_config}.yaml"
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
@@ -46,16 +45,18 @@ def launch_command(resources, spec_path: Path) -> list[str]:
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *entry]
 
 
-def run_distributed(loaded, stage: str, upstream_outputs: dict, ctx, resources) -> None:
-    """Run the stage on ``resources.world_size()`` processes; fills ``ctx.staged`` from rank 0."""
-    spec = {
-        "pipeline_file": str(loaded.path), "overrides": list(loaded.overrides), "stage": stage,
-        "upstream_outputs": upstream_outputs, "run_id": ctx.run_id, "work_dir": str(ctx.work_dir),
-        "resume_dir": str(ctx.resume_dir), "seed": ctx.seed,
+def run_distributed(job, ctx) -> None:
+    """Run the stage of ``job`` on ``world_size`` processes; fills ``ctx.staged`` from rank 0.
+
+    Each rank receives the job itself (``flows/rank.py``), not the pipeline file."""
+    rank_file = {
+        "job": job.to_json(), "run_id": ctx.run_id, "work_dir": str(ctx.work_dir),
+        "resume_dir": str(ctx.resume_dir),
         "seconds_left": (ctx.deadline - time.monotonic()) if ctx.deadline else None,
     }
+    resources = job.resources
     spec_path = ctx.work_dir / "distributed.json"
-    spec_path.write_text(json.dumps(spec), encoding="utf-8")
+    spec_path.write_text(json.dumps(rank_file), encoding="utf-8")
     result_path = ctx.work_dir / "distributed.result.json"
     log_path = ctx.work_dir / "distributed.log"
     ctx.flush()
@@ -81,7 +82,7 @@ def run_distributed(loaded, stage: str, upstream_outputs: dict, ctx, resources) 
     ctx.staged.update(result["staged"])
 
 
-class _RankContext:
+class RankContext:
     """The stage context of ranks other than 0: computes like rank 0, records nothing."""
 
     def __init__(self, work_dir: Path, resume_dir: Path, seed: int, deadline: float | None):
@@ -123,41 +124,3 @@ class _RankContext:
                 pass
 
         yield _Quiet()
-
-
-def main(spec_path: str) -> int:
-    from flows.home import configure_environment
-    from flows.pipeline import resolve_inputs
-    from flows.spec import load_pipeline
-    from flows.tracking import MlflowStageContext, Tracker
-    from stages.registry import stage_runner
-
-    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-    rank = int(os.environ.get("RANK", "0"))
-    home = configure_environment()
-    loaded = load_pipeline(spec["pipeline_file"], spec["overrides"])
-    config = loaded.spec.stages[spec["stage"]]
-    deadline = time.monotonic() + spec["seconds_left"] if spec["seconds_left"] else None
-    work_dir, resume_dir = Path(spec["work_dir"]), Path(spec["resume_dir"])
-    result_path = work_dir / "distributed.result.json"
-    try:
-        inputs = resolve_inputs(loaded, spec["stage"], spec["upstream_outputs"], home)
-        if rank == 0:
-            ctx = MlflowStageContext(Tracker(home), spec["run_id"], work_dir, spec["seed"], resume_dir=resume_dir)
-            ctx.deadline = deadline
-        else:
-            ctx = _RankContext(work_dir / f"rank{rank}", resume_dir, spec["seed"], deadline)
-        stage_runner(config.kind)(config, inputs, ctx)
-        ctx.flush()
-    except BaseException as error:
-        if rank == 0:
-            result_path.write_text(json.dumps({"error": f"{type(error).__name__}: {error}"[:3000],
-                                               "error_type": type(error).__name__}))
-        raise
-    if rank == 0:
-        result_path.write_text(json.dumps({"staged": ctx.staged}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from flows.iterate import downstream, failure_references
-from flows.spec import BASE, Pipeline
+from typing import TYPE_CHECKING
+
+from flows.iterate import downstream, failure_references, step_name
 from stages.rewards import reward_input_key
+
+if TYPE_CHECKING:
+    from flows.schema import Pipeline
+
+BASE = "base"  # the reserved name of the pipeline's own model in stage references
 
 
 def stage_references(pipeline: Pipeline, stage: str) -> dict[str, str]:
@@ -71,3 +77,24 @@ def render_graph(pipeline: Pipeline) -> str:
         sources += [f"data={d}({pipeline.data[d].role})" for d in config.dataset_names()]
         lines.append(f"  {name} ({config.kind}) <- {', '.join(sources)}")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ unrolling the rounds
+
+
+def expand_rounds(pipeline):
+    """The pipeline with round 2..R's steps added after round 1's stages (their references renamed)."""
+    spec = getattr(pipeline, "iterate", None)
+    if spec is None or spec.rounds == 1:
+        return pipeline
+    repeated = [name for name in pipeline.stages
+                if name == spec.train or name in descendants(pipeline, spec.train)]
+    stages = dict(pipeline.stages)
+    for round_ in range(2, spec.rounds + 1):
+        for name in repeated:
+            config = pipeline.stages[name]
+            renamed = {field: step_name(target, round_) for field, target in config.references().items()
+                       if target in repeated}
+            assert all(hasattr(config, field) for field in renamed), (name, renamed)  # references() names fields
+            stages[step_name(name, round_)] = config.model_copy(update=renamed)
+    return pipeline.model_copy(update={"stages": stages})

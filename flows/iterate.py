@@ -4,8 +4,8 @@
 iterate: {rounds: 2, collect: eval_probe, train: sft, mix: 0.5}
 ```
 
-Round 1 is the pipeline as written. Round r >= 2 reruns ``train`` and every stage
-downstream of it as *steps* named ``<stage>@<r>`` (``sft@2``, ``eval_probe@2``); stages
+Round 1 is the pipeline as written. Round r >= 2 (unrolled by ``flows.graph.expand_rounds``)
+reruns ``train`` and every stage downstream of it as *steps* named ``<stage>@<r>`` (``sft@2``, ``eval_probe@2``); stages
 upstream of ``train`` (and those beside it) are shared by all rounds and run once.
 ``train@r`` starts from the same checkpoint as ``train`` (its upstream is shared) and
 trains on its own dataset mixed with the failure set that ``collect`` wrote in round
@@ -33,6 +33,12 @@ from pathlib import Path
 
 from pydantic import ConfigDict, Field
 
+from flows.tags import (
+    TAG_FAILURE_SET,
+    TAG_FAILURE_SET_SHA256,
+    TAG_ROUND,
+    TAG_ROUND_OF,
+)
 from stages.spec_model import SpecModel
 
 ROUND_SEPARATOR = "@"  # stage names cannot hold it, so a step name never collides with a stage
@@ -41,10 +47,6 @@ FAILURE_ARTIFACT = "outputs/failures.jsonl"  # where an eval run publishes its f
 ITERABLE_KINDS = ("sft", "rl")  # training kinds that read conversations / prompts a failure set can feed
 MIX_RECIPE = 1  # bump when stages/failures.py changes what a given mix produces (part of the fingerprint)
 
-TAG_ROUND = "posttrain.round"
-TAG_ROUND_OF = "posttrain.round_of"
-TAG_FAILURE_SET = "posttrain.failure_set"
-TAG_FAILURE_SET_SHA256 = "posttrain.failure_set_sha256"
 
 
 class IterateSpec(SpecModel):
@@ -186,29 +188,6 @@ def iterate_issues(raw_iterate, stages: dict, raw_data: dict, raw_rewards: dict,
                                f"so every round retrains it, but reward {reward_name!r} names it: a reward cannot "
                                "follow the rounds; iterate a stage downstream of the reward model instead"))
     return issues
-
-
-# ------------------------------------------------------------------ unrolling the rounds
-
-
-def expand_rounds(pipeline):
-    """The pipeline with round 2..R's steps added after round 1's stages (their references renamed)."""
-    spec = getattr(pipeline, "iterate", None)
-    if spec is None or spec.rounds == 1:
-        return pipeline
-    from flows.graph import descendants
-
-    repeated = [name for name in pipeline.stages
-                if name == spec.train or name in descendants(pipeline, spec.train)]
-    stages = dict(pipeline.stages)
-    for round_ in range(2, spec.rounds + 1):
-        for name in repeated:
-            config = pipeline.stages[name]
-            renamed = {field: step_name(target, round_) for field, target in config.references().items()
-                       if target in repeated}
-            assert all(hasattr(config, field) for field in renamed), (name, renamed)  # references() names fields
-            stages[step_name(name, round_)] = config.model_copy(update=renamed)
-    return pipeline.model_copy(update={"stages": stages})
 
 
 # ------------------------------------------------------------------ a round's training data

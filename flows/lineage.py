@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from flows import __version__
@@ -51,13 +52,29 @@ class RunOptions:
             raise PlanError("--only and --from cannot be combined")
 
 
+class Action(str, Enum):
+    """What the plan does with a stage (a ``str``, so a plan travels as JSON to the Prefect flow)."""
+
+    RUN = "run"
+    CACHED = "cached"
+    SKIP = "skip"
+
+
 @dataclass
 class Decision:
     stage: str
-    action: str  # "run", "cached" or "skip"
-    reason: str
+    action: Action
+    reason: str  # for people (the plan and the summary print it); never compared
     cached_run_id: str | None = None
-    fingerprint: str | None = None
+    forced: bool = False  # --force, --from, --only or --no-cache: no cached run may stand in for it
+
+    def __post_init__(self):
+        self.action = Action(self.action)  # a plan read back from JSON holds plain strings
+
+    @property
+    def may_reuse(self) -> bool:
+        """Whether a run another process finished meanwhile, with the same fingerprint, may stand in."""
+        return not self.forced
 
 
 def base_model_identity(loaded: LoadedPipeline) -> str:
@@ -124,24 +141,24 @@ def plan_run(loaded: LoadedPipeline, options: RunOptions, tracker, experiment_id
     decisions: dict[str, Decision] = {}
     for stage in order:
         if stage not in selected:
-            decisions[stage] = Decision(stage, "skip", f"not selected (--only {options.only})")
+            decisions[stage] = Decision(stage, Action.SKIP, f"not selected (--only {options.only})")
             continue
-        rerunning = [u for u in edges[stage] if decisions[u].action == "run"]
+        rerunning = [u for u in edges[stage] if decisions[u].action is Action.RUN]
         if stage in forced:
-            decisions[stage] = Decision(stage, "run", "forced")
+            decisions[stage] = Decision(stage, Action.RUN, "forced", forced=True)
         elif rerunning:
-            decisions[stage] = Decision(stage, "run", f"upstream {', '.join(rerunning)} reruns")
+            decisions[stage] = Decision(stage, Action.RUN, f"upstream {', '.join(rerunning)} reruns")
         else:
             upstream_runs = {u: decisions[u].cached_run_id for u in edges[stage]}
             fp = fingerprint(loaded, stage, upstream_runs)
             hit = tracker.find_cached(experiment_id, stage, fp)
             if hit is None:
-                decisions[stage] = Decision(stage, "run", "no finished run with this fingerprint", fingerprint=fp)
+                decisions[stage] = Decision(stage, Action.RUN, "no finished run with this fingerprint")
             else:
-                decisions[stage] = Decision(stage, "cached", "same fingerprint", hit.info.run_id, fp)
+                decisions[stage] = Decision(stage, Action.CACHED, "same fingerprint", hit.info.run_id)
 
     if options.only:
-        missing = [s for s in order if s in selected and s != options.only and decisions[s].action == "run"]
+        missing = [s for s in order if s in selected and s != options.only and decisions[s].action is Action.RUN]
         if missing:
             raise PlanError(
                 f"--only {options.only} needs the cached outputs of {', '.join(missing)}, and there are none "

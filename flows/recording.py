@@ -24,47 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flows.store import check_reachable, is_unavailable
+
 FLUSH_SECONDS = 2.0
 FLUSH_SIZE = 1000
-
-
-class TrackingUnavailable(ConnectionError):
-    """The MLflow tracking store cannot be reached (a ConnectionError, so Prefect retries it)."""
-
-
-def is_unavailable(error: BaseException) -> bool:
-    """Whether an error means "the store is unreachable" rather than "the request was wrong"."""
-    import requests
-
-    seen = error
-    for _ in range(5):  # walk the cause/context chain a little way
-        if seen is None:
-            break
-        if isinstance(seen, (TrackingUnavailable, requests.exceptions.ConnectionError, requests.exceptions.Timeout,
-                             ConnectionError, TimeoutError)):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    message = str(error)
-    return "Max retries exceeded" in message or "Connection refused" in message or "Connection aborted" in message
-
-
-def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI", "")
-
-
-def check_reachable(timeout: float = 10.0) -> None:
-    """Raise TrackingUnavailable unless an HTTP tracking server answers ``/health`` (no-op for SQLite)."""
-    uri = tracking_uri()
-    if not uri.startswith(("http://", "https://")):
-        return
-    import requests
-
-    try:
-        response = requests.get(uri.rstrip("/") + "/health", timeout=timeout)
-    except requests.exceptions.RequestException as error:
-        raise TrackingUnavailable(f"the MLflow tracking server at {uri} is unreachable ({type(error).__name__})") from None
-    if response.status_code >= 500:
-        raise TrackingUnavailable(f"the MLflow tracking server at {uri} answered /health with {response.status_code}")
 
 
 def pending_dir(home: Path) -> Path:
@@ -154,7 +117,7 @@ class Recorder:
         self._do({"op": "artifact", "path": str(path), "artifact_path": artifact_path})
 
     def model(self, op: dict) -> None:
-        """A logged-model / registered-model write (``flows.models``), journalled like the rest."""
+        """A logged-model / registered-model write (``flows.model_registry``), journalled like the rest."""
         self._do(op)
 
     def terminate(self, status: str) -> None:
@@ -244,7 +207,7 @@ def apply_op(client, run_id: str, op: dict) -> None:
     elif kind == "terminate":
         client.set_terminated(run_id, status=op["status"])
     elif kind.startswith("model."):  # logged / registered models of the run's checkpoint or scores
-        from flows.models import apply_model_op
+        from flows.model_registry import apply_model_op
 
         apply_model_op(client, run_id, op)
     else:

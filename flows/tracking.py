@@ -20,21 +20,19 @@ from typing import Any
 from flows import __version__
 from flows.home import uses_local_mlflow
 from flows.recording import Recorder
+from flows.tags import (
+    TAG_ERROR,
+    TAG_FINGERPRINT,
+    TAG_HOST,
+    TAG_OUTPUTS,
+    TAG_PID,
+    TAG_PIPELINE,
+    TAG_PROCESS_START,
+    TAG_ROLE,
+    TAG_STAGE,
+    TAG_VERSION,
+)
 
-TAG_KIND = "posttrain.kind"
-TAG_STAGE = "posttrain.stage"
-TAG_FINGERPRINT = "posttrain.fingerprint"
-TAG_SEED = "posttrain.seed"  # the seed the stage ran with: its own, else the pipeline's
-TAG_UPSTREAM = "posttrain.upstream"
-TAG_VERSION = "posttrain.version"
-TAG_OUTPUTS = "posttrain.outputs"
-TAG_PIPELINE = "posttrain.pipeline"
-TAG_ROLE = "posttrain.role"  # "pipeline" or "stage"
-TAG_STAGE_RUNS = "posttrain.stage_runs"
-TAG_CACHED_FROM = "posttrain.cached_from"
-TAG_HOST = "posttrain.host"
-TAG_PID = "posttrain.pid"
-TAG_PROCESS_START = "posttrain.process_start"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")
 
@@ -95,9 +93,6 @@ class Tracker:
         items = [Param(str(k), str(v)[:6000]) for k, v in params.items()]
         for start in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[start : start + 100])
-
-    def finish(self, run_id: str, status: str) -> None:
-        self.client.set_terminated(run_id, status=status)
 
     def find_cached(self, experiment_id: str, stage: str, fingerprint: str):
         """The latest FINISHED run of this stage with this fingerprint and published outputs."""
@@ -174,7 +169,7 @@ class Tracker:
                 continue
             if process_alive(int(tags[TAG_PID]), tags.get(TAG_PROCESS_START)):
                 continue
-            self.client.set_tag(run.info.run_id, "posttrain.error",
+            self.client.set_tag(run.info.run_id, TAG_ERROR,
                                 f"the process that ran this (pid {tags[TAG_PID]} on {tags[TAG_HOST]}) died "
                                 "before it finished; marked FAILED by a later posttrain run")
             self.client.set_terminated(run.info.run_id, status="FAILED")

@@ -131,18 +131,7 @@ def filter_prompts(config, inputs: dict, ctx) -> Path:
     k = sampling.attempts
 
     started = time.perf_counter()
-    with ctx.progress(f"difficulty filter: {k} attempts x {len(prompts)} prompts", len(prompts)) as bar:
-        backend = open_backend(spec.backend or config.backend, Path(inputs["policy"]),
-                               progress=bar, keep_logprobs=False, engine=config.engine,
-                               trust_remote_code=inputs.get("trust_remote_code", False),
-                               prompt_batch_size=spec.prompt_batch_size)
-        try:
-            samples = backend.generate(prompts, sampling)
-        finally:
-            backend.close()
-    ctx.log_params({"difficulty/resolved_backend": backend.name, "difficulty/backend_reason": backend.why,
-                    "difficulty/resolved_verifier": verifier,
-                    **{f"difficulty/sampling/{key}": value for key, value in sampling.identity().items()}})
+    samples = _sample(config, inputs, ctx, prompts, sampling, verifier)
 
     correct, errors = score_attempts(config, inputs, records, prompts, samples, verifier, spec.success_threshold)
     rates = pass_rates(correct, k)
@@ -165,6 +154,36 @@ def filter_prompts(config, inputs: dict, ctx) -> Path:
                     "correct": round(rate * k), "verdict": v}
                    for p, r, rate, v in zip(prompts, records, rates, verdicts)], TABLE_FILE)
 
+    _require_enough(config, kept, records, verdicts, k, verifier)
+    path = ctx.output_file(KEPT_FILE)
+    with open(path, "w", encoding="utf-8") as handle:
+        for record in kept:
+            handle.write(json.dumps(record) + "\n")
+    return path
+
+
+def _sample(config, inputs: dict, ctx, prompts: list, sampling, verifier: str):
+    """``attempts`` samples of every prompt under the starting policy."""
+    spec: DifficultyFilter = config.difficulty_filter
+    k = sampling.attempts
+    with ctx.progress(f"difficulty filter: {k} attempts x {len(prompts)} prompts", len(prompts)) as bar:
+        backend = open_backend(spec.backend or config.backend, Path(inputs["policy"]),
+                               progress=bar, keep_logprobs=False, engine=config.engine,
+                               trust_remote_code=inputs.get("trust_remote_code", False),
+                               prompt_batch_size=spec.prompt_batch_size)
+        try:
+            samples = backend.generate(prompts, sampling)
+        finally:
+            backend.close()
+    ctx.log_params({"difficulty/resolved_backend": backend.name, "difficulty/backend_reason": backend.why,
+                    "difficulty/resolved_verifier": verifier,
+                    **{f"difficulty/sampling/{key}": value for key, value in sampling.identity().items()}})
+    return samples
+
+
+def _require_enough(config, kept: list[dict], records: list[dict], verdicts: list[str], k: int, verifier: str) -> None:
+    """Refuse to train on fewer prompts than one step needs, saying why they were dropped."""
+    spec: DifficultyFilter = config.difficulty_filter
     needed = config.prompts_per_step if config.algorithm == "grpo" else 1
     if len(kept) < needed:
         raise DifficultyFilterEmpty(
@@ -175,12 +194,6 @@ def filter_prompts(config, inputs: dict, ctx) -> Path:
                if needed > 1 else "")
             + ": widen min_pass/max_pass, raise attempts or max_prompts, or start from another policy")
 
-    path = ctx.output_file(KEPT_FILE)
-    with open(path, "w", encoding="utf-8") as handle:
-        for record in kept:
-            handle.write(json.dumps(record) + "\n")
-    return path
-
 
 def score_attempts(config, inputs: dict, records: list[dict], prompts: list, samples, verifier: str,
                    threshold: float) -> tuple[list[bool], list[tuple[int, str]]]:
@@ -189,7 +202,7 @@ def score_attempts(config, inputs: dict, records: list[dict], prompts: list, sam
     Scored as the eval stage scores (``score_completions`` over the answer, prompt and task
     columns); an attempt whose reward raised is not correct, and the stage's ``reward_errors``
     policy decides whether the stage goes on."""
-    from stages.reward_model import bind_reward_models
+    from stages.reward_model_scoring import bind_reward_models
     from stages.rewards import score_completions, with_task_column
 
     k = len(samples[0]) if samples else 0

@@ -171,23 +171,7 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     sampling = config.sampling
     verifier = config.verifier or config.rewards[0]
 
-    with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
-        backend = open_backend(config.backend, Path(inputs["model"]), progress=bar, keep_logprobs=False,
-                               trust_remote_code=inputs.get("trust_remote_code", False),
-                               prompt_batch_size=config.prompt_batch_size, engine=config.engine)
-        try:
-            # the hash is known once the backend is: what the engine changes about samples is part of it
-            settings_id = settings_hash(config, Path(inputs["data"]), rewards, inputs.get("reward_model"),
-                                        backend.identity())
-            ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
-            ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id,
-                            "resolved_backend": backend.name, "backend_reason": backend.why,
-                            **{f"engine/{key}": value for key, value in backend.identity().items()}})
-            started = time.perf_counter()
-            samples = backend.generate(prompts, sampling)
-            seconds = time.perf_counter() - started
-        finally:
-            backend.close()
+    samples, seconds = _sample(config, inputs, ctx, prompts, verifier)
 
     k = sampling.attempts
     flat_texts = [s.text for group in samples for s in group]
@@ -195,7 +179,7 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
         "answer": [a for a in answers for _ in range(k)],
         "prompts": [p for p in prompts for _ in range(k)],
     }, [r.get("task") for r in records for _ in range(k)])
-    from stages.reward_model import bind_reward_models
+    from stages.reward_model_scoring import bind_reward_models
 
     scored = score_completions(rewards, flat_texts, columns, bind_reward_models(rewards, inputs))
     by_name = {c.name: c for c in scored.components}
@@ -214,36 +198,8 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     ctx.log_metrics({"generation_seconds": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)})
 
     failures_path = ctx.output_file("failures.jsonl")
-    rows, failures = [], 0
-    with open(failures_path, "w", encoding="utf-8") as handle:
-        for i, (prompt, answer, group) in enumerate(zip(prompts, answers, samples)):
-            span = range(i * k, (i + 1) * k)
-            case = {
-                "messages": prompt,
-                "answer": answer,
-                "attempts": [s.text for s in group],
-                "rewards": [scored.total[j] for j in span],
-                "correct": [correct[j] for j in span],
-                "parsed": [verdict.parsed[j] for j in span],
-                "truncated": [s.truncated for s in group],
-            }
-            if picks is not None:
-                case["best_of_n_pick"] = picks[i]
-            if records[i].get("task") is not None:  # a reasoning_gym entry: a later round's reward regenerates it
-                case["task"] = records[i]["task"]
-            if not any(case["correct"]):
-                failures += 1
-                handle.write(json.dumps(case) + "\n")
-            if len(rows) < config.sample_table_rows:
-                rows.append(
-                    {
-                        "prompt": prompt[-1]["content"],
-                        "expected": answer,
-                        "attempts": json.dumps(case["attempts"]),
-                        "rewards": json.dumps(case["rewards"]),
-                        "correct": sum(case["correct"]),
-                    }
-                )
+    rows, failures = _write_failure_cases(failures_path, config, records, samples, scored, correct, verdict.parsed,
+                                          picks, k)
     ctx.log_metrics({"failure_cases": float(failures)})
     ctx.log_table(rows, "samples.json")
     for component in scored.components:
@@ -251,6 +207,59 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
             error_rows = [{"completion": flat_texts[i], "error": message} for i, message in component.errors[:50]]
             ctx.log_table(error_rows, f"reward_errors_{component.name}.json")
     return {"failures": str(failures_path), "metrics": metrics}
+
+
+def _sample(config: EvalConfig, inputs: dict, ctx, prompts: list, verifier: str):
+    """``attempts`` samples per prompt through the engine, its settings hash tagged; (samples, seconds)."""
+    sampling = config.sampling
+    with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
+        backend = open_backend(config.backend, Path(inputs["model"]), progress=bar, keep_logprobs=False,
+                               trust_remote_code=inputs.get("trust_remote_code", False),
+                               prompt_batch_size=config.prompt_batch_size, engine=config.engine)
+        try:
+            # the hash is known once the backend is: what the engine changes about samples is part of it
+            settings_id = settings_hash(config, Path(inputs["data"]), inputs["rewards"], inputs.get("reward_model"),
+                                        backend.identity())
+            ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
+            ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id,
+                            "resolved_backend": backend.name, "backend_reason": backend.why,
+                            **{f"engine/{key}": value for key, value in backend.identity().items()}})
+            started = time.perf_counter()
+            samples = backend.generate(prompts, sampling)
+            return samples, time.perf_counter() - started
+        finally:
+            backend.close()
+
+
+def _write_failure_cases(path: Path, config: EvalConfig, records: list[dict], samples, scored, correct: list[bool],
+                         parsed: list[bool], picks, k: int) -> tuple[list[dict], int]:
+    """Write every prompt with no correct attempt to ``path``; (sample table rows, failure count)."""
+    rows, failures = [], 0
+    with open(path, "w", encoding="utf-8") as handle:
+        for i, (record, group) in enumerate(zip(records, samples)):
+            prompt, answer = prompt_messages(record), record.get("answer")
+            span = range(i * k, (i + 1) * k)
+            case = {
+                "messages": prompt,
+                "answer": answer,
+                "attempts": [s.text for s in group],
+                "rewards": [scored.total[j] for j in span],
+                "correct": [correct[j] for j in span],
+                "parsed": [parsed[j] for j in span],
+                "truncated": [s.truncated for s in group],
+            }
+            if picks is not None:
+                case["best_of_n_pick"] = picks[i]
+            if record.get("task") is not None:  # a reasoning_gym entry: a later round's reward regenerates it
+                case["task"] = record["task"]
+            if not any(case["correct"]):
+                failures += 1
+                handle.write(json.dumps(case) + "\n")
+            if len(rows) < config.sample_table_rows:
+                rows.append({"prompt": prompt[-1]["content"], "expected": answer,
+                             "attempts": json.dumps(case["attempts"]), "rewards": json.dumps(case["rewards"]),
+                             "correct": sum(case["correct"])})
+    return rows, failures
 
 
 def summarise(samples, correct: list[bool], scored, parsed: list[bool], k: int,
@@ -276,7 +285,7 @@ def select_best_of_n(selector: Path, prompts: list, texts: list[str], correct: l
                      trust_remote_code: bool = False) -> tuple[list[int], float]:
     """(per-prompt index of the attempt the reward model scores highest, share of picks that are correct)."""
     from stages.preference_math import best_of_n, best_of_n_accuracy
-    from stages.reward_model import RewardModelScorer
+    from stages.reward_model_scoring import RewardModelScorer
 
     scores = RewardModelScorer(selector, trust_remote_code=trust_remote_code).raw_scores(prompts, texts)
     scores_P_K = [scores[i : i + k] for i in range(0, len(scores), k)]

@@ -166,7 +166,7 @@ class EngineSettings(SpecModel):
 
 def open_backend(name: str, checkpoint: Path, *, trust_remote_code: bool = False, prompt_batch_size: int = 32,
                  progress=None, keep_logprobs: bool = True, engine: EngineSettings | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None) -> GenerationBackend:
     """A backend for ``checkpoint`` by name (``auto``, ``hf`` or ``vllm``); its ``why`` says how it was chosen."""
     chosen, why = resolve_backend(name, checkpoint)
     if chosen == "vllm":

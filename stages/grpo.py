@@ -41,7 +41,7 @@ from stages.data import prompt_messages, read_materialized
 from stages.generation import neutral_generation_config, resolve_backend
 from stages.rewards import RewardSpec, score_component, with_task_column
 
-# TRL's metric names -> ours (DESIGN.md)
+# TRL's metric names -> the names every rl stage logs (stages/rl.py lists them)
 METRIC_NAMES = {
     "reward": "reward/mean",
     "reward_std": "reward/std",
@@ -295,22 +295,11 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     from datasets import Dataset
 
     from stages.lora import save_trained
-    from stages.models import load_model_and_tokenizer
-    from stages.rl import log_curves
+    from stages.rl_common import log_curves
     from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
     seed = config.seed if config.seed is not None else ctx.seed
-    model, tokenizer = load_model_and_tokenizer(Path(inputs["policy"]),
-                                                trust_remote_code=inputs.get("trust_remote_code", False))
-    tokenizer.padding_side = "left"
-    # TRL builds the KL reference from the policy's `_name_or_path`: point it at the anchor.
-    model.config._name_or_path = str(inputs.get("reference") or inputs["policy"])
-    # transformers fills what TRL's sampling config leaves unset (min_p, suppress_tokens, ...) from the
-    # model's own generation config: sample from a neutral one, keep the checkpoint's for saving.
-    own_generation_config = model.generation_config
-    model.generation_config = neutral_generation_config(
-        eos_token_id=own_generation_config.eos_token_id, pad_token_id=own_generation_config.pad_token_id,
-        bos_token_id=own_generation_config.bos_token_id)
+    model, tokenizer, own_generation_config = _load_policy(inputs)
 
     records = read_materialized(Path(inputs["data"]))
     dataset = Dataset.from_list([{"prompt": prompt_messages(r), "answer": r.get("answer"),
@@ -318,12 +307,8 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
                                  for r in records])
     rewards: dict[str, RewardSpec] = inputs["rewards"]
     budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
-    holder: dict = {}
-    from stages.reward_model import bind_reward_models
-
-    bound = bind_reward_models(rewards, inputs)
-    reward_funcs = [make_reward_func(name, spec, budget, lambda: holder.get("metrics"), bound.get(name))
-                    for name, spec in rewards.items()]
+    holder: dict = {}  # the trainer's metrics, once it exists: the reward functions log into them
+    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"))
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
@@ -333,14 +318,8 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)
-    for network in (trainer.model, trainer.ref_model):
-        if network is not None:
-            turn_off_dropout(network)
+    _prepare(trainer, config, dataset, seed)
     holder["metrics"] = trainer._metrics["train"]
-    if config.dynamic_sampling is not None:
-        import random
-
-        trainer.dynamic = (config.dynamic_sampling, list(dataset), random.Random(seed))
     history: list[dict] = []
 
     def on_metrics(state, metrics):
@@ -363,14 +342,57 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
             rollouts.close()
 
     log_curves(ctx, history)
-    last = history[-1] if history else {}
-    metrics = {"steps": float(trainer.state.global_step), "reward_errors": float(budget.count)}
-    for key in ("reward/mean", "kl"):
-        if key in last:
-            metrics[f"final_{key.replace('/', '_')}"] = last[key]
+    metrics = _final_metrics(history, trainer.state.global_step, budget.count)
     ctx.log_metrics(metrics)
 
     trainer.model.config._name_or_path = str(inputs["policy"])  # was the KL anchor's, for TRL
     model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
     outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
+
+
+def _load_policy(inputs: dict):
+    """(model, tokenizer, the checkpoint's own generation config) of the policy, ready for TRL."""
+    from stages.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(Path(inputs["policy"]),
+                                                trust_remote_code=inputs.get("trust_remote_code", False))
+    tokenizer.padding_side = "left"
+    # TRL builds the KL reference from the policy's `_name_or_path`: point it at the anchor.
+    model.config._name_or_path = str(inputs.get("reference") or inputs["policy"])
+    # transformers fills what TRL's sampling config leaves unset (min_p, suppress_tokens, ...) from the
+    # model's own generation config: sample from a neutral one, keep the checkpoint's for saving.
+    own_generation_config = model.generation_config
+    model.generation_config = neutral_generation_config(
+        eos_token_id=own_generation_config.eos_token_id, pad_token_id=own_generation_config.pad_token_id,
+        bos_token_id=own_generation_config.bos_token_id)
+    return model, tokenizer, own_generation_config
+
+
+def _reward_funcs(inputs: dict, budget: RewardErrorBudget, trainer_metrics) -> list:
+    """One TRL reward function per declared reward (reward-model rewards bound to their checkpoints)."""
+    from stages.reward_model_scoring import bind_reward_models
+
+    rewards: dict[str, RewardSpec] = inputs["rewards"]
+    bound = bind_reward_models(rewards, inputs)
+    return [make_reward_func(name, spec, budget, trainer_metrics, bound.get(name)) for name, spec in rewards.items()]
+
+
+def _final_metrics(history: list[dict], steps: int, reward_errors: int) -> dict[str, float]:
+    last = history[-1] if history else {}
+    metrics = {"steps": float(steps), "reward_errors": float(reward_errors)}
+    for key in ("reward/mean", "kl"):
+        if key in last:
+            metrics[f"final_{key.replace('/', '_')}"] = last[key]
+    return metrics
+
+
+def _prepare(trainer, config, dataset, seed: int) -> None:
+    """Dropout off in the policy and the reference; dynamic sampling's pool of prompts, when declared."""
+    for network in (trainer.model, trainer.ref_model):
+        if network is not None:
+            turn_off_dropout(network)
+    if config.dynamic_sampling is not None:
+        import random
+
+        trainer.dynamic = (config.dynamic_sampling, list(dataset), random.Random(seed))

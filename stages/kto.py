@@ -1,6 +1,6 @@
 """Stage kind ``kto``: Kahneman-Tversky optimisation with TRL's ``KTOTrainer``.
 
-The same preference pairs as ``dpo`` (stages/dpo.py shares the loading, reference and
+The same preference pairs as ``dpo`` (stages/preference_training.py shares the loading, reference and
 logging), unpaired here: chosen replies desirable, rejected ones undesirable, shuffled with
 the stage seed. TRL reads its training data in order (its KL reference point is estimated
 on mismatched prompt/completion pairs within each fixed batch, so ``batch_size`` must be
@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from stages.dpo import PreferenceOptimisationConfig, train_on_preferences
+from stages.preference_training import PreferenceOptimisationConfig, train_on_preferences
 
 
 class KTOStageConfig(PreferenceOptimisationConfig):

@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
+from stages.pretrained import set_padding_side
 from stages.spec_model import SpecModel
 
 # The assistant's end-of-turn token is inside {% generation %} so assistant-only loss
@@ -143,13 +144,6 @@ def build_tiny_tokenizer():
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     set_padding_side(tokenizer, "left")  # generation pads on the left; trainers set their own side
     return tokenizer
-
-
-def set_padding_side(tokenizer, side: str) -> None:
-    """Set the padding side so that it also survives save_pretrained (transformers 5 drops the
-    attribute itself on save; init_kwargs is what gets written)."""
-    tokenizer.padding_side = side
-    tokenizer.init_kwargs["padding_side"] = side
 
 
 def build_tiny_model(spec: TinyModelSpec, seed: int, out_dir: Path) -> Path:

@@ -65,9 +65,9 @@ from stages.data import prompt_messages, read_materialized
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend
 from stages.lora import save_trained, wrap
 from stages.models import load_model_and_tokenizer
-from stages.reward_model import bind_reward_models, reward_model_correlations
+from stages.reward_model_scoring import bind_reward_models, reward_model_correlations
 from stages.rewards import RewardSpec, ScoredBatch, score_completions, with_task_column
-from stages.rl import RLStageConfig, log_curves
+from stages.rl_common import RLStageConfig, log_curves
 from stages.rl_math import (
     AdaptiveKLController,
     FixedKLController,
@@ -110,7 +110,7 @@ class ValueModel(nn.Module):
     def from_reward_model(cls, path: Path, trust_remote_code: bool = False) -> "ValueModel":
         """A reward model's backbone and score head: V starts as the reward model's score of the
         prefix, which at the last token is the reward itself (before any offset or normalisation)."""
-        from stages.reward_model import load_sequence_scorer
+        from stages.reward_model_scoring import load_sequence_scorer
 
         scorer, _ = load_sequence_scorer(path, trust_remote_code=trust_remote_code)
         critic = cls(scorer.base_model, scorer.config.hidden_size)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 
-from stages.data import ArithmeticPreferenceData, DataError
+from stages.data_specs import ArithmeticPreferenceData, DataError
 from stages.rewards import exact_answer
 
 FIELDS = ("prompt", "chosen", "rejected")

@@ -126,12 +126,16 @@ def training_chat_template(template: str, render) -> str | None:
     return patched
 
 
+def set_padding_side(tokenizer, side: str) -> None:
+    """Set the padding side so that it also survives save_pretrained (transformers 5 drops the
+    attribute itself on save; init_kwargs is what gets written)."""
+    tokenizer.padding_side = side
+    tokenizer.init_kwargs["padding_side"] = side
+
+
 def convert_gguf(path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file into an ordinary float32 safetensors checkpoint with its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from stages.models import set_padding_side
-
     from transformers.utils import logging as hf_logging
 
     folder, name = str(path.parent), path.name

@@ -43,7 +43,7 @@ import random
 import re
 from typing import Any
 
-from stages.data import DataError, ReasoningGymData
+from stages.data_specs import DataError, ReasoningGymData
 from stages.rewards import RewardError, RewardOutput
 
 INSTALL_HINT = ("reasoning-gym is not installed; it is an optional extra: pip install reasoning-gym "

@@ -9,7 +9,7 @@ from stages.dpo import DPOStageConfig
 from stages.eval import EvalConfig
 from stages.kto import KTOStageConfig
 from stages.reward_model import RewardModelStageConfig
-from stages.rl import RLStageConfig
+from stages.rl_common import RLStageConfig
 from stages.sft import SFTStageConfig
 
 STAGE_KINDS = {

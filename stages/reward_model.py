@@ -37,7 +37,14 @@ from pydantic import ConfigDict, Field
 from stages.context import ExecutionLimits
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
-from stages.rewards import REWARD_MODEL_FN, RewardSpec, ScoredBatch, reward_input_key
+from stages.reward_model_scoring import (  # re-exported: stages.reward_model is where callers look
+    RewardModelReward,
+    RewardModelScorer,
+    bind_reward_models,
+    centre_per_prompt,
+    load_sequence_scorer,
+    reward_model_correlations,
+)
 from stages.trainer_callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments
 
 
@@ -100,30 +107,36 @@ rename_metrics = metric_renamer(METRIC_NAMES)
 POOLED_METRICS = ("accuracy", "margin", "mean_reward")
 
 
-def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
-    """(model, tokenizer): a one-output sequence classifier from any causal-LM or reward checkpoint.
+def training_arguments(config: RewardModelStageConfig, ctx, seed: int, evaluate: bool):
+    """TRL's ``RewardConfig`` for this stage (``evaluate``: on the held-out pairs every ``eval_every`` steps)."""
+    from trl import RewardConfig
 
-    From a causal LM the score head is new (random); ``pad_token_id`` is set in the config
-    because the classifier reads its score at the last token that is not padding.
-    """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from stages.trainer_callbacks import device_arguments
 
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
-                                                               trust_remote_code=trust_remote_code)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return RewardConfig(
+        output_dir=str(ctx.work_dir / "trainer"),
+        **schedule_arguments(config),
+        center_rewards_coefficient=config.center_rewards_coefficient,
+        gradient_checkpointing=False,
+        logging_steps=config.logging_steps,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=config.eval_every,
+        save_strategy="no",
+        report_to="none",
+        seed=seed,
+        data_seed=seed,
+        dataloader_num_workers=0,
+        **device_arguments(),
+    )
 
 
 def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
     import torch
-    from trl import RewardConfig, RewardTrainer
+    from trl import RewardTrainer
 
     from stages.lora import save_trained
     from stages.preferences import check_preference_records, split_heldout, trl_dataset
-    from stages.trainer_callbacks import device_arguments, quiet_trainer, stop_gracefully, tracking_callback
+    from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
     seed = ctx.seed if config.seed is None else config.seed
     records = read_materialized(Path(inputs["data"]))
@@ -133,21 +146,7 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
     model, tokenizer = load_sequence_scorer(Path(inputs["model"]), inputs.get("trust_remote_code", False))
     tokenizer.padding_side = "right"
 
-    args = RewardConfig(
-        output_dir=str(ctx.work_dir / "trainer"),
-        **schedule_arguments(config),
-        center_rewards_coefficient=config.center_rewards_coefficient,
-        gradient_checkpointing=False,
-        logging_steps=config.logging_steps,
-        eval_strategy="steps" if heldout else "no",
-        eval_steps=config.eval_every,
-        save_strategy="no",
-        report_to="none",
-        seed=seed,
-        data_seed=seed,
-        dataloader_num_workers=0,
-        **device_arguments(),
-    )
+    args = training_arguments(config, ctx, seed, evaluate=bool(heldout))
     trainer = pooling_pair_metrics(RewardTrainer, POOLED_METRICS)(
         model=model, args=args, train_dataset=trl_dataset(train),
         eval_dataset=trl_dataset(heldout) if heldout else None, processing_class=tokenizer,
@@ -184,105 +183,3 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
 
 
 # ---------------------------------------------------------------- the reward model as a reward
-
-
-class RewardModelScorer:
-    """Batched scores of (prompt, completion) pairs by a trained reward model."""
-
-    def __init__(self, path: Path, batch_size: int = 64, trust_remote_code: bool = False):
-        import torch
-
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model, self.tokenizer = load_sequence_scorer(path, trust_remote_code)
-        self.model.to(self.device).eval()
-        self.batch_size = batch_size
-
-    def raw_scores(self, prompts: list[list[dict]], completions: list[str]) -> list[float]:
-        """One score per completion: the model's output at the last token of prompt + reply."""
-        import torch
-
-        tok = self.tokenizer
-        sequences = [
-            tok.apply_chat_template(list(prompt) + [{"role": "assistant", "content": text}], tokenize=True,
-                                    return_dict=True)["input_ids"]
-            for prompt, text in zip(prompts, completions)
-        ]
-        scores: list[float] = []
-        for start in range(0, len(sequences), self.batch_size):
-            batch = sequences[start : start + self.batch_size]
-            width = max(len(ids) for ids in batch)
-            input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, ids in enumerate(batch):  # right padding, as in training
-                input_ids[row, : len(ids)] = torch.tensor(ids)
-                attention[row, : len(ids)] = 1
-            with torch.no_grad():
-                logits = self.model(input_ids=input_ids.to(self.device),
-                                    attention_mask=attention.to(self.device)).logits
-            scores.extend(logits[:, 0].float().cpu().tolist())
-        return scores
-
-
-class RewardModelReward:
-    """A reward function ``(completions, prompts, **columns) -> scores`` around a scorer, with the
-    spec's offset or running normalisation (its state lives as long as the stage)."""
-
-    def __init__(self, scorer: RewardModelScorer, spec: RewardSpec):
-        from stages.preference_math import RunningMeanStd
-
-        self.scorer, self.spec = scorer, spec
-        self.running = RunningMeanStd() if spec.normalize == "running" else None
-
-    def __call__(self, completions: list[str], prompts: list[list[dict]] | None = None, **_) -> list[float]:
-        if prompts is None:
-            raise ValueError("the reward_model reward needs the prompts column to score completions")
-        scores = [s - self.spec.offset for s in self.scorer.raw_scores(prompts, completions)]
-        if self.spec.normalize == "group":
-            return centre_per_prompt(scores, prompts)
-        return self.running.normalise(scores) if self.running is not None else scores
-
-
-def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[float]:
-    """Each score minus the mean score of the completions that answer the same prompt."""
-    import json
-
-    keys = [json.dumps(p, sort_keys=True) for p in prompts]
-    totals: dict[str, list[float]] = {}
-    for key, score in zip(keys, scores):
-        totals.setdefault(key, []).append(score)
-    means = {key: sum(values) / len(values) for key, values in totals.items()}
-    return [score - means[key] for key, score in zip(keys, scores)]
-
-
-def bind_reward_models(rewards: dict[str, RewardSpec], inputs: dict) -> dict[str, RewardModelReward]:
-    """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once."""
-    loaded: dict[str, RewardModelScorer] = {}
-    bound = {}
-    for name, spec in rewards.items():
-        if spec.fn != REWARD_MODEL_FN:
-            continue
-        key = reward_input_key(name)
-        if key not in inputs:
-            raise ValueError(f"reward {name!r} scores with stage {spec.stage!r}, but the stage received no "
-                             f"checkpoint for it (inputs[{key!r}] is missing)")
-        path = str(inputs[key])
-        if path not in loaded:
-            loaded[path] = RewardModelScorer(Path(path), spec.batch_size, inputs.get("trust_remote_code", False))
-        bound[name] = RewardModelReward(loaded[path], spec)
-    return bound
-
-
-def reward_model_correlations(scored: ScoredBatch, rewards: dict[str, RewardSpec]) -> dict[str, float]:
-    """``reward/<rm>/corr/<other>``: Pearson correlation of each reward model's scores with each
-    other reward's on one batch (skipped where either side has no variance)."""
-    from stages.preference_math import pearson
-
-    learned = [c for c in scored.components if rewards[c.name].fn == REWARD_MODEL_FN]
-    others = [c for c in scored.components if rewards[c.name].fn != REWARD_MODEL_FN]
-    metrics = {}
-    for rm in learned:
-        for other in others:
-            value = pearson(rm.scores, other.scores)
-            if value is not None:
-                metrics[f"reward/{rm.name}/corr/{other.name}"] = value
-    return metrics

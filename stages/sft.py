@@ -84,18 +84,11 @@ def rename_metrics(logs: dict) -> dict[str, float]:
 
 
 def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     from stages.lora import save_trained
     from stages.models import load_model_and_tokenizer
-    from stages.trainer_callbacks import (
-        device_arguments,
-        last_checkpoint,
-        quiet_trainer,
-        resumable_arguments,
-        stop_gracefully,
-        tracking_callback,
-    )
+    from stages.trainer_callbacks import last_checkpoint, quiet_trainer, stop_gracefully, tracking_callback
 
     seed = ctx.seed if config.seed is None else config.seed
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 when launched data-parallel (flows/distributed.py)
@@ -110,26 +103,7 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
         train_dataset, collator, params = unpacked_dataset(conversations), None, {}
         path_args = {"assistant_only_loss": config.assistant_only_loss}
 
-    args = SFTConfig(
-        **resumable_arguments(ctx.resume_dir, config.save_steps),
-        max_steps=config.max_steps if config.max_steps is not None else -1,
-        num_train_epochs=config.epochs,
-        per_device_train_batch_size=config.batch_size // world_size,  # the global batch stays batch_size
-        learning_rate=config.lr,
-        lr_scheduler_type=config.lr_schedule,
-        warmup_steps=config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
-        weight_decay=config.weight_decay,
-        max_length=config.max_length,
-        packing=False,  # TRL's packing is padding-free: one batch-long row (see stages/packing.py)
-        gradient_checkpointing=config.gradient_checkpointing,
-        logging_steps=config.logging_steps,
-        **device_arguments(),
-        report_to="none",
-        seed=seed,
-        data_seed=seed,
-        dataloader_num_workers=0,
-        **path_args,
-    )
+    args = training_arguments(config, ctx, seed, world_size, path_args)
     # args.world_size is the process group's: 2 only if two processes really joined it
     ctx.log_params({"examples": len(records), "resolved_seed": seed, "world_size": args.world_size, **params})  # the config is logged by flows
     trainer_class = packed_sft_trainer_class() if config.packing else SFTTrainer
@@ -161,6 +135,34 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
     # stages/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
     outputs = save_trained(trainer.model, tokenizer, ctx, final_loss=metrics["final_loss"])
     return {**outputs, "metrics": metrics}
+
+
+def training_arguments(config: SFTStageConfig, ctx, seed: int, world_size: int, path_args: dict):
+    """TRL's ``SFTConfig`` for this stage: resumable, the global batch split over ``world_size`` processes."""
+    from trl import SFTConfig
+
+    from stages.trainer_callbacks import device_arguments, resumable_arguments
+
+    return SFTConfig(
+        **resumable_arguments(ctx.resume_dir, config.save_steps),
+        max_steps=config.max_steps if config.max_steps is not None else -1,
+        num_train_epochs=config.epochs,
+        per_device_train_batch_size=config.batch_size // world_size,  # the global batch stays batch_size
+        learning_rate=config.lr,
+        lr_scheduler_type=config.lr_schedule,
+        warmup_steps=config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
+        weight_decay=config.weight_decay,
+        max_length=config.max_length,
+        packing=False,  # TRL's packing is padding-free: one batch-long row (see stages/packing.py)
+        gradient_checkpointing=config.gradient_checkpointing,
+        logging_steps=config.logging_steps,
+        **device_arguments(),
+        report_to="none",
+        seed=seed,
+        data_seed=seed,
+        dataloader_num_workers=0,
+        **path_args,
+    )
 
 
 def unpacked_dataset(conversations: list[list[dict]]):

@@ -365,11 +365,11 @@ def fuzz_one(data):
 
 def test_fuzzed_input_is_refused_cleanly_or_accepted():
     """Every example: exit 2 with what and where, or valid; no traceback; nothing written."""
-    from flows import pipeline
+    from flows import cli, pipeline
 
     STATS.clear()
     accepted = SimpleNamespace(failed=[], unrecorded=[])
-    with mock.patch.object(pipeline, "run_from_cli", lambda loaded, options, console: accepted), \
+    with mock.patch.object(cli, "run_from_cli", lambda loaded, options, console: accepted), \
             mock.patch.object(pipeline, "print_summary", lambda report, console: None):
         fuzz_one()
     # the fuzzer reached both outcomes and every kind of breakage (else it proves little)

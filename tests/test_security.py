@@ -128,7 +128,7 @@ def test_checkpoint_code_is_refused_without_trust_remote_code(custom_checkpoint,
     assert run_cli("validate", str(pipeline)) == 0, capsys.readouterr().err
     assert not ran.exists()
     # ...and the flag reaches every stage's inputs.
-    from flows.pipeline import resolve_inputs
+    from flows.execute import resolve_inputs
     from flows.spec import load_pipeline
 
     loaded = load_pipeline(pipeline)

@@ -41,15 +41,25 @@ import json
 import sys
 import time
 
-from flows.recording import is_unavailable
+from flows.store import is_unavailable
+from flows.tags import (
+    TAG_CHECKPOINT_URI,
+    TAG_EVAL_SETTINGS,
+    TAG_FINGERPRINT,
+    TAG_KIND,
+    TAG_LINKED_MODEL_ID,
+    TAG_MODEL_ERROR,
+    TAG_MODEL_ID,
+    TAG_MODEL_VERSION,
+    TAG_MODEL_VERSIONS_UI,
+    TAG_OUTPUTS,
+    TAG_PIPELINE,
+    TAG_PRODUCES,
+    TAG_ROUND,
+    TAG_RUN_ID,
+    TAG_STAGE,
+)
 
-TAG_MODEL_ID = "posttrain.model_id"
-TAG_MODEL_VERSION = "posttrain.model_version"  # "NAME/VERSION" of the registered model version
-TAG_MODEL_ERROR = "posttrain.model_error"
-TAG_CHECKPOINT_URI = "posttrain.checkpoint_uri"  # on a model version: where its checkpoint's files are
-TAG_ROUND = "posttrain.round"  # an iteration round, where a pipeline iterates
-TAG_EVAL_SETTINGS = "posttrain.eval_settings"  # = stages.eval.EVAL_SETTINGS_TAG (flows does not import stages.eval)
-TAG_MODEL_VERSIONS_UI = "mlflow.modelVersions"  # what mlflow.register_model sets: the UI links model -> versions
 
 CHAMPION = "champion"
 POLICY = "policy"
@@ -133,13 +143,13 @@ def register_checkpoint(client, run, pipeline: str, produces: str = POLICY,
     run_id = run.info.run_id
     model_id = tags.get(TAG_MODEL_ID)
     if model_id is None:
-        stage = tags.get("posttrain.stage", "checkpoint")
+        stage = tags.get(TAG_STAGE, "checkpoint")
         model = client.create_logged_model(
             run.info.experiment_id, name=_logged_model_name(stage), source_run_id=run_id, model_type=produces,
-            tags={k: v for k, v in {"posttrain.stage": stage, "posttrain.kind": tags.get("posttrain.kind", ""),
-                                    "posttrain.pipeline": pipeline, TAG_ROUND: tags.get(TAG_ROUND)}.items() if v},
-            params={"stage": stage, "kind": tags.get("posttrain.kind", ""),
-                    "fingerprint": tags.get("posttrain.fingerprint", ""), "artifact": artifact},
+            tags={k: v for k, v in {TAG_STAGE: stage, TAG_KIND: tags.get(TAG_KIND, ""),
+                                    TAG_PIPELINE: pipeline, TAG_ROUND: tags.get(TAG_ROUND)}.items() if v},
+            params={"stage": stage, "kind": tags.get(TAG_KIND, ""),
+                    "fingerprint": tags.get(TAG_FINGERPRINT, ""), "artifact": artifact},
         )
         model_id = model.model_id
         client.finalize_logged_model(model_id, LoggedModelStatus.READY)
@@ -150,7 +160,7 @@ def register_checkpoint(client, run, pipeline: str, produces: str = POLICY,
         _ensure_registered_model(client, name, pipeline, produces)
         version = client.create_model_version(
             name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id,
-            tags={k: v for k, v in {"posttrain.stage": tags.get("posttrain.stage", ""), "posttrain.run_id": run_id,
+            tags={k: v for k, v in {TAG_STAGE: tags.get(TAG_STAGE, ""), TAG_RUN_ID: run_id,
                                     TAG_CHECKPOINT_URI: f"{run.info.artifact_uri.rstrip('/')}/{artifact}",
                                     TAG_ROUND: tags.get(TAG_ROUND)}.items() if v},
             description=f"checkpoint of stage {tags.get('posttrain.stage')!r} (run {run_id})",
@@ -175,7 +185,7 @@ def _ensure_registered_model(client, name: str, pipeline: str, produces: str) ->
     except MlflowException:
         try:
             client.create_registered_model(
-                name, tags={"posttrain.pipeline": pipeline, "posttrain.produces": produces},
+                name, tags={TAG_PIPELINE: pipeline, TAG_PRODUCES: produces},
                 description=f"{produces} checkpoints of posttrain pipeline {pipeline!r}, one version per "
                             "published checkpoint; alias `champion` is set by `posttrain compare --promote`")
         except MlflowException:  # created meanwhile by another process
@@ -189,13 +199,13 @@ def ensure_registered(client, checkpoint_run_id: str) -> str | None:
     tags = run.data.tags
     if TAG_MODEL_ID in tags and TAG_MODEL_VERSION in tags:
         return tags[TAG_MODEL_ID]
-    if run.info.status != "FINISHED" or "posttrain.outputs" not in tags:
+    if run.info.status != "FINISHED" or TAG_OUTPUTS not in tags:
         return None
-    outputs = json.loads(tags["posttrain.outputs"])
+    outputs = json.loads(tags[TAG_OUTPUTS])
     if "checkpoint" not in outputs:
         return None
     pipeline = client.get_experiment(run.info.experiment_id).name
-    kind = tags.get("posttrain.kind", "")
+    kind = tags.get(TAG_KIND, "")
     produces = "reward_model" if kind == "reward_model" else POLICY
     artifact = f"outputs/{outputs['checkpoint'].rstrip('/').rsplit('/', 1)[-1]}"
     return register_checkpoint(client, run, pipeline, produces, artifact)
@@ -212,7 +222,7 @@ def link_eval(client, eval_run, model_id: str, data: str | None = None) -> None:
     """Log an eval run's scores against the evaluated checkpoint's logged model (once)."""
     from mlflow.entities import LoggedModelInput, Metric
 
-    if eval_run.data.tags.get("posttrain.linked_model_id") == model_id:
+    if eval_run.data.tags.get(TAG_LINKED_MODEL_ID) == model_id:
         return
     run_id = eval_run.info.run_id
     settings = eval_run.data.tags.get(TAG_EVAL_SETTINGS)
@@ -228,7 +238,7 @@ def link_eval(client, eval_run, model_id: str, data: str | None = None) -> None:
         known = client.get_logged_model(model_id).tags.get(TAG_EVAL_SETTINGS, "")
         hashes = sorted({h for h in known.split(",") if h} | {settings})
         client.set_logged_model_tags(model_id, {TAG_EVAL_SETTINGS: ",".join(hashes)})
-    client.set_tag(run_id, "posttrain.linked_model_id", model_id)
+    client.set_tag(run_id, TAG_LINKED_MODEL_ID, model_id)
 
 
 # ------------------------------------------------------------------ the champion alias

@@ -1,0 +1,247 @@
+"""``execute(job) -> StageRow``: lock, cache check, run, publish — the one way a stage runs.
+
+In-process runs, work-pool workers (``flows/deployment.py``) and the torchrun ranks of a
+multi-process stage (``flows/rank.py``, through ``run_stage_function``) all start from a
+``StageJob``. No Prefect here: the Prefect task around ``execute`` lives in
+``flows/deployment.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flows.distributed import run_distributed
+from flows.graph import stage_references
+from flows.iterate import FAILURES_INPUT, failure_set_inputs, round_tags
+from flows.job import StageJob
+from flows.locks import stage_lock
+from flows.model_registry import record_stage_model
+from flows.recording import Recorder
+from flows.store import TrackingUnavailable, is_unavailable
+from flows.spec import BASE, LoadedPipeline
+from flows.tags import TAG_ERROR, TAG_FINGERPRINT, TAG_KIND, TAG_SEED, TAG_UPSTREAM
+from flows.tracking import MlflowStageContext, Tracker
+from stages.context import StageTimeLimit
+from stages.data import materialize
+from stages.models import resolve_base_checkpoint
+from stages.registry import HEADLINE_METRICS, stage_runner
+
+TIME_LIMIT_GRACE = 30.0
+
+
+class StageFailed(Exception):
+    """A stage raised at run time (exit status 1); carries the pipeline report when there is one."""
+
+    def __init__(self, message: str, report=None, run_id: str | None = None):
+        super().__init__(message)
+        self.report = report  # a flows.pipeline.PipelineReport
+        self.run_id = run_id
+
+
+@dataclass
+class StageRow:
+    stage: str
+    kind: str
+    status: str  # ran, cached, failed, skipped, not run
+    seconds: float = 0.0
+    run_id: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+    outputs: dict[str, str] = field(default_factory=dict)  # local paths of what the stage published
+    unrecorded: str = ""  # what could not be written to MLflow (the store was unreachable), in words
+
+
+# ------------------------------------------------------------------ what a stage reads
+
+
+def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[str, dict], home: Path) -> dict:
+    """Local paths for everything a stage reads: checkpoints, datasets, reward specs."""
+    spec = loaded.spec
+    config = spec.stages[stage]
+    # The pipeline's trust in its model's own code (off unless it says so) travels to every stage.
+    inputs: dict = {"base_dir": str(loaded.base_dir),
+                    "trust_remote_code": bool(getattr(spec.model, "trust_remote_code", False))}
+    for field_name, target in stage_references(spec, stage).items():  # reward models' stages included
+        if target == BASE:
+            path = resolve_base_checkpoint(spec.model, spec.seed, home / "cache" / "models", loaded.base_dir)
+        elif field_name == FAILURES_INPUT:  # iterate: the failure set of round r-1's collect step
+            path = upstream_outputs[target]["failures"]
+        else:
+            path = upstream_outputs[target]["checkpoint"]
+        inputs[field_name] = str(path)
+    for i, name in enumerate(config.dataset_names()):
+        path = materialize(spec.data[name], loaded.base_dir, home / "cache" / "data", spec.data)
+        inputs["data" if i == 0 else f"data_{name}"] = str(path)
+    inputs["rewards"] = loaded.rewards_for(config.reward_names())
+    inputs["reward_checks"] = {n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks}
+    return inputs
+
+
+def run_stage_function(job: StageJob, inputs: dict, ctx) -> None:
+    """The stage kind's ``run(config, inputs, ctx)``: what this process and every rank computes."""
+    stage_runner(job.kind)(job.config, inputs, ctx)
+
+
+# ------------------------------------------------------------------ lock, cache check, run, publish
+
+
+def execute(job: StageJob, tracker: Tracker, console=None) -> StageRow:
+    """Run one stage in a fresh child run, unless another process just produced the same result.
+
+    The stage lock serialises executions with one fingerprint across processes; once it is
+    held, a FINISHED run with this fingerprint (another ``posttrain run`` finished it while
+    this one waited) is reused unless the job may not reuse one (the stage was forced).
+    """
+
+    def waiting(holder: str) -> None:
+        print(f"stage {job.stage}: {holder} is running it with the same fingerprint; waiting for it",
+              file=sys.stderr, flush=True)
+
+    try:
+        with stage_lock(tracker.home, job.experiment_id, job.stage, job.fingerprint, waiting):
+            if job.may_reuse:
+                hit = tracker.find_cached(job.experiment_id, job.stage, job.fingerprint)
+                if hit is not None:
+                    return StageRow(job.stage, job.kind, "cached", 0.0, hit.info.run_id,
+                                    headline_metrics(tracker, hit.info.run_id, job.kind),
+                                    "finished meanwhile by another posttrain run", tracker.outputs_of(hit))
+            return _run(job, tracker, console)
+    except (StageFailed, KeyboardInterrupt, TrackingUnavailable):
+        raise
+    except Exception as error:
+        if is_unavailable(error):
+            raise TrackingUnavailable(f"stage {job.stage!r} could not start: the MLflow store is unreachable "
+                                      f"({str(error).splitlines()[0][:200]})") from error
+        raise
+
+
+def _flat_params(prefix: str, value, out: dict) -> dict:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _flat_params(f"{prefix}.{key}" if prefix else str(key), item, out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def _start_run(job: StageJob, tracker: Tracker) -> Recorder:
+    run_id = tracker.start_stage_run(
+        job.experiment_id, job.parent_run_id, job.stage,
+        {TAG_FINGERPRINT: job.fingerprint, TAG_UPSTREAM: json.dumps(job.upstream_runs), TAG_KIND: job.kind,
+         **job.extra_tags, **round_tags(job.pipeline, job.stage)},
+    )
+    recorder = Recorder(tracker.client, run_id, tracker.home)
+    recorder.params(_flat_params("", job.config.model_dump(mode="json"), {}))
+    return recorder
+
+
+def _run(job: StageJob, tracker: Tracker, console) -> StageRow:
+    """Run one stage; publish its outputs only if it finished; keep its trainer checkpoints if it did not."""
+    recorder = _start_run(job, tracker)
+    work_dir = tracker.home / "work" / recorder.run_id
+    # Keyed by fingerprint, not run id: the next execution of the same stage resumes from it.
+    resume_dir = tracker.home / "resume" / job.experiment_id / f"{job.stage}-{job.fingerprint}"
+    started = time.perf_counter()
+    try:
+        ctx = MlflowStageContext(tracker, recorder.run_id, work_dir, job.seed, console, resume_dir=resume_dir,
+                                 recorder=recorder)
+        _run_stage(job, tracker, recorder, ctx)
+    except KeyboardInterrupt:
+        recorder.tags({TAG_ERROR: "interrupted (Ctrl-C); trainer checkpoints so far are kept in "
+                                  f"{resume_dir} and the next run of this stage resumes from them"})
+        recorder.terminate("KILLED")
+        raise
+    except BaseException as error:
+        try:  # record why; if recording itself breaks, the stage's error still wins
+            recorder.tags({TAG_ERROR: f"{type(error).__name__}: {error}"[:5000]})
+            recorder.text(traceback.format_exc(), "error.txt")
+            recorder.terminate("FAILED")
+        except Exception:
+            pass
+        raise StageFailed(f"stage {job.stage!r} failed: {type(error).__name__}: {error}",
+                          run_id=recorder.run_id) from error
+    published = tracker.publish_outputs(recorder, job.pipeline.name, job.stage, ctx.staged)
+    record_stage_model(recorder, job.pipeline.name, job.stage, job.config, job.upstream_runs, published)
+    row = StageRow(job.stage, job.kind, "ran", time.perf_counter() - started, recorder.run_id, outputs=published)
+    shutil.rmtree(work_dir, ignore_errors=True)
+    shutil.rmtree(resume_dir, ignore_errors=True)
+    return _report_row(row, recorder, tracker)
+
+
+def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowStageContext) -> None:
+    """Resolve the inputs, then run the stage here or on ``world_size`` processes, within its time limit."""
+    inputs = resolve_inputs(job.loaded, job.stage, job.upstream_outputs, tracker.home)
+    inputs = failure_set_inputs(job.loaded, job.stage, inputs, job.upstream_runs, tracker, recorder,
+                                tracker.home)  # iterate
+    recorder.params({f"input.{k}": v for k, v in inputs.items() if k not in ("rewards", "reward_checks")})
+    recorder.tags({TAG_SEED: str(job.seed)})
+    with time_limit(job.stage, job.time_limit_seconds, ctx):
+        if job.resources.world_size() > 1:  # N training processes (flows/distributed.py)
+            run_distributed(job, ctx)
+        else:
+            run_stage_function(job, inputs, ctx)
+    ctx.flush()
+
+
+def _report_row(row: StageRow, recorder: Recorder, tracker: Tracker) -> StageRow:
+    """The row's headline metrics, or, if the store went away meanwhile, what waits to be recorded."""
+    if recorder.offline and not recorder.retry(float(os.environ.get("POSTTRAIN_TRACKING_RETRY_SECONDS", "60"))):
+        on_disk = ", ".join(row.outputs.values())
+        row.unrecorded = (f"stage {row.stage} finished and its outputs are on disk ({on_disk}), "
+                          f"but the MLflow store became unreachable ({recorder.unavailable}); not recorded: "
+                          f"{recorder.summary()}. They wait in {recorder.journal_path}; `posttrain sync` "
+                          "(or any later `posttrain run`) records them once the store is back")
+        return row
+    row.metrics = headline_metrics(tracker, row.run_id, row.kind)
+    return row
+
+
+@contextlib.contextmanager
+def time_limit(stage: str, seconds: float | None, ctx):
+    """The stage's deadline: stages that can stop cleanly watch ``ctx.deadline``; at most
+    ``TIME_LIMIT_GRACE`` seconds later, SIGALRM stops whatever still runs (main thread only:
+    elsewhere the clean stop is the only one)."""
+    if not seconds:
+        yield
+        return
+    ctx.deadline = time.monotonic() + seconds
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    grace = max(float(os.environ.get("POSTTRAIN_TIME_LIMIT_GRACE_SECONDS", TIME_LIMIT_GRACE)), 0.1 * seconds)
+
+    def stop(signum, frame):
+        raise StageTimeLimit(f"stage {stage!r} ran {grace:.0f} s past its time limit of {seconds / 60:g} min "
+                             "and was stopped")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds + grace)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def headline_metrics(tracker, run_id: str, kind: str) -> dict[str, float]:
+    metrics = tracker.get_run(run_id).data.metrics
+    chosen = {}
+    for pattern in HEADLINE_METRICS.get(kind, []):
+        if pattern.endswith("*"):
+            matches = [k for k in metrics if k.startswith(pattern[:-1]) and k not in chosen]
+            if matches:  # the widest k
+                widest = max(matches, key=lambda k: int(k.rsplit("_", 1)[-1]) if k.rsplit("_", 1)[-1].isdigit() else 0)
+                chosen[widest] = metrics[widest]
+        elif pattern in metrics:
+            chosen[pattern] = metrics[pattern]
+    return chosen

@@ -1,0 +1,53 @@
+"""One rank of a multi-process stage: ``python -m flows.rank JOB.json`` (launched by flows/distributed.py).
+
+The file holds the stage's ``StageJob`` and where rank 0 records (the stage run the
+orchestrating process opened). Every rank resolves the job's inputs and runs the same stage
+function as an in-process run (``flows.execute.run_stage_function``); rank 0 records
+through the real stage context and writes back what it staged, the others compute silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from flows.distributed import RankContext
+from flows.execute import resolve_inputs, run_stage_function
+from flows.home import configure_environment
+from flows.job import StageJob
+from flows.tracking import MlflowStageContext, Tracker
+
+
+def main(rank_file: str) -> int:
+    described = json.loads(Path(rank_file).read_text(encoding="utf-8"))
+    job = StageJob.from_json(described["job"])
+    rank = int(os.environ.get("RANK", "0"))
+    home = configure_environment()
+    seconds_left = described["seconds_left"]
+    deadline = time.monotonic() + seconds_left if seconds_left else None
+    work_dir, resume_dir = Path(described["work_dir"]), Path(described["resume_dir"])
+    result_path = work_dir / "distributed.result.json"
+    try:
+        inputs = resolve_inputs(job.loaded, job.stage, job.upstream_outputs, home)
+        if rank == 0:
+            ctx = MlflowStageContext(Tracker(home), described["run_id"], work_dir, job.seed, resume_dir=resume_dir)
+            ctx.deadline = deadline
+        else:
+            ctx = RankContext(work_dir / f"rank{rank}", resume_dir, job.seed, deadline)
+        run_stage_function(job, inputs, ctx)
+        ctx.flush()
+    except BaseException as error:
+        if rank == 0:
+            result_path.write_text(json.dumps({"error": f"{type(error).__name__}: {error}"[:3000],
+                                               "error_type": type(error).__name__}))
+        raise
+    if rank == 0:
+        result_path.write_text(json.dumps({"staged": ctx.staged}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

