@@ -100,13 +100,18 @@ def _vllm_distribution() -> str | None:
     return None
 
 
-def checkpoint_head_size(checkpoint: Path) -> int | None:
-    """The attention head size a checkpoint's config.json declares (None when it cannot be read)."""
+def _checkpoint_config(checkpoint: Path) -> dict:
+    """A checkpoint's config.json (its text model's part for a multimodal one); {} when unreadable."""
     try:
         config = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    config = config.get("text_config", config)
+        return {}
+    return config.get("text_config", config)
+
+
+def checkpoint_head_size(checkpoint: Path) -> int | None:
+    """The attention head size a checkpoint's config.json declares (None when it cannot be read)."""
+    config = _checkpoint_config(checkpoint)
     if config.get("head_dim"):
         return int(config["head_dim"])
     if config.get("hidden_size") and config.get("num_attention_heads"):
@@ -116,13 +121,8 @@ def checkpoint_head_size(checkpoint: Path) -> int | None:
 
 def checkpoint_dtype(checkpoint: Path) -> str:
     """The dtype a checkpoint's config.json declares (``float32`` when it says nothing)."""
-    try:
-        config = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return "float32"
-    config = config.get("text_config", config)
-    declared = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return str(declared).removeprefix("torch.")
+    config = _checkpoint_config(checkpoint)
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
 
 
 def vllm_problem(checkpoint: Path | None = None) -> str | None:
@@ -154,6 +154,21 @@ def resolve_backend(name: str, checkpoint: Path | None = None) -> tuple[str, str
     return ("vllm", "auto: vLLM serves this model here") if problem is None else ("hf", f"auto: {problem}")
 
 
+def choose_backend(name: str, checkpoint: Path) -> tuple[str, str]:
+    """``resolve_backend``, refusing a declared ``vllm`` that cannot serve ``checkpoint`` here."""
+    chosen, why = resolve_backend(name, checkpoint)
+    if chosen == "vllm" and why == "declared" and (problem := vllm_problem(checkpoint)) is not None:
+        raise RuntimeError(f"backend vllm: {problem}; use `backend: hf` or `auto`")
+    return chosen, why
+
+
+def prompt_token_ids(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
+    """Each conversation rendered with the chat template (generation prompt added) and tokenised without
+    special tokens: how every backend, rollout and trainer in posttrain encodes a prompt."""
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
 class EngineSettings(SpecModel):
     """How the generation engine runs: what changes samples enters the evaluation identity."""
 
@@ -168,10 +183,8 @@ def open_backend(name: str, checkpoint: Path, *, trust_remote_code: bool = False
                  progress=None, keep_logprobs: bool = True, engine: EngineSettings | None = None,
                  max_model_len: int | None = None) -> GenerationBackend:
     """A backend for ``checkpoint`` by name (``auto``, ``hf`` or ``vllm``); its ``why`` says how it was chosen."""
-    chosen, why = resolve_backend(name, checkpoint)
+    chosen, why = choose_backend(name, checkpoint)
     if chosen == "vllm":
-        if (problem := vllm_problem(checkpoint)) is not None:
-            raise RuntimeError(f"backend vllm: {problem}; use `backend: hf` or `auto`")
         backend = VLLMBackend(checkpoint, trust_remote_code=trust_remote_code, progress=progress,
                               keep_logprobs=keep_logprobs, engine=engine or EngineSettings(),
                               max_model_len=max_model_len)
@@ -416,10 +429,7 @@ class VLLMBackend:
             torch.cuda.empty_cache()
 
     def generate(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
-        tok = self.tokenizer
-        # rendered and tokenised exactly as HFGenerateBackend does
-        texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-        return self.generate_ids([tok(text, add_special_tokens=False)["input_ids"] for text in texts], settings)
+        return self.generate_ids(prompt_token_ids(self.tokenizer, prompts), settings)
 
     def generate_ids(self, prompt_ids: list[list[int]], settings: SamplingSettings,
                      seed_offset: int = 0) -> list[list[Sample]]:

@@ -38,8 +38,9 @@ import json
 from pathlib import Path
 
 from stages.data import prompt_messages, read_materialized
-from stages.generation import neutral_generation_config, resolve_backend
+from stages.generation import neutral_generation_config
 from stages.rewards import RewardSpec, score_component, with_task_column
+from stages.rollouts import rollout_backend
 
 # TRL's metric names -> the names every rl stage logs (stages/rl.py lists them)
 METRIC_NAMES = {
@@ -274,14 +275,14 @@ def build_grpo_config(config, output_dir: Path, seed: int):
     )
 
 
-def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int):
-    """posttrain's vLLM rollouts for TRL (stages/rollouts.py) when the stage's backend resolves to
+def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int, backend: str):
+    """posttrain's vLLM rollouts for TRL (stages/rollouts.py) when the stage's backend resolved to
     vLLM, else None (TRL samples with generate on the training model)."""
     import os
 
-    from stages.rollouts import GRPORollouts, context_length, rollout_backend
+    from stages.rollouts import GRPORollouts, context_length
 
-    if rollout_backend(config, Path(inputs["policy"]))[0] != "vllm":
+    if backend != "vllm":
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
     return GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=config.group_size,
@@ -312,9 +313,9 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
-    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed)
-    ctx.log_params({"resolved_backend": "vllm" if rollouts else "hf",
-                    "backend_reason": resolve_backend(config.backend, Path(inputs["policy"]))[1]})
+    backend, why = rollout_backend(config, Path(inputs["policy"]))
+    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend)
+    ctx.log_params({"resolved_backend": backend, "backend_reason": why})
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)

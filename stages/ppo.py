@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from stages.data import prompt_messages, read_materialized
-from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend
+from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend, prompt_token_ids
 from stages.lora import save_trained, wrap
 from stages.models import load_model_and_tokenizer
 from stages.reward_model_scoring import bind_reward_models, reward_model_correlations
@@ -174,12 +174,6 @@ class Rollout:
         for name in ("input_ids_B_L", "attention_mask_B_L", "completion_ids_B_T", "mask_B_T", "sample_logprobs_B_T"):
             setattr(self, name, getattr(self, name).to(device))
         return self
-
-
-def prompt_token_ids(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
-    """Prompt ids exactly as the generation backend encodes them."""
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
 def build_rollout(prompt_ids: list[list[int]], groups: list[list[Sample]], pad_id: int) -> Rollout:

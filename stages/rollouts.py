@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.generation import EngineSettings, SamplingSettings, VLLMBackend, resolve_backend, vllm_problem
+from stages.generation import EngineSettings, SamplingSettings, VLLMBackend, choose_backend, prompt_token_ids
 
 
 def merged_named_weights(model):
@@ -54,17 +54,13 @@ def sync_policy(engine: VLLMBackend, model) -> None:
 
 def rollout_backend(config, checkpoint: Path) -> tuple[str, str]:
     """(backend, why) for an RL stage's rollouts; a declared ``vllm`` that cannot serve the model fails here."""
-    chosen, why = resolve_backend(config.backend, checkpoint)
-    if chosen == "vllm" and (problem := vllm_problem(checkpoint)) is not None:
-        raise RuntimeError(f"backend vllm: {problem}; use `backend: hf` or `auto`")
-    return chosen, why
+    return choose_backend(config.backend, checkpoint)
 
 
 def context_length(tokenizer, prompts: list[list[dict]], max_tokens: int) -> int:
     """Tokens the engine must hold for the longest rendered prompt plus the completion budget
     (vLLM sizes its caches from it; the model's own maximum may be far longer)."""
-    longest = max(len(tokenizer(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
-                                add_special_tokens=False)["input_ids"]) for p in prompts)
+    longest = max(len(ids) for ids in prompt_token_ids(tokenizer, prompts))
     return longest + max_tokens + 8
 
 
@@ -110,9 +106,7 @@ class GRPORollouts:
         if [p for p in distinct for _ in range(self.group_size)] != list(prompts):
             raise RuntimeError(f"expected each prompt {self.group_size} times in a row from TRL's sampler; "
                                f"got {len(prompts)} prompts that are not so grouped")
-        rendered = [self.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-                    for p in distinct]
-        prompt_ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in rendered]
+        prompt_ids = prompt_token_ids(self.tokenizer, distinct)
         settings = SamplingSettings(**self.settings, seed=self.seed)
         groups = backend.generate_ids(prompt_ids, settings, seed_offset=self.calls * 100_003)
         self.calls += 1
