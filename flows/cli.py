@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--name", metavar="NAME", help="deployment name (default: the pipeline name)")
 
     commands.add_parser("sync", help="record in MLflow what a tracking outage left waiting in $POSTTRAIN_HOME/pending")
+    _ui_parser(commands)
 
     compare = commands.add_parser(
         "compare", help="rank evaluated checkpoints (within one eval settings hash), chart them, promote the best")
@@ -72,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _ui_parser(commands) -> None:
+    ui = commands.add_parser("ui", help="serve MLflow's UI on this home's runs (127.0.0.1) until Ctrl-C")
+    ui.add_argument("--port", type=int, metavar="PORT", help="port to listen on (default 5000, else a free one)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
@@ -82,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     # (spec, overrides, flags, environment) is accepted: refused input leaves nothing behind.
     home = configure_environment(create=False)
     console = Console() if sys.stdout.isatty() else Console(width=160)  # logs and CI get full rows
+
+    if args.command == "ui":
+        return _ui(args, console)
 
     if args.command in ("sync", "compare"):
         if (problem := home_problem(home)) is not None:
@@ -216,6 +225,17 @@ def _sync(console) -> int:
     for problem in broken:
         print(f"posttrain sync: {problem}", file=sys.stderr)
     return EXIT_BAD_INPUT if broken else EXIT_STAGE_FAILED if left else EXIT_OK
+
+
+def _ui(args, console) -> int:
+    """``posttrain ui``: MLflow's UI on the home's store until Ctrl-C (flows/ui.py)."""
+    from flows.ui import UiError, ui_command
+
+    try:
+        return ui_command(args.port, console)
+    except UiError as error:
+        print(f"posttrain ui: {error}; nothing was started", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 # ------------------------------------------------------------------ posttrain run

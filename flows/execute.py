@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flows.data_inputs import stage_datasets
 from flows.distributed import run_distributed
 from flows.graph import stage_references
 from flows.iterate import FAILURES_INPUT, failure_set_inputs, round_tags
@@ -184,6 +185,7 @@ def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowS
     inputs = failure_set_inputs(job.loaded, job.stage, inputs, job.upstream_runs, tracker, recorder,
                                 tracker.home)  # iterate
     recorder.params({f"input.{k}": v for k, v in inputs.items() if k not in ("rewards", "reward_checks")})
+    recorder.datasets(stage_datasets(job.loaded, job.stage, inputs))
     recorder.tags({TAG_SEED: str(job.seed)})
     with time_limit(job.stage, job.time_limit_seconds, ctx):
         if job.resources.world_size() > 1:  # N training processes (flows/distributed.py)

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flows.data_inputs import pipeline_datasets
 from flows.execute import StageFailed, StageRow, execute, headline_metrics
 from flows.graph import upstream_of
 from flows.home import artifact_root
@@ -63,6 +64,7 @@ def run_pipeline(loaded: LoadedPipeline, options: RunOptions, home: Path, stage_
     report = PipelineReport(loaded.spec.name, experiment_id, recorder.run_id, loop.rows,
                             time.perf_counter() - started, [row.unrecorded for row in loop.rows if row.unrecorded])
     recorder.tags({TAG_STAGE_RUNS: json.dumps(loop.run_ids)})
+    recorder.datasets(pipeline_datasets(tracker.client, loop.run_ids.values(), recorder.offline))
     recorder.text(summary_markdown(report), "summary.md")
     recorder.terminate("FAILED" if loop.failed else "FINISHED")
     if recorder.offline:

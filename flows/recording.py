@@ -116,6 +116,11 @@ class Recorder:
         """A file or a directory (logged as its contents) that lies on this disk for good."""
         self._do({"op": "artifact", "path": str(path), "artifact_path": artifact_path})
 
+    def datasets(self, datasets: list[dict]) -> None:
+        """The run's dataset inputs (``flows.data_inputs.stage_datasets``' dicts)."""
+        if datasets:
+            self._do({"op": "datasets", "datasets": datasets})
+
     def model(self, op: dict) -> None:
         """A logged-model / registered-model write (``flows.model_registry``), journalled like the rest."""
         self._do(op)
@@ -173,7 +178,8 @@ class Recorder:
             key = op["op"]
             counts[key] = counts.get(key, 0) + (len(op["metrics"]) if key == "metrics" else 1)
         names = {"metrics": "metric values", "params": "param batches", "tags": "tag batches", "text": "texts",
-                 "table": "tables", "artifact": "artifact paths", "terminate": "final status",
+                 "table": "tables", "artifact": "artifact paths", "datasets": "dataset input batches",
+                 "terminate": "final status",
                  "model.register": "model registrations", "model.link_eval": "model score links"}
         parts = [f"{n} {names.get(k, k)}" for k, n in counts.items()]
         return ", ".join(parts) or "nothing"
@@ -204,6 +210,10 @@ def apply_op(client, run_id: str, op: dict) -> None:
             client.log_artifacts(run_id, op["path"], artifact_path=op["artifact_path"])
         else:
             client.log_artifact(run_id, op["path"], artifact_path=op["artifact_path"])
+    elif kind == "datasets":
+        from flows.data_inputs import log_datasets
+
+        log_datasets(client, run_id, op["datasets"])
     elif kind == "terminate":
         client.set_terminated(run_id, status=op["status"])
     elif kind.startswith("model."):  # logged / registered models of the run's checkpoint or scores

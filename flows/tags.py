@@ -16,6 +16,13 @@ TAG_PROCESS_START = "posttrain.process_start"
 TAG_ERROR = "posttrain.error"  # why a run failed or was killed, in words
 TAG_PREFECT_FLOW_RUN = "posttrain.prefect_flow_run_id"
 
+# ------------------------------------------------------------------ an experiment (one per pipeline)
+# MLflow's own marker of what an experiment holds (its UI's "experiment type"): posttrain's are model training,
+# not GenAI apps. MLflow 3.17's UI itself opens an experiment by the `workflowType` URL parameter instead
+# (flows/ui.py prints links with it).
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+
 # ------------------------------------------------------------------ a pipeline run
 TAG_STAGE_RUNS = "posttrain.stage_runs"  # JSON: stage -> the run whose outputs this pipeline run used
 TAG_DISPATCHED = "posttrain.dispatched."  # + stage: JSON result of a stage a work pool ran
@@ -33,6 +40,7 @@ TAG_ROUND_OF = "posttrain.round_of"  # the stage a round's step repeats
 TAG_FAILURE_SET = "posttrain.failure_set"  # runs:/<collect run>/outputs/failures.jsonl that train@r read
 TAG_FAILURE_SET_SHA256 = "posttrain.failure_set_sha256"
 TAG_EVAL_SETTINGS = "posttrain.eval_settings"  # = stages.eval.EVAL_SETTINGS_TAG (stages do not import flows)
+TAG_DATA_CONTEXT = "mlflow.data.context"  # on a dataset input: the dataset's role (train, probe, heldout)
 
 # ------------------------------------------------------------------ the model registry
 TAG_MODEL_ID = "posttrain.model_id"

@@ -21,7 +21,9 @@ from flows import __version__
 from flows.home import uses_local_mlflow
 from flows.recording import Recorder
 from flows.tags import (
+    MODEL_TRAINING_KIND,
     TAG_ERROR,
+    TAG_EXPERIMENT_KIND,
     TAG_FINGERPRINT,
     TAG_HOST,
     TAG_OUTPUTS,
@@ -59,13 +61,21 @@ class Tracker:
             self.client = MlflowClient()
 
     def experiment_id(self, name: str, artifact_location: str | None) -> str:
+        """The pipeline's experiment, created (marked as model training) on first use.
+
+        An experiment made before posttrain marked them gets the mark too; one whose kind
+        someone set otherwise keeps it.
+        """
         from mlflow.exceptions import MlflowException
 
         found = self.client.get_experiment_by_name(name)
         if found is not None:
+            if TAG_EXPERIMENT_KIND not in found.tags:
+                self.client.set_experiment_tag(found.experiment_id, TAG_EXPERIMENT_KIND, MODEL_TRAINING_KIND)
             return found.experiment_id
         try:
-            return self.client.create_experiment(name, artifact_location=artifact_location)
+            return self.client.create_experiment(name, artifact_location=artifact_location,
+                                                 tags={TAG_EXPERIMENT_KIND: MODEL_TRAINING_KIND})
         except MlflowException:  # created concurrently by another posttrain process
             return self.client.get_experiment_by_name(name).experiment_id
 
