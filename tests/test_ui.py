@@ -51,6 +51,7 @@ def ran(tmp_path_factory, prefect_server):
         yield root / "home", runs, pipeline, client
 
 
+@pytest.mark.slow
 def test_experiments_are_model_training_and_runs_show_their_datasets(ran):
     home, runs, pipeline, client = ran
     experiment = client.get_experiment(runs["sft"].info.experiment_id)
@@ -76,6 +77,7 @@ def test_experiments_are_model_training_and_runs_show_their_datasets(ran):
     assert {r.info.run_id for r in found} == {runs["eval_sft"].info.run_id, pipeline.info.run_id}
 
 
+@pytest.mark.slow
 def test_evaluated_checkpoints_are_logged_models_with_their_scores(ran):
     _, runs, _, client = ran
     (model,) = client.search_logged_models([runs["sft"].info.experiment_id])
@@ -111,6 +113,7 @@ def _address(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
     return found.group(1), banner
 
 
+@pytest.mark.slow
 def test_posttrain_ui_shows_the_runs_their_scores_and_datasets_in_chromium(ran):
     if chromium_path() is None:  # CI (.ci/run) installs it and sets POSTTRAIN_REQUIRE_HOST_TOOLS=1
         if os.environ.get("POSTTRAIN_REQUIRE_HOST_TOOLS") == "1":
