@@ -193,3 +193,17 @@ def test_dataset_inputs_wait_in_the_journal_while_the_store_is_unreachable(home,
     (entry,) = tracker.get_run(run_id).inputs.dataset_inputs
     assert (entry.dataset.name, json.loads(entry.dataset.profile)["num_rows"]) == ("heldout", 4)
     assert entry.dataset.digest == hashlib.sha256(heldout.read_bytes()).hexdigest()[:16]
+
+
+def test_the_prefect_ui_address_is_printed_only_when_its_server_answers(prefect_server, monkeypatch):
+    from prefect.settings import get_current_settings
+
+    from flows.ui import prefect_ui_address
+
+    api = get_current_settings().api.url  # the session's real Prefect server
+    monkeypatch.setenv("PREFECT_API_URL", api)
+    assert prefect_ui_address() == api.removesuffix("/api")
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{_free_port()}/api")  # nothing listens there
+    assert prefect_ui_address() is None
+    monkeypatch.delenv("PREFECT_API_URL")
+    assert prefect_ui_address() is None
