@@ -161,3 +161,36 @@ def test_ppo_update_on_two_processes_equals_one_process_on_the_same_rollout(tiny
     assert one["policy_loss"] != 0.0 and one["value_loss"] > 0.0
     weights_one, weights_two = (torch.load(tmp_path / f"weights{w}.pt") for w in (1, 2))
     assert torch.allclose(weights_one, weights_two, atol=1e-5)
+
+
+FAILING_ON_RANK_1 = '''\
+import os
+
+
+def score(completions, **columns):
+    if os.environ.get("RANK") == "1":
+        raise ValueError("this reward breaks on rank 1's shard")
+    return [0.0 for _ in completions]
+'''
+
+
+def test_one_ranks_failure_fails_the_stage_once_with_that_ranks_error(home, prefect_server, tmp_path, monkeypatch):
+    """A reward that raises on rank 1 only: the stage fails once, its run says rank 1 failed first
+    and carries rank 1's traceback, not rank 0's broken-pipe aftermath."""
+    from mlflow.tracking import MlflowClient
+
+    (tmp_path / "rank_rewards.py").write_text(FAILING_ON_RANK_1)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    text = STAGES.format(name="fails", processes=2).split("  rm:")[0] + (
+        "  ppo: {kind: rl, algorithm: ppo, policy: sft, data: train, rewards: [flaky], max_steps: 1,\n"
+        "        prompts_per_step: 4, group_size: 2, minibatch_size: 8}\n")
+    text = text.replace("rewards:\n", "rewards:\n  flaky: {fn: 'rank_rewards:score'}\n")
+    assert run_cli("run", str(write(tmp_path / "fails.yaml", text))) == 1
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("fails").experiment_id
+    (run,) = client.search_runs([experiment], "tags.`posttrain.stage` = 'ppo'")
+    assert run.info.status == "FAILED"
+    error = run.data.tags["posttrain.error"]
+    assert "rank 1 of 2 training processes failed first" in error
+    assert "this reward breaks on rank 1's shard" in error and "rank_rewards.py" in error  # rank 1's traceback
