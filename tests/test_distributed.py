@@ -194,3 +194,39 @@ def test_one_ranks_failure_fails_the_stage_once_with_that_ranks_error(home, pref
     error = run.data.tags["posttrain.error"]
     assert "rank 1 of 2 training processes failed first" in error
     assert "this reward breaks on rank 1's shard" in error and "rank_rewards.py" in error  # rank 1's traceback
+
+
+REFUSED = """\
+name: refused
+model: {init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}
+data:
+  train: {generator: arithmetic, n: 64, role: train}
+  prefs: {generator: arithmetic_preferences, n: 64, role: train}
+  heldout: {generator: arithmetic, n: 8, seed: 9, role: heldout}
+rewards:
+  verifier: {fn: exact_answer}
+stages:
+  sft: {kind: sft, data: train, max_steps: 2, resources: {processes: 2, strategy: fsdp}}
+  kto: {kind: kto, model: sft, data: prefs, batch_size: 2, resources: {processes: 2}}
+  dpo: {kind: dpo, model: sft, data: prefs, batch_size: 8, resources: {gpus: 2, strategy: zero3}}
+  grpo: {kind: rl, algorithm: grpo, policy: sft, data: train, rewards: [verifier], prompts_per_step: 3,
+         group_size: 3, dynamic_sampling: {}, resources: {processes: 2}}
+  ppo: {kind: rl, algorithm: ppo, policy: sft, data: train, rewards: [verifier], backend: vllm,
+        resources: {gpus: 2}}
+  eval: {kind: eval, model: sft, data: heldout, rewards: [verifier], resources: {processes: 2}}
+"""
+
+
+def test_layouts_that_cannot_work_are_refused_at_validation(home, tmp_path, capsys):
+    assert run_cli("validate", str(write(tmp_path / "refused.yaml", REFUSED))) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    for expected in (
+            "stage 'sft' (sft) on 2 processes: strategy fsdp needs GPUs",
+            "stage 'kto' (kto) on 2 processes: kto estimates its KL reference point within each process's share",
+            "stage 'dpo' (dpo) on 2 processes: strategy zero3 needs DeepSpeed, which is not installed here",
+            "grpo samples prompts_per_step x group_size = 9 completions per step, which must divide evenly over 2",
+            "`dynamic_sampling` is not supported on several processes",
+            "ppo trains on several CPU processes (`processes: N`, DDP) only",
+            "`backend` is not supported on several processes",
+            "stage 'eval' (eval) on 2 processes: more than one process or GPU is for training stages"):
+        assert expected in err, expected
