@@ -61,8 +61,9 @@ def world_issues(config, resources, runs_here: bool) -> list[str]:
 def _rl_world_issues(config, resources) -> list[str]:
     world = resources.world_size()
     issues = []
-    if config.algorithm == "grpo" and (config.prompts_per_step * config.group_size) % world:
-        issues.append(f"grpo samples prompts_per_step x group_size = {config.prompts_per_step * config.group_size} "
+    completions = config.prompts_per_step * config.sampling.attempts
+    if config.algorithm == "grpo" and completions % world:
+        issues.append(f"grpo samples prompts_per_step x sampling.attempts = {completions} "
                       f"completions per step, which must divide evenly over {world} processes")
     if config.algorithm == "ppo":
         if config.prompts_per_step % world or config.minibatch_size % world:

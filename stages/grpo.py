@@ -251,14 +251,14 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         lr_scheduler_type="constant",
         # the step's completions split over the processes (validated to divide); TRL's RepeatSampler
         # spreads each prompt's group over them and gathers the rewards to centre each group whole
-        per_device_train_batch_size=config.prompts_per_step * config.group_size // world_size(),
+        per_device_train_batch_size=config.prompts_per_step * config.sampling.attempts // world_size(),
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=config.updates_per_batch,
-        num_generations=config.group_size,
-        max_completion_length=config.max_completion_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
+        num_generations=config.sampling.attempts,
+        max_completion_length=config.sampling.max_tokens,
+        temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
         beta=config.kl_beta,
         loss_type=config.loss,
         scale_rewards="none" if config.advantage == "group_centered" else "group",
@@ -288,10 +288,10 @@ def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int, backend: 
     if backend != "vllm":
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
-    return GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=config.group_size,
-                        temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_completion_tokens,
+    return GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=config.sampling.attempts,
+                        temperature=config.sampling.temperature, top_p=config.sampling.top_p, max_tokens=config.sampling.max_tokens,
                         seed=seed, engine=config.engine,
-                        max_model_len=context_length(tokenizer, dataset["prompt"], config.max_completion_tokens),
+                        max_model_len=context_length(tokenizer, dataset["prompt"], config.sampling.max_tokens),
                         trust_remote_code=inputs.get("trust_remote_code", False))
 
 

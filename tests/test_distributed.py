@@ -60,34 +60,37 @@ stages:
   sft: {{kind: sft, data: train, max_steps: 2, batch_size: 8, resources: {{processes: 1}}}}
   rm: {{kind: reward_model, model: sft, data: prefs, max_steps: 2, batch_size: 8, logging_steps: 1}}
   dpo: {{kind: dpo, model: sft, data: prefs, max_steps: 2, batch_size: 8, logging_steps: 1}}
-  grpo: {{kind: rl, algorithm: grpo, policy: sft, data: train, rewards: [verifier], max_steps: 2,
-         prompts_per_step: 2, group_size: 4}}
-  ppo: {{kind: rl, algorithm: ppo, policy: sft, data: train, rewards: [verifier], max_steps: 2,
-        prompts_per_step: 4, group_size: 2, minibatch_size: 8}}
+"""
+RL_STAGES = """\
+  grpo: {kind: rl, algorithm: grpo, policy: sft, data: train, rewards: [verifier], max_steps: 2,
+         prompts_per_step: 2, sampling: {attempts: 4}}
+  ppo: {kind: rl, algorithm: ppo, policy: sft, data: train, rewards: [verifier], max_steps: 2,
+        prompts_per_step: 4, sampling: {attempts: 2}, minibatch_size: 8}
 """
 
 
 def test_reward_model_dpo_grpo_and_ppo_on_two_processes(home, prefect_server, tmp_path):
     """Each stage joins a 2-process gloo group; rank 0 alone records (one run per stage, one value
     per logged step); reward_model's and dpo's first losses equal the 1-process run's on the same
-    global batch within 1e-4 relative (the trainers shard each global batch in order)."""
+    global batch within 1e-4 relative (the trainers shard each global batch in order). The rl
+    stages run on 2 processes only (their rollouts differ with the process count; the PPO update
+    itself is compared below)."""
     from mlflow.tracking import MlflowClient
 
     runs = {}
-    for processes in (1, 2):
+    for processes, stages in ((1, ("rm", "dpo")), (2, ("rm", "dpo", "grpo", "ppo"))):
         name = f"stages{processes}"
-        path = write(tmp_path / f"{name}.yaml", STAGES.format(name=name, processes=processes))
-        assert run_cli("run", str(path)) == 0
+        text = STAGES.format(name=name, processes=processes) + (RL_STAGES if processes == 2 else "")
+        assert run_cli("run", str(write(tmp_path / f"{name}.yaml", text))) == 0
         client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
         experiment = client.get_experiment_by_name(name).experiment_id
-        for stage in ("rm", "dpo", "grpo", "ppo"):
+        for stage in stages:
             (runs[processes, stage],) = client.search_runs([experiment], f"tags.`posttrain.stage` = '{stage}'")
-    for stage, loss, steps in (("rm", "loss", 2), ("dpo", "loss", 2), ("grpo", "reward/mean", 2),
-                               ("ppo", "reward/mean", 2)):
-        one, two = runs[1, stage], runs[2, stage]
-        assert one.data.params["world_size"] == "1" and two.data.params["world_size"] == "2", stage
-        assert len(client.get_metric_history(two.info.run_id, loss)) == steps, stage  # not once per rank
-        assert two.data.metrics.get("steps", steps) == steps
+            assert runs[processes, stage].data.params["world_size"] == str(processes), stage
+    for stage, loss in (("rm", "loss"), ("dpo", "loss"), ("grpo", "reward/mean"), ("ppo", "reward/mean")):
+        two = runs[2, stage]
+        assert len(client.get_metric_history(two.info.run_id, loss)) == 2, stage  # not once per rank
+        assert two.data.metrics.get("steps", 2) == 2
     for stage in ("rm", "dpo"):
         one, two = runs[1, stage].data.metrics, runs[2, stage].data.metrics
         assert two["first_loss"] == pytest.approx(one["first_loss"], rel=1e-4), stage
@@ -112,8 +115,8 @@ def _ppo_update(rank: int, world: int, port: int, shared: str) -> None:
     torch.set_num_threads(1)
     join_process_group()
     fixed = torch.load(Path(shared) / "rollout.pt", weights_only=False)
-    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["r"], group_size=2,
-                           prompts_per_step=4, minibatch_size=8, ppo_epochs=2, kl_beta=0.1)
+    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["r"],
+                           sampling={"attempts": 2}, prompts_per_step=4, minibatch_size=8, ppo_epochs=2, kl_beta=0.1)
     torch.manual_seed(0)
     run = PPORun.load(config, {"policy": fixed["checkpoint"], "rewards": {}}, seed=0)
     prompt_ids, groups = shard(fixed["prompt_ids"], world, rank), shard(fixed["groups"], world, rank)
@@ -182,9 +185,9 @@ def test_one_ranks_failure_fails_the_stage_once_with_that_ranks_error(home, pref
     (tmp_path / "rank_rewards.py").write_text(FAILING_ON_RANK_1)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    text = STAGES.format(name="fails", processes=2).split("  rm:")[0] + (
-        "  ppo: {kind: rl, algorithm: ppo, policy: sft, data: train, rewards: [flaky], max_steps: 1,\n"
-        "        prompts_per_step: 4, group_size: 2, minibatch_size: 8}\n")
+    text = STAGES.format(name="fails", processes=2).split("  sft:")[0] + (
+        "  ppo: {kind: rl, algorithm: ppo, policy: base, data: train, rewards: [flaky], max_steps: 1,\n"
+        "        prompts_per_step: 4, sampling: {attempts: 2}, minibatch_size: 8}\n")
     text = text.replace("rewards:\n", "rewards:\n  flaky: {fn: 'rank_rewards:score'}\n")
     assert run_cli("run", str(write(tmp_path / "fails.yaml", text))) == 1
     client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
@@ -210,7 +213,7 @@ stages:
   kto: {kind: kto, model: sft, data: prefs, batch_size: 2, resources: {processes: 2}}
   dpo: {kind: dpo, model: sft, data: prefs, batch_size: 8, resources: {gpus: 2, strategy: zero3}}
   grpo: {kind: rl, algorithm: grpo, policy: sft, data: train, rewards: [verifier], prompts_per_step: 3,
-         group_size: 3, dynamic_sampling: {}, resources: {processes: 2}}
+         sampling: {attempts: 3}, dynamic_sampling: {}, resources: {processes: 2}}
   ppo: {kind: rl, algorithm: ppo, policy: sft, data: train, rewards: [verifier], backend: vllm,
         resources: {gpus: 2}}
   eval: {kind: eval, model: sft, data: heldout, rewards: [verifier], resources: {processes: 2}}
@@ -224,7 +227,7 @@ def test_layouts_that_cannot_work_are_refused_at_validation(home, tmp_path, caps
             "stage 'sft' (sft) on 2 processes: strategy fsdp needs GPUs",
             "stage 'kto' (kto) on 2 processes: kto estimates its KL reference point within each process's share",
             "stage 'dpo' (dpo) on 2 processes: strategy zero3 needs DeepSpeed, which is not installed here",
-            "grpo samples prompts_per_step x group_size = 9 completions per step, which must divide evenly over 2",
+            "grpo samples prompts_per_step x sampling.attempts = 9 completions per step, which must divide evenly over 2",
             "`dynamic_sampling` is not supported on several processes",
             "ppo trains on several CPU processes (`processes: N`, DDP) only",
             "`backend` is not supported on several processes",
