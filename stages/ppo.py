@@ -45,6 +45,13 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   reward beside it (e.g. the verifier at weight 0), ``reward/<rm>/corr/<other>`` logs their
   per-batch correlation. ``critic: rm`` starts the critic from that reward model's backbone
   and score head instead of the policy's backbone and a zero head.
+- On several processes (``resources: {processes: N}``, stages/data_parallel.py) each process
+  samples and scores whole prompts of the step's batch (its own sampling seed), whitens
+  advantages with the global batch's mean and variance, scales its losses by its share of
+  each global minibatch's tokens and sums the gradients before clipping: the update one
+  process would make on the same rollouts. Logged statistics are over the global batch,
+  except ``reward/<rm>/corr/<other>`` and the sample tables (rank 0's shard); a reward
+  model's ``normalize: running`` keeps running statistics per process.
 - With ``lora`` the policy trains LoRA adapters only (PEFT; the optimiser sees nothing
   else) and the KL reference is the policy with its adapters disabled, not a second copy:
   its starting checkpoint, as without lora. The adapters' dropout never acts (the policy
@@ -86,7 +93,6 @@ from stages.rl_math import (
     gae,
     is_zero_variance,
     kl_estimators,
-    masked_mean,
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
