@@ -38,7 +38,7 @@ PIPELINE = """\
 name: bench-dist
 model: {{init: tiny, hidden_size: {hidden}, num_layers: 2, num_heads: 4, intermediate_size: {ffn}}}
 data:
-  prefs: {{generator: arithmetic_preferences, n: 2000, role: train}}
+  prefs: {{generator: arithmetic_preferences, n: {pairs}, role: train}}
 stages:
   dpo: {{kind: dpo, model: base, data: prefs, max_steps: {steps}, batch_size: {batch}, heldout_fraction: 0.0,
         logging_steps: {steps}}}
@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     args = parser.parse_args()
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # the ranks inherit it
     home = _common.isolated_home()
     import torch
 
@@ -83,7 +84,8 @@ def main() -> None:
 
     torch.set_num_threads(2)
     path = Path(tempfile.mkdtemp()) / "bench-dist.yaml"
-    path.write_text(PIPELINE.format(hidden=args.hidden, ffn=4 * args.hidden, steps=args.steps, batch=args.batch))
+    path.write_text(PIPELINE.format(hidden=args.hidden, ffn=4 * args.hidden, steps=args.steps, batch=args.batch,
+                                    pairs=max(args.steps * args.batch, 64)))
     loaded = load_pipeline(path)
     tracker = Tracker(home)
     experiment = tracker.experiment_id("bench-dist", None)
