@@ -5,9 +5,11 @@
 Both sides are the real stage through ``flows.execute.execute`` (what ``posttrain run``
 does for one stage, without Prefect): a fresh MLflow child run, ``resources: {processes:
 N}``, the same global batch of ``--batch`` preference pairs per optimizer step, the same
-steps. 1 process runs in this process with torch on 2 threads (what a user gets by
-default on 2 cores); 2 processes are torchrun's, each on 1 thread (torchrun sets
-``OMP_NUM_THREADS=1``), so both sides use the 2 cores.
+steps. 2 processes are torchrun's, each on 1 thread (torchrun sets ``OMP_NUM_THREADS=1``);
+1 process runs in this process on ``--threads`` threads, 1 by default. With 2 threads the
+1-process side measured 3-15 pairs/s against 50-69 for 2 processes under a load average of
+13-20: two spinning OpenMP threads on a busy 2-core box (tests/test_ppo.py saw the same),
+not data parallelism; 1 thread per process on both sides compares like with like.
 
 Two figures per run, both from the run itself:
 - ``train``: pairs per second inside the trainer loop (the stage's ``train_seconds``
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the 1-process side")
     args = parser.parse_args()
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # the ranks inherit it
     home = _common.isolated_home()
@@ -82,7 +85,7 @@ def main() -> None:
     from flows.spec import load_pipeline
     from flows.tracking import Tracker
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     path = Path(tempfile.mkdtemp()) / "bench-dist.yaml"
     path.write_text(PIPELINE.format(hidden=args.hidden, ffn=4 * args.hidden, steps=args.steps, batch=args.batch,
                                     pairs=max(args.steps * args.batch, 64)))
@@ -91,7 +94,8 @@ def main() -> None:
     experiment = tracker.experiment_id("bench-dist", None)
     parent = tracker.start_pipeline_run(experiment, "bench-dist", {})
     print(f"load average before: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} cores; dpo, "
-          f"{args.steps} steps x {args.batch} pairs, tiny model hidden {args.hidden}, 2 layers", flush=True)
+          f"{args.steps} steps x {args.batch} pairs, tiny model hidden {args.hidden}, 2 layers; 1 process on "
+          f"{args.threads} thread(s), 2 processes on 1 each", flush=True)
     run_stage(loaded, tracker, experiment, parent, 1)  # warm-up: data and base checkpoint cached
     results: dict[int, list[tuple[float, float]]] = {1: [], 2: []}
     for round_ in range(args.rounds):
