@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from typing import Literal
 
@@ -30,6 +30,7 @@ class Resources(SpecModel):
     """Where and on what a stage runs (never part of what it computes)."""
 
     model_config = ConfigDict(extra="forbid")
+    renamed: ClassVar[dict[str, str]] = {"accelerate_config": "strategy"}
 
     pool: str | None = Field(
         None, description="Prefect work pool that runs this stage (through the `posttrain-stage/<pool>` "

@@ -218,6 +218,7 @@ stages:
   ppo: {kind: rl, algorithm: ppo, policy: sft, data: train, rewards: [verifier], backend: vllm,
         resources: {gpus: 2}}
   eval: {kind: eval, model: sft, data: heldout, rewards: [verifier], resources: {processes: 2}}
+  kto_old: {kind: kto, model: sft, data: prefs, resources: {gpus: 2, accelerate_config: ddp}}
 """
 
 
@@ -232,5 +233,6 @@ def test_layouts_that_cannot_work_are_refused_at_validation(home, tmp_path, caps
             "`dynamic_sampling` is not supported on several processes",
             "ppo trains on several CPU processes (`processes: N`, DDP) only",
             "`backend` is not supported on several processes",
-            "stage 'eval' (eval) on 2 processes: more than one process or GPU is for training stages"):
+            "stage 'eval' (eval) on 2 processes: more than one process or GPU is for training stages",
+            "accelerate_config was renamed (did you mean strategy?)"):
         assert expected in err, expected
