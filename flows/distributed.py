@@ -14,6 +14,7 @@ batch is what the pipeline says whatever the process count.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -27,6 +28,59 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = ROOT / "infra" / "accelerate"
+TRAINING_KINDS = ("sft", "reward_model", "dpo", "kto", "rl")  # the kinds that train on several processes
+
+
+def world_issues(config, resources, runs_here: bool) -> list[str]:
+    """Why ``config`` cannot train on ``resources.world_size()`` processes (empty when it can).
+
+    ``runs_here``: the stage runs on this machine (no work pool), so what it needs installed is checked here."""
+    world = resources.world_size()
+    if config.kind not in TRAINING_KINDS:
+        return [f"more than one process or GPU is for training stages ({', '.join(TRAINING_KINDS)}); "
+                f"{config.kind} runs on one"]
+    issues = []
+    if resources.strategy != "ddp" and resources.gpus <= 1:
+        issues.append(f"strategy {resources.strategy} needs GPUs (`gpus: N`): on CPU processes the trainers "
+                      "fall back to DDP without a word (seen with transformers' fsdp on gloo), so only `ddp` is "
+                      "accepted there")
+    if resources.strategy == "zero3" and runs_here and importlib.util.find_spec("deepspeed") is None:
+        issues.append("strategy zero3 needs DeepSpeed, which is not installed here (the `gpu` extra)")
+    batch = getattr(config, "batch_size", None)
+    if isinstance(batch, int) and batch % world:
+        issues.append(f"batch_size {batch} must divide evenly over {world} processes (each takes an equal "
+                      "share of the global batch)")
+    elif config.kind == "kto" and isinstance(batch, int) and batch // world < 2:
+        issues.append(f"kto estimates its KL reference point within each process's share of the batch: "
+                      f"batch_size {batch} over {world} processes leaves fewer than 2 per process")
+    if config.kind == "rl":
+        issues += _rl_world_issues(config, resources)
+    return issues
+
+
+def _rl_world_issues(config, resources) -> list[str]:
+    world = resources.world_size()
+    issues = []
+    completions = config.prompts_per_step * config.sampling.attempts
+    if config.algorithm == "grpo" and completions % world:
+        issues.append(f"grpo samples prompts_per_step x sampling.attempts = {completions} "
+                      f"completions per step, which must divide evenly over {world} processes")
+    if config.algorithm == "ppo":
+        if config.prompts_per_step % world or config.minibatch_size % world:
+            issues.append(f"ppo shards each step's prompts and each minibatch over the processes: prompts_per_step "
+                          f"({config.prompts_per_step}) and minibatch_size ({config.minibatch_size}) must divide "
+                          f"evenly over {world}")
+        if resources.gpus > 1 or resources.strategy != "ddp":
+            issues.append("ppo trains on several CPU processes (`processes: N`, DDP) only: its own loop has no "
+                          "FSDP/ZeRO-3 sharding and was not run on several GPUs")
+    for field, value, why in (
+            ("dynamic_sampling", config.dynamic_sampling, "it regroups rollouts that TRL splits over the processes"),
+            ("difficulty_filter", config.difficulty_filter, "every process would sample the filter again"),
+            ("backend", "vllm" if config.backend == "vllm" else None,
+             "every process would start its own in-process engine; `auto` uses HF generate on each process")):
+        if value is not None:
+            issues.append(f"`{field}` is not supported on several processes: {why}")
+    return issues
 
 
 def _free_port() -> int:
@@ -38,7 +92,7 @@ def _free_port() -> int:
 def launch_command(resources, spec_path: Path) -> list[str]:
     entry = ["-m", "flows.rank", str(spec_path)]
     if resources.gpus > 1:
-        config = ACCELERATE_CONFIGS / f"{resources.accelerate_config}.yaml"
+        config = ACCELERATE_CONFIGS / f"{resources.strategy}.yaml"
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                 "--num_processes", str(resources.world_size()), "--main_process_port", str(_free_port()), *entry]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(resources.world_size()),
@@ -59,6 +113,8 @@ def run_distributed(job, ctx) -> None:
     spec_path.write_text(json.dumps(rank_file), encoding="utf-8")
     result_path = ctx.work_dir / "distributed.result.json"
     log_path = ctx.work_dir / "distributed.log"
+    for stale in [result_path, *ctx.work_dir.glob("distributed.error.rank*.json")]:
+        stale.unlink(missing_ok=True)
     ctx.flush()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(launch_command(resources, spec_path), stdout=log, stderr=subprocess.STDOUT,
@@ -75,11 +131,25 @@ def run_distributed(job, ctx) -> None:
         raise
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
     if code != 0 or "staged" not in result:
-        error = result.get("error") or log_path.read_text(errors="replace")[-3000:]
-        if result.get("error_type") == "KeyboardInterrupt":
-            raise KeyboardInterrupt
-        raise RuntimeError(f"{resources.world_size()} training processes failed (exit {code}): {error}")
+        raise_first_failure(ctx.work_dir, resources.world_size(), code, log_path)
     ctx.staged.update(result["staged"])
+
+
+def raise_first_failure(work_dir: Path, world: int, code: int, log_path: Path) -> None:
+    """Raise the error of the rank that failed first (the others usually fail because it left the
+    process group), with its traceback; without any rank's report, the launcher's log tail."""
+    reports = sorted((json.loads(path.read_text()) for path in work_dir.glob("distributed.error.rank*.json")),
+                     key=lambda report: report["time"])
+    if not reports:
+        raise RuntimeError(f"{world} training processes failed (exit {code}); the launcher's log ({log_path}) "
+                           f"ends:\n{log_path.read_text(errors='replace')[-3000:]}")
+    first = reports[0]
+    if first["error_type"] == "KeyboardInterrupt":
+        raise KeyboardInterrupt
+    others = [str(report["rank"]) for report in reports[1:]]
+    also = f"; rank(s) {', '.join(others)} failed after it" if others else ""
+    raise RuntimeError(f"rank {first['rank']} of {world} training processes failed first (exit {code}{also}): "
+                       f"{first['error']}\n{first['traceback']}\nall ranks' output: {log_path}")
 
 
 class RankContext:

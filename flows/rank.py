@@ -4,6 +4,8 @@ The file holds the stage's ``StageJob`` and where rank 0 records (the stage run 
 orchestrating process opened). Every rank resolves the job's inputs and runs the same stage
 function as an in-process run (``flows.execute.run_stage_function``); rank 0 records
 through the real stage context and writes back what it staged, the others compute silently.
+A rank that fails writes ``distributed.error.rank<N>.json`` (its error and traceback), so the
+launcher can name the rank that failed first rather than the ones its exit brought down.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from flows.distributed import RankContext
@@ -39,10 +42,10 @@ def main(rank_file: str) -> int:
             ctx = RankContext(work_dir / f"rank{rank}", resume_dir, job.seed, deadline)
         run_stage_function(job, inputs, ctx)
         ctx.flush()
-    except BaseException as error:
-        if rank == 0:
-            result_path.write_text(json.dumps({"error": f"{type(error).__name__}: {error}"[:3000],
-                                               "error_type": type(error).__name__}))
+    except BaseException as error:  # each rank says why it stopped; the launcher reports the first to fail
+        (work_dir / f"distributed.error.rank{rank}.json").write_text(json.dumps({
+            "rank": rank, "time": time.time(), "error": f"{type(error).__name__}: {error}"[:3000],
+            "error_type": type(error).__name__, "traceback": traceback.format_exc()[-4000:]}))
         raise
     if rank == 0:
         result_path.write_text(json.dumps({"staged": ctx.staged}))

@@ -252,7 +252,10 @@ def _dataset_issues(d: _Draft) -> Issues:
 
 
 def _resource_issues(d: _Draft) -> Issues:
-    """More than one process or GPU: sft stages only, with a batch that divides over them."""
+    """More than one process or GPU: training stages only, with batches that divide over them
+    (flows/distributed.py ``world_issues``)."""
+    from flows.distributed import world_issues
+
     issues = []
     for name, config in d.stages.items():
         resources = getattr(config, "resources", None)
@@ -265,13 +268,8 @@ def _resource_issues(d: _Draft) -> Issues:
         if resources is None or resources.world_size() <= 1:
             continue
         where = ("stages", name, "resources") if getattr(config, "resources", None) else ("resources",)
-        if config.kind != "sft":
-            issues.append((where, f"stage {name!r} ({config.kind}): more than one process or GPU is supported for "
-                                  "sft stages only"))
-        elif isinstance(getattr(config, "batch_size", None), int) and config.batch_size % resources.world_size():
-            issues.append((where, f"stage {name!r}: batch_size {config.batch_size} must divide evenly over "
-                                  f"{resources.world_size()} processes (each takes an equal share of the global "
-                                  "batch)"))
+        for problem in world_issues(config, resources, runs_here=resources.pool is None):
+            issues.append((where, f"stage {name!r} ({config.kind}) on {resources.world_size()} processes: {problem}"))
     return issues
 
 

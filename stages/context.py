@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from typing import Literal
 
@@ -30,6 +30,7 @@ class Resources(SpecModel):
     """Where and on what a stage runs (never part of what it computes)."""
 
     model_config = ConfigDict(extra="forbid")
+    renamed: ClassVar[dict[str, str]] = {"accelerate_config": "strategy"}
 
     pool: str | None = Field(
         None, description="Prefect work pool that runs this stage (through the `posttrain-stage/<pool>` "
@@ -37,10 +38,12 @@ class Resources(SpecModel):
     )
     gpus: int = Field(0, ge=0, le=64, description="GPUs the stage needs; passed to the pool's job template "
                       "as the `gpus` job variable, and with more than one, one training process per GPU.")
-    processes: int = Field(1, ge=1, le=64, description="Training processes (data parallel). On CPU: N gloo "
-                           "processes through torchrun; on GPUs: `accelerate launch` with `accelerate_config`.")
-    accelerate_config: Literal["ddp", "fsdp", "zero3"] = Field(
-        "ddp", description="infra/accelerate/<name>.yaml for multi-GPU stages: DDP, FSDP or DeepSpeed ZeRO-3.")
+    processes: int = Field(1, ge=1, le=64, description="Training processes (data parallel) for sft, reward_model, "
+                           "dpo, kto and rl stages. On CPU: N gloo processes through torchrun; on GPUs: "
+                           "`accelerate launch` with `strategy`. Batch sizes stay global (split over the processes).")
+    strategy: Literal["ddp", "fsdp", "zero3"] = Field(
+        "ddp", description="How several GPUs train: infra/accelerate/<strategy>.yaml (DDP, FSDP, or DeepSpeed "
+        "ZeRO-3 with the `gpu` extra). CPU processes train with DDP only.")
 
     def world_size(self) -> int:
         return max(self.processes, self.gpus, 1)

@@ -241,6 +241,7 @@ def sample_rows(logs, limit: int = 32) -> list[dict]:
 def build_grpo_config(config, output_dir: Path, seed: int):
     from trl import GRPOConfig
 
+    from stages.data_parallel import world_size
     from stages.trainer_callbacks import device_arguments
 
     return GRPOConfig(
@@ -248,7 +249,9 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         max_steps=config.max_steps,
         learning_rate=config.lr,
         lr_scheduler_type="constant",
-        per_device_train_batch_size=config.prompts_per_step * config.sampling.attempts,
+        # the step's completions split over the processes (validated to divide); TRL's RepeatSampler
+        # spreads each prompt's group over them and gathers the rewards to centre each group whole
+        per_device_train_batch_size=config.prompts_per_step * config.sampling.attempts // world_size(),
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=config.updates_per_batch,
@@ -332,8 +335,8 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
 
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics))
     quiet_trainer(trainer)
-    ctx.log_params({"prompts": len(records), "resolved_seed": seed,
-                    "generation_batch": config.prompts_per_step * config.sampling.attempts})
+    ctx.log_params({"prompts": len(records), "resolved_seed": seed, "world_size": args.world_size,
+                    "generation_batch": args.generation_batch_size})
     try:
         with stop_gracefully(trainer, ctx, resumable=False):
             trainer.train()

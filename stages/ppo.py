@@ -45,6 +45,13 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   reward beside it (e.g. the verifier at weight 0), ``reward/<rm>/corr/<other>`` logs their
   per-batch correlation. ``critic: rm`` starts the critic from that reward model's backbone
   and score head instead of the policy's backbone and a zero head.
+- On several processes (``resources: {processes: N}``, stages/data_parallel.py) each process
+  samples and scores whole prompts of the step's batch (its own sampling seed), whitens
+  advantages with the global batch's mean and variance, scales its losses by its share of
+  each global minibatch's tokens and sums the gradients before clipping: the update one
+  process would make on the same rollouts. Logged statistics are over the global batch,
+  except ``reward/<rm>/corr/<other>`` and the sample tables (rank 0's shard); a reward
+  model's ``normalize: running`` keeps running statistics per process.
 - With ``lora`` the policy trains LoRA adapters only (PEFT; the optimiser sees nothing
   else) and the KL reference is the policy with its adapters disabled, not a second copy:
   its starting checkpoint, as without lora. The adapters' dropout never acts (the policy
@@ -62,6 +69,18 @@ import torch
 from torch import nn
 
 from stages.data import prompt_messages, read_materialized
+from stages.data_parallel import (
+    all_max,
+    all_sum,
+    broadcast_parameters,
+    global_means,
+    join_process_group,
+    joined_world,
+    rank,
+    shard,
+    sum_gradients,
+    world_size,
+)
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend, prompt_token_ids
 from stages.lora import save_trained, wrap
 from stages.models import load_model_and_tokenizer
@@ -74,7 +93,6 @@ from stages.rl_math import (
     gae,
     is_zero_variance,
     kl_estimators,
-    masked_mean,
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
@@ -269,8 +287,18 @@ def compute_targets(policy, reference, critic, rollout: Rollout, scores_B: torch
     rewards[torch.arange(len(last_B)), last_B] += scores_B.to(rewards)
     advantages, returns = gae(rewards, values, mask, config.gamma, config.lam)
     if config.whiten_advantages:
-        advantages = masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, mask) if world_size() == 1 else whiten_over_processes(advantages, mask)
     return Targets(old_logprobs * mask, values, advantages, returns, k1 * mask, k3 * mask, entropy * mask)
+
+
+def whiten_over_processes(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``masked_whiten`` with the mean and (population) variance of the global rollout batch, every
+    process holding its shard: the advantages one process would compute over the whole batch."""
+    count = all_sum(mask.sum().double())
+    mean = (all_sum((x * mask).sum().double()) / count).to(x.dtype)
+    var = (all_sum((((x - mean) ** 2) * mask).sum().double()) / count).to(x.dtype)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
 # ---------------------------------------------------------------- the update
@@ -278,9 +306,14 @@ def compute_targets(policy, reference, critic, rollout: Rollout, scores_B: torch
 
 def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, config: RLStageConfig,
                generator: torch.Generator) -> dict[str, float]:
-    """``ppo_epochs`` passes of shuffled minibatches; returns the mean of each statistic."""
+    """``ppo_epochs`` passes of shuffled minibatches; returns the mean of each statistic.
+
+    On several processes each holds its shard of the rollout and takes ``minibatch_size / world``
+    of its rows per minibatch; its losses are scaled by its share of the minibatch's tokens and the
+    gradients summed, so every update is the token-level mean over the global minibatch."""
+    world = world_size()
     n_rows = rollout.mask_B_T.shape[0]
-    minibatch = min(config.minibatch_size, n_rows)
+    minibatch = min(config.minibatch_size // world, n_rows)
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
 
@@ -300,9 +333,13 @@ def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, c
                 logprobs, targets.old_logprobs[rows], targets.advantages[rows], mask, config.clip_epsilon)
             value_loss, value_clip_frac = ppo_value_loss(
                 values, targets.old_values[rows], targets.returns[rows], mask, config.cliprange_value)
+            share = 1.0 if world == 1 else mask.sum() / all_sum(mask.sum()).clamp(min=1.0)  # of the tokens
+            policy_loss, value_loss = policy_loss * share, value_loss * share
+            clip_frac, ratio_mean, value_clip_frac = clip_frac * share, ratio_mean * share, value_clip_frac * share
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             (policy_loss + value_loss).backward()  # disjoint networks, each with its own optimiser
+            sum_gradients(policy, critic)  # the global minibatch's gradient on every process
             nn.utils.clip_grad_norm_(policy.parameters(), MAX_GRAD_NORM)
             nn.utils.clip_grad_norm_(critic.parameters(), MAX_GRAD_NORM)
             for optimizer in optimizers:
@@ -310,32 +347,36 @@ def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, c
             for name, value in (("policy_loss", policy_loss), ("value_loss", value_loss), ("clip_frac", clip_frac),
                                 ("ratio/mean", ratio_mean), ("value_clip_frac", value_clip_frac)):
                 record(name, value.detach())
-    return {name: sums[name] / counts[name] for name in sums}
+    names = list(sums)
+    totals = all_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64)).tolist() if world > 1 else \
+        [sums[n] for n in names]
+    return {name: total / counts[name] for name, total in zip(names, totals)}
 
 
 # ---------------------------------------------------------------- one step, logged
 
 
 def rollout_metrics(rollout: Rollout, scored: ScoredBatch, targets: Targets, group_size: int) -> dict[str, float]:
+    """The rollout batch's statistics; on several processes over the global batch (each holds a shard of
+    whole prompt groups), so every rank sees the same ``kl/sequence`` for the KL controller."""
     mask = rollout.mask_B_T
     total = torch.tensor(scored.total)
     groups = total.view(-1, group_size)
-    metrics = {
-        "reward/mean": float(total.mean()),
-        "reward/zero_variance_group_frac": sum(is_zero_variance(g) for g in groups) / len(groups),
-        "kl": float(masked_mean(targets.k3, mask)),
-        "entropy": float(masked_mean(targets.entropy, mask)),
+    n, tokens = float(len(rollout.samples)), float(mask.sum())
+    gap_B_T = (rollout.sample_logprobs_B_T - targets.old_logprobs).abs() * mask
+    pairs = {
+        "reward/mean": (float(total.sum()), n),
+        "reward/zero_variance_group_frac": (float(sum(is_zero_variance(g) for g in groups)), float(len(groups))),
+        "kl": (float((targets.k3 * mask).sum()), tokens),
+        "entropy": (float((targets.entropy * mask).sum()), tokens),
         # how far the sampler's recorded log-probs are from the distribution trained on (top_p < 1)
-        "logprob/sampler_gap": float(((rollout.sample_logprobs_B_T - targets.old_logprobs).abs() * mask).max()),
-        "logprob/sampler_abs_log_ratio": float(masked_mean((rollout.sample_logprobs_B_T - targets.old_logprobs).abs(),
-                                                           mask)),
-        "kl/sequence": float(targets.k1.sum(-1).mean()),
-        "completion/mean_tokens": float(mask.sum(-1).mean()),
-        "completion/truncated_frac": sum(s.truncated for s in rollout.samples) / len(rollout.samples),
+        "logprob/sampler_abs_log_ratio": (float(gap_B_T.sum()), tokens),
+        "kl/sequence": (float(targets.k1.sum()), n),
+        "completion/mean_tokens": (tokens, n),
+        "completion/truncated_frac": (float(sum(s.truncated for s in rollout.samples)), n),
+        **{f"reward/{c.name}/mean": (float(sum(c.scores)), n) for c in scored.components},
     }
-    for component in scored.components:
-        metrics[f"reward/{component.name}/mean"] = sum(component.scores) / len(component.scores)
-    return metrics
+    return {**global_means(pairs), "logprob/sampler_gap": float(all_max(gap_B_T.max()))}
 
 
 def sample_rows(rollout: Rollout, prompts, answers, scored: ScoredBatch) -> list[dict]:
@@ -403,7 +444,9 @@ class PPORun:
         config = self.config
         prompts = [prompt_messages(r) for r in batch]
         answers = [r.get("answer") for r in batch]
-        settings = SamplingSettings(temperature=config.sampling.temperature, top_p=config.sampling.top_p, seed=self.seed + step,
+        # each process samples its shard of the prompts with its own seed (rank 0's is the one-process seed)
+        settings = SamplingSettings(temperature=config.sampling.temperature, top_p=config.sampling.top_p,
+                                    seed=self.seed + step + 1_000_003 * rank(),
                                     max_tokens=config.sampling.max_tokens, attempts=config.sampling.attempts)
         if self.engine is not None:
             sync_policy(self.engine, self.policy)  # the policy the last update left, merged LoRA included
@@ -426,7 +469,7 @@ class PPORun:
         metrics = {**rollout_metrics(rollout, scored, targets, config.sampling.attempts), **update,
                    **reward_model_correlations(scored, self.rewards),
                    "kl_beta": beta, "reward/errors": float(self.reward_errors)}
-        self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts))
+        self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts) * world_size())
         return metrics, sample_rows(rollout, prompts, answers, scored)
 
     def save(self, ctx) -> dict[str, str]:
@@ -438,7 +481,9 @@ def train_ppo(config: RLStageConfig, inputs: dict, ctx) -> dict:
     """Run PPO on ``inputs['policy']`` against ``inputs['rewards']``; save the policy."""
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
+    join_process_group()  # several processes: each samples and scores its shard (stages/data_parallel.py)
     run = PPORun.load(config, inputs, seed)
+    broadcast_parameters(run.policy, run.critic)
     records = read_materialized(Path(inputs["data"]))
     backend, why = rollout_backend(config, Path(inputs["policy"]))
     if backend == "vllm":
@@ -446,9 +491,9 @@ def train_ppo(config: RLStageConfig, inputs: dict, ctx) -> dict:
                                  engine=config.engine, max_model_len=context_length(
                                      run.tokenizer, [prompt_messages(r) for r in records], config.sampling.max_tokens))
     ctx.log_params({"resolved_backend": backend, "backend_reason": why})
-    batches = prompt_batches(records, config.prompts_per_step, seed)
+    batches = (shard(batch) for batch in prompt_batches(records, config.prompts_per_step, seed))
     generator = torch.Generator().manual_seed(seed)  # minibatch order
-    ctx.log_params({"resolved_seed": seed, "prompts": len(records),
+    ctx.log_params({"resolved_seed": seed, "prompts": len(records), "world_size": joined_world(),
                     "rollout_sequences": config.prompts_per_step * config.sampling.attempts})
 
     history, metrics, started = [], {}, time.perf_counter()

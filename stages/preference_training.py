@@ -118,7 +118,7 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     )
     quiet_trainer(trainer)
     ctx.log_params({"pairs": len(records), "train_pairs": len(train), "heldout_pairs": len(heldout),
-                    "resolved_seed": seed})
+                    "resolved_seed": seed, "world_size": args.world_size})  # the process group's
 
     started = time.perf_counter()
     with stop_gracefully(trainer, ctx, resumable=False):

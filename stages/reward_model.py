@@ -154,8 +154,9 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
         callbacks=[tracking_callback(ctx, rename_metrics, f"reward model: {config.max_steps} steps")],
     )
     quiet_trainer(trainer)
+    # args.world_size is the process group's: 2 only if two processes really joined it
     ctx.log_params({"pairs": len(records), "train_pairs": len(train), "heldout_pairs": len(heldout),
-                    "resolved_seed": seed})
+                    "resolved_seed": seed, "world_size": args.world_size})
 
     metrics: dict[str, float] = {}
     if heldout:
@@ -168,6 +169,7 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     metrics.update({
         "train_loss": float(result.training_loss),
+        "first_loss": float(losses[0]) if losses else float(result.training_loss),
         "final_loss": float(losses[-1]) if losses else float(result.training_loss),
         "steps": float(trainer.state.global_step),
     })

@@ -53,7 +53,13 @@ def sync_policy(engine: VLLMBackend, model) -> None:
 
 
 def rollout_backend(config, checkpoint: Path) -> tuple[str, str]:
-    """(backend, why) for an RL stage's rollouts; a declared ``vllm`` that cannot serve the model fails here."""
+    """(backend, why) for an RL stage's rollouts; a declared ``vllm`` that cannot serve the model fails here.
+    On several training processes each samples its own shard with HF generate (one in-process vLLM engine
+    per rank is not supported; the validator refuses a declared ``vllm`` there)."""
+    from stages.data_parallel import world_size
+
+    if world_size() > 1 and config.backend == "auto":
+        return "hf", f"auto: {world_size()} training processes, each samples its shard with HF generate"
     return choose_backend(config.backend, checkpoint)
 
 

@@ -90,11 +90,15 @@ def pooling_pair_metrics(trainer_class, keys: tuple[str, ...]):
 
 
 def schedule_arguments(config) -> dict:
-    """Trainer arguments the reward-model and preference stage configs spell the same way."""
+    """Trainer arguments the reward-model and preference stage configs spell the same way; ``batch_size``
+    is the global batch, each of the ``world_size()`` processes takes an equal share (validated to divide)."""
+    from stages.data_parallel import world_size
+
+    world = world_size()
     return {
         "max_steps": config.max_steps,
-        "per_device_train_batch_size": config.batch_size,
-        "per_device_eval_batch_size": max(config.batch_size, 64),
+        "per_device_train_batch_size": config.batch_size // world,
+        "per_device_eval_batch_size": max(max(config.batch_size, 64) // world, 1),
         "learning_rate": config.lr,
         "lr_scheduler_type": config.lr_schedule,
         "warmup_steps": config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
@@ -159,6 +163,7 @@ def stop_gracefully(trainer, ctx, resumable: bool = True):
     from transformers import TrainerCallback
 
     from stages.context import StageTimeLimit
+    from stages.data_parallel import agreed_flags
 
     deadline = getattr(ctx, "deadline", None)
 
@@ -169,6 +174,7 @@ def stop_gracefully(trainer, ctx, resumable: bool = True):
         def on_step_end(self, args, state, control, **kwargs):
             if deadline is not None and time.monotonic() >= deadline:
                 self.timed_out = True
+            self.interrupted, self.timed_out = agreed_flags(self.interrupted, self.timed_out)
             if self.interrupted or self.timed_out:
                 control.should_save = resumable
                 control.should_training_stop = True
@@ -200,3 +206,4 @@ def stop_gracefully(trainer, ctx, resumable: bool = True):
                 if resumable else "")
         raise StageTimeLimit(f"time limit reached after {state.global_step} of {state.max_steps} optimizer steps"
                              + kept)
+
