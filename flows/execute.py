@@ -35,6 +35,7 @@ from stages.context import StageTimeLimit
 from stages.data import MixtureData, materialize, mixture_report_path
 from stages.models import resolve_base_checkpoint
 from stages.registry import HEADLINE_METRICS, stage_runner
+from stages.rewards import JUDGE_FN
 
 TIME_LIMIT_GRACE = 30.0
 
@@ -83,6 +84,8 @@ def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[st
         path = materialize(spec.data[name], loaded.base_dir, home / "cache" / "data", spec.data)
         inputs["data" if i == 0 else f"data_{name}"] = str(path)
     inputs["rewards"] = loaded.rewards_for(config.reward_names())
+    if any(r.fn == JUDGE_FN for r in inputs["rewards"].values()):
+        inputs["judge_cache"] = str(home / "cache" / "judge")  # replies by (judge, rubric, prompt, completion)
     inputs["reward_checks"] = {n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks}
     return inputs
 

@@ -56,7 +56,16 @@ from stages.pretrained import (
     locate_gguf,
 )
 from stages.registry import STAGE_KINDS
-from stages.rewards import BUILTIN_REWARDS, REASONING_GYM_FN, REWARD_MODEL_FN, RewardError, RewardSpec, load_reward_fn
+from stages.rewards import (
+    BUILTIN_REWARDS,
+    JUDGE_FN,
+    REASONING_GYM_FN,
+    REWARD_MODEL_FN,
+    RewardError,
+    RewardSpec,
+    import_dotted,
+    load_reward_fn,
+)
 from stages.reward_schemas import RECORD_READERS, kwargs_issues, record_problem
 from stages.sandbox import ISOLATION_MODES
 from stages.spec_model import KEY_NAME_PATTERN, name_problem
@@ -231,6 +240,35 @@ def _reward_fn_issues(d: _Draft) -> Issues:
             fn = None
         for where, message in kwargs_issues(spec.fn, fn, spec.kwargs):
             issues.append((("rewards", name, "kwargs", *where), message))
+    return issues
+
+
+def _judge_issues(d: _Draft) -> Issues:
+    """A judge is the base model, a stage with a policy checkpoint, or an importable function; its known
+    cases can be checked before training only when the judge exists then (base, or a function)."""
+    issues = []
+    for name, spec in d.rewards.items():
+        if spec.fn != JUDGE_FN:
+            continue
+        if spec.judge_fn is not None:
+            try:
+                import_dotted(spec.judge_fn, "judge_fn")
+            except RewardError as error:
+                issues.append((("rewards", name, "judge_fn"), str(error)))
+            continue
+        where = ("rewards", name, "stage")
+        if spec.stage != BASE and spec.stage not in d.raw_stages:
+            options = [BASE, *d.raw_stages]
+            issues.append((where, f"unknown stage {spec.stage!r}{did_you_mean(spec.stage, options)}; the judge is "
+                                  f"{BASE} or a stage: {', '.join(options)}"))
+        elif spec.stage in d.stages and (not d.stages[spec.stage].produces_checkpoint
+                                         or d.stages[spec.stage].kind == "reward_model"):
+            issues.append((where, f"stage {spec.stage!r} ({d.stages[spec.stage].kind}) has no generative checkpoint "
+                                  "to judge with"))
+        if name in d.raw_checks and spec.stage != BASE:
+            issues.append((("reward_checks", name), f"judge {name!r} is stage {spec.stage!r}'s checkpoint, which does "
+                           "not exist before that stage has trained, so its known cases cannot be checked; judge with "
+                           f"`stage: {BASE}` or a `judge_fn` to check them"))
     return issues
 
 
@@ -740,6 +778,7 @@ COLLECTORS = (
     _reference_issues,
     _reward_check_issues,
     _reward_fn_issues,
+    _judge_issues,
     _dataset_issues,
     lambda d: _consumer_issues(d.stages, d.rewards, d.data, d.raw_rewards, d.records),
     lambda d: _leakage_issues(d.data, d.records),
