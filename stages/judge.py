@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages.rewards import (
+    ComponentScores,
     JUDGE_FN,
     JUDGE_SCALE,
     REWARD_MODEL_FN,
@@ -249,3 +250,30 @@ def log_audits(ctx, audits: list[Audit], suffix: str = "") -> dict[str, float]:
         if audit.disagreements:
             ctx.log_table(audit.disagreements, f"audit/{audit.judge}_vs_{audit.verifier}{suffix}.json")
     return metrics
+
+
+class BatchAuditor:
+    """For a trainer that calls each reward function on its own (TRL's GRPO): gathers one batch's
+    components and audits every ``audit_every``-th batch (the smallest of the stage's judges)."""
+
+    def __init__(self, rewards: dict[str, RewardSpec], judges: dict[str, JudgeReward], ctx):
+        self.rewards, self.judges, self.ctx = rewards, judges, ctx
+        self.every = min(rewards[name].audit_every for name in judges)
+        self.batches, self.pending = 0, {}
+
+    def record(self, component: ComponentScores, prompts: list[list[dict]], texts: list[str]) -> None:
+        self.pending[component.name] = component
+        if len(self.pending) < len(self.rewards):
+            return
+        self.batches += 1
+        scored, self.pending = ScoredBatch([self.pending[name] for name in self.rewards], []), {}
+        if self.batches % self.every == 0:
+            audits = audit_judges(self.rewards, scored, self.judges, prompts, texts)
+            self.ctx.log_metrics(log_audits(self.ctx, audits, f"_batch_{self.batches:05d}"), step=self.batches)
+
+
+def batch_auditor(rewards: dict[str, RewardSpec], bound: dict, ctx) -> BatchAuditor | None:
+    """An auditor when the stage scores with a judge and something to audit it against, else None."""
+    judges = {name: fn for name, fn in bound.items() if isinstance(fn, JudgeReward)}
+    verifiers = [name for name, spec in rewards.items() if spec.fn in VERIFIER_FNS]
+    return BatchAuditor(rewards, judges, ctx) if judges and verifiers else None

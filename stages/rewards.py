@@ -73,11 +73,13 @@ class RewardSpec(SpecModel):
                                     "settings (temperature 0 by default).")
     backend: Literal["auto", "hf", "vllm"] = Field("auto", description="fn judge: generation backend of a model "
                                                    "judge (auto: vLLM where it can serve the judge, else HF).")
+    audit_every: int = Field(10, ge=1, description="fn judge: a grpo stage audits the judge against its verifiers "
+                             "every this many reward batches (eval stages audit every evaluation).")
 
     @model_validator(mode="after")
     def _reward_model_fields(self):
         own = {REWARD_MODEL_FN: {"stage", "normalize", "offset", "batch_size"},
-               JUDGE_FN: {"stage", "batch_size", "judge_fn", "rubric", "scale", "sampling", "backend"}}
+               JUDGE_FN: {"stage", "batch_size", "judge_fn", "rubric", "scale", "sampling", "backend", "audit_every"}}
         misplaced = sorted(self.model_fields_set - own.get(self.fn, set())
                            & (own[REWARD_MODEL_FN] | own[JUDGE_FN]))
         if misplaced:

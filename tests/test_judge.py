@@ -138,3 +138,25 @@ def test_bad_judges_are_refused_with_exit_2(tmp_path, capsys, reward, fragment):
     pipeline = PIPELINE.replace("rewards:\n", f"rewards:\n  bad: {reward}\n")
     assert run_cli("validate", str(write(tmp_path / "p.yaml", pipeline))) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_grpo_audits_its_judge_every_n_reward_batches(tiny_checkpoint, ctx_factory, home):
+    from test_grpo import grpo_config, inputs_for
+
+    from stages import rl
+
+    ctx = ctx_factory("grpo-judged")
+    rewards = {"correct": RewardSpec(fn="exact_answer", weight=0.0),
+               "lenient": RewardSpec(fn="judge", judge_fn="judges:lenient", rubric="Reply: {completion}",
+                                     audit_every=1)}
+    inputs = {**inputs_for(home, tiny_checkpoint, rewards), "judge_cache": str(home / "judge-cache")}
+    rl.run(grpo_config(max_steps=2, rewards=["correct", "lenient"]), inputs, ctx)
+    ctx.flush()
+    history = {name: ctx.metric_history(f"audit/lenient/correct/{name}")
+               for name in ("both_pass", "judge_only", "verifier_only", "both_fail", "judge_errors")}
+    assert [p.step for p in history["judge_only"]] == [1, 2]  # every batch (audit_every: 1)
+    for i in range(2):  # a judge that passes everything never fails what the verifier passes
+        assert history["verifier_only"][i].value == history["both_fail"][i].value == 0
+        assert history["both_pass"][i].value + history["judge_only"][i].value == 16  # 4 prompts x 4 completions
+    tables = {a.path for a in ctx.client.list_artifacts(ctx.run_id, "audit")}
+    assert "audit/lenient_vs_correct_batch_00001.json" in tables
