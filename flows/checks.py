@@ -40,8 +40,8 @@ def check_rewards_command(loaded, only: list[str], console) -> int:
 
 
 def _bound_judges(loaded, judges: dict) -> dict:
-    """The judges of ``fn: judge`` rewards with known cases: a judge function, or the pipeline's base model
-    (a stage's checkpoint does not exist before it has trained: the validator refuses such cases)."""
+    """The judges of ``fn: judge`` rewards with known cases: a judge function, a model of its own, or the
+    pipeline's base model (a stage's checkpoint does not exist before it has trained: the validator refuses such cases)."""
     if not judges:
         return {}
     from flows.home import configure_environment, ensure_home
@@ -52,6 +52,9 @@ def _bound_judges(loaded, judges: dict) -> dict:
     spec = loaded.spec
     inputs = {"judge_cache": str(home / "cache" / "judge"),
               "trust_remote_code": bool(getattr(spec.model, "trust_remote_code", False))}
+    from flows.execute import judge_model_inputs
+
+    inputs.update(judge_model_inputs(judges, spec.seed, home, loaded.base_dir))
     for name, reward in judges.items():
         if reward.stage == "base":
             inputs[reward_input_key(name)] = str(resolve_base_checkpoint(spec.model, spec.seed, home / "cache" / "models",

@@ -35,7 +35,7 @@ from stages.context import StageTimeLimit
 from stages.data import MixtureData, materialize, mixture_report_path
 from stages.models import resolve_base_checkpoint
 from stages.registry import HEADLINE_METRICS, stage_runner
-from stages.rewards import JUDGE_FN
+from stages.rewards import JUDGE_FN, reward_input_key
 
 TIME_LIMIT_GRACE = 30.0
 
@@ -86,8 +86,15 @@ def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[st
     inputs["rewards"] = loaded.rewards_for(config.reward_names())
     if any(r.fn == JUDGE_FN for r in inputs["rewards"].values()):
         inputs["judge_cache"] = str(home / "cache" / "judge")  # replies by (judge, rubric, prompt, completion)
+    inputs.update(judge_model_inputs(inputs["rewards"], spec.seed, home, loaded.base_dir))
     inputs["reward_checks"] = {n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks}
     return inputs
+
+
+def judge_model_inputs(rewards: dict, seed: int, home: Path, base_dir: Path) -> dict[str, str]:
+    """The checkpoint of each judge with a model of its own (``model:``: GGUF converted once, hub snapshot, path)."""
+    return {reward_input_key(name): str(resolve_base_checkpoint(r.model, seed, home / "cache" / "models", base_dir))
+            for name, r in rewards.items() if r.fn == JUDGE_FN and r.model is not None}
 
 
 def log_mixtures(job: StageJob, inputs: dict, recorder: Recorder) -> None:

@@ -256,6 +256,10 @@ def _judge_issues(d: _Draft) -> Issues:
             except RewardError as error:
                 issues.append((("rewards", name, "judge_fn"), str(error)))
             continue
+        if spec.model is not None:
+            raw_model = d.raw_rewards[name].get("model")
+            issues += [(("rewards", name, *where), message) for where, message in _model_issues(raw_model, d.base_dir, {})]
+            continue
         where = ("rewards", name, "stage")
         if spec.stage != BASE and spec.stage not in d.raw_stages:
             options = [BASE, *d.raw_stages]
@@ -265,7 +269,7 @@ def _judge_issues(d: _Draft) -> Issues:
                                          or d.stages[spec.stage].kind == "reward_model"):
             issues.append((where, f"stage {spec.stage!r} ({d.stages[spec.stage].kind}) has no generative checkpoint "
                                   "to judge with"))
-        if name in d.raw_checks and spec.stage != BASE:
+        if name in d.raw_checks and spec.stage != BASE:  # (a judge_fn or a model of its own exists now)
             issues.append((("reward_checks", name), f"judge {name!r} is stage {spec.stage!r}'s checkpoint, which does "
                            "not exist before that stage has trained, so its known cases cannot be checked; judge with "
                            f"`stage: {BASE}` or a `judge_fn` to check them"))

@@ -169,10 +169,12 @@ def bind_judges(rewards: dict[str, RewardSpec], inputs: dict) -> dict[str, Judge
         else:
             key = reward_input_key(name)
             if key not in inputs:
-                raise ValueError(f"reward {name!r} is judged by {spec.stage!r}, but the stage received no checkpoint "
+                raise ValueError(f"reward {name!r} is judged by {spec.stage or 'its model'!r}, but the stage received no "
+                                 "checkpoint "
                                  f"for it (inputs[{key!r}] is missing)")
             checkpoint = Path(inputs[key])
-            ask = ModelJudge(spec, checkpoint, inputs.get("trust_remote_code", False))
+            trusted = getattr(spec.model, "trust_remote_code", False) if spec.model else inputs.get("trust_remote_code")
+            ask = ModelJudge(spec, checkpoint, bool(trusted))
             identity = f"{model_identity(checkpoint)} backend {resolve_backend(spec.backend, checkpoint)[0]}"
         key = hashlib.sha256(json.dumps([identity, spec.sampling.model_dump(mode="json")]).encode()).hexdigest()[:20]
         bound[name] = JudgeReward(spec, ask, ReplyCache(cache_dir, key))

@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from stages.models import ModelSpec
 from stages.spec_model import SpecModel
 
 REWARD_MODEL_FN = "reward_model"  # the built-in that scores with a trained reward_model stage
@@ -61,6 +62,9 @@ class RewardSpec(SpecModel):
     offset: float = Field(0.0, description="fn reward_model: a fixed offset subtracted from every score.")
     batch_size: int = Field(64, ge=1, description="fn reward_model: completions scored per forward pass; fn judge: "
                             "judge prompts per generate call (HF generate).")
+    model: ModelSpec | None = Field(None, description="fn judge, instead of `stage:`: a model of its own, "
+                                    "{gguf: {package, file}} or {gguf: FILE}, {hub: ID} or {path: DIR}, as the "
+                                    "pipeline's `model:` takes them.")
     judge_fn: str | None = Field(None, description="fn judge, instead of `stage:`: a dotted path `pkg.mod:fn` to a "
                                  "function `fn(conversations) -> replies` (one reply text per chat conversation), e.g. "
                                  "a hosted model's client; cached by its name.")
@@ -79,7 +83,7 @@ class RewardSpec(SpecModel):
     @model_validator(mode="after")
     def _reward_model_fields(self):
         own = {REWARD_MODEL_FN: {"stage", "normalize", "offset", "batch_size"},
-               JUDGE_FN: {"stage", "batch_size", "judge_fn", "rubric", "scale", "sampling", "backend", "audit_every"}}
+               JUDGE_FN: {"stage", "model", "batch_size", "judge_fn", "rubric", "scale", "sampling", "backend", "audit_every"}}
         misplaced = sorted(self.model_fields_set - own.get(self.fn, set())
                            & (own[REWARD_MODEL_FN] | own[JUDGE_FN]))
         if misplaced:
@@ -95,9 +99,9 @@ class RewardSpec(SpecModel):
         return self
 
     def _check_judge(self) -> None:
-        if (self.stage is None) == (self.judge_fn is None):
-            raise ValueError("fn judge needs one judge: `stage:` (base, or a stage whose checkpoint judges) or "
-                             "`judge_fn: pkg.mod:fn`")
+        if sum(x is not None for x in (self.stage, self.model, self.judge_fn)) != 1:
+            raise ValueError("fn judge needs one judge: `stage:` (base, or a stage whose checkpoint judges), "
+                             "`model:` (a GGUF, hub or path model of its own) or `judge_fn: pkg.mod:fn`")
         if not self.rubric or "{completion}" not in self.rubric:
             raise ValueError("fn judge needs `rubric:`, the judge's message, containing {completion} (and optionally "
                              "{prompt} and {answer})")
