@@ -147,7 +147,7 @@ def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, Reward
         "sampling": config.sampling.identity(),
         "data": Path(data_path).name,  # content-keyed file name
         "max_prompts": config.max_prompts,
-        "rewards": {name: spec.model_dump(mode="json") for name, spec in rewards.items()},
+        "rewards": {name: spec.identity() for name, spec in rewards.items()},
         "verifier": config.verifier or config.rewards[0],
         "success_threshold": config.success_threshold,
     }

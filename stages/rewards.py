@@ -98,6 +98,15 @@ class RewardSpec(SpecModel):
             self._check_judge()
         return self
 
+    def identity(self) -> dict:
+        """The reward as hashed (stage fingerprints, eval settings): a judge's own fields only on a judge,
+        so the hashes of every other reward stay what they were before judges existed."""
+        payload = self.model_dump(mode="json")
+        if self.fn != JUDGE_FN:
+            for key in ("model", "judge_fn", "rubric", "scale", "sampling", "backend", "audit_every"):
+                payload.pop(key)
+        return payload
+
     def _check_judge(self) -> None:
         if sum(x is not None for x in (self.stage, self.model, self.judge_fn)) != 1:
             raise ValueError("fn judge needs one judge: `stage:` (base, or a stage whose checkpoint judges), "

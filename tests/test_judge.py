@@ -160,3 +160,12 @@ def test_grpo_audits_its_judge_every_n_reward_batches(tiny_checkpoint, ctx_facto
         assert history["both_pass"][i].value + history["judge_only"][i].value == 16  # 4 prompts x 4 completions
     tables = {a.path for a in ctx.client.list_artifacts(ctx.run_id, "audit")}
     assert "audit/lenient_vs_correct_batch_00001.json" in tables
+
+
+def test_rewards_other_than_judges_hash_as_before_judges_existed():
+    """Stage fingerprints and eval settings hash ``RewardSpec.identity()``: a judge's fields appear only on a
+    judge, so upgrading keeps every cached run and every comparable evaluation of other rewards."""
+    assert set(RewardSpec(fn="exact_answer").identity()) == {"fn", "weight", "kwargs", "stage", "normalize", "offset",
+                                                              "batch_size"}
+    judged = RewardSpec(fn="judge", judge_fn="judges:lenient", rubric="{completion}").identity()
+    assert judged["rubric"] == "{completion}" and judged["sampling"]["temperature"] == 0.0
