@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from stages.rewards import check_reward_cases
+from stages.rewards import JUDGE_FN, check_reward_cases, reward_input_key
 
 
 def check_rewards_command(loaded, only: list[str], console) -> int:
@@ -19,7 +19,9 @@ def check_rewards_command(loaded, only: list[str], console) -> int:
         print(f"{loaded.path}: no reward_checks declared for {', '.join(missing) or 'any reward'} "
               f"(declared: {declared}); nothing was checked", file=sys.stderr)
         return 2
-    results = [r for name in names for r in check_reward_cases(name, loaded.rewards_for([name])[name], checks[name])]
+    specs = loaded.rewards_for(names)
+    judges = _bound_judges(loaded, {n: s for n, s in specs.items() if s.fn == JUDGE_FN})
+    results = [r for name in names for r in check_reward_cases(name, specs[name], checks[name], judges.get(name))]
     table = Table(title=f"reward checks · {loaded.spec.name}")
     for column in ("reward", "case", "completion", "answer", "score", "parsed", "expected", "verdict"):
         table.add_column(column)
@@ -35,3 +37,26 @@ def check_rewards_command(loaded, only: list[str], console) -> int:
     bad = sum(1 for r in results if r.violations)
     console.print(f"{len(results)} cases, {bad} violation{'s' if bad != 1 else ''}")
     return 1 if bad else 0
+
+
+def _bound_judges(loaded, judges: dict) -> dict:
+    """The judges of ``fn: judge`` rewards with known cases: a judge function, a model of its own, or the
+    pipeline's base model (a stage's checkpoint does not exist before it has trained: the validator refuses such cases)."""
+    if not judges:
+        return {}
+    from flows.home import configure_environment, ensure_home
+    from stages.models import resolve_base_checkpoint
+    from stages.reward_model_scoring import bind_reward_models
+
+    home = ensure_home(configure_environment())
+    spec = loaded.spec
+    inputs = {"judge_cache": str(home / "cache" / "judge"),
+              "trust_remote_code": bool(getattr(spec.model, "trust_remote_code", False))}
+    from flows.execute import judge_model_inputs
+
+    inputs.update(judge_model_inputs(judges, spec.seed, home, loaded.base_dir))
+    for name, reward in judges.items():
+        if reward.stage == "base":
+            inputs[reward_input_key(name)] = str(resolve_base_checkpoint(spec.model, spec.seed, home / "cache" / "models",
+                                                                         loaded.base_dir))
+    return bind_reward_models(judges, inputs)

@@ -33,9 +33,10 @@ from flows.spec import BASE, LoadedPipeline
 from flows.tags import TAG_ERROR, TAG_FINGERPRINT, TAG_KIND, TAG_SEED, TAG_UPSTREAM
 from flows.tracking import MlflowStageContext, Tracker
 from stages.context import StageTimeLimit
-from stages.data import materialize
+from stages.data import MixtureData, materialize, mixture_report_path
 from stages.models import resolve_base_checkpoint
 from stages.registry import HEADLINE_METRICS, stage_runner
+from stages.rewards import JUDGE_FN, reward_input_key
 
 TIME_LIMIT_GRACE = 30.0
 
@@ -84,8 +85,34 @@ def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[st
         path = materialize(spec.data[name], loaded.base_dir, home / "cache" / "data", spec.data)
         inputs["data" if i == 0 else f"data_{name}"] = str(path)
     inputs["rewards"] = loaded.rewards_for(config.reward_names())
+    if any(r.fn == JUDGE_FN for r in inputs["rewards"].values()):
+        inputs["judge_cache"] = str(home / "cache" / "judge")  # replies by (judge, rubric, prompt, completion)
+    inputs.update(judge_model_inputs(inputs["rewards"], spec.seed, home, loaded.base_dir))
     inputs["reward_checks"] = {n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks}
     return inputs
+
+
+def judge_model_inputs(rewards: dict, seed: int, home: Path, base_dir: Path) -> dict[str, str]:
+    """The checkpoint of each judge with a model of its own (``model:``: GGUF converted once, hub snapshot, path)."""
+    return {reward_input_key(name): str(resolve_base_checkpoint(r.model, seed, home / "cache" / "models", base_dir))
+            for name, r in rewards.items() if r.fn == JUDGE_FN and r.model is not None}
+
+
+def log_mixtures(job: StageJob, inputs: dict, recorder: Recorder) -> None:
+    """For each mixture the stage reads: its recipe and realised per-source counts, as params
+    (``data.<name>.mixture.<source>.weight`` / ``.count``) and as ``data_mixture_<name>.json``."""
+    spec = job.loaded.spec
+    for i, name in enumerate(job.config.dataset_names()):
+        if not isinstance(spec.data[name], MixtureData):
+            continue
+        report_path = mixture_report_path(Path(inputs["data" if i == 0 else f"data_{name}"]))
+        report = json.loads(report_path.read_text(encoding="utf-8"))
+        params = {}
+        for source, probability in report["recipe"].items():
+            params[f"data.{name}.mixture.{source}.weight"] = round(probability, 6)
+            params[f"data.{name}.mixture.{source}.count"] = report["counts"][source]
+        recorder.params(params)
+        recorder.text(json.dumps(report, indent=2, sort_keys=True), f"data_mixture_{name}.json")
 
 
 def run_stage_function(job: StageJob, inputs: dict, ctx) -> None:
@@ -182,6 +209,7 @@ def _run(job: StageJob, tracker: Tracker, console) -> StageRow:
 def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowStageContext) -> None:
     """Resolve the inputs, then run the stage here or on ``world_size`` processes, within its time limit."""
     inputs = resolve_inputs(job.loaded, job.stage, job.upstream_outputs, tracker.home)
+    log_mixtures(job, inputs, recorder)
     inputs = failure_set_inputs(job.loaded, job.stage, inputs, job.upstream_runs, tracker, recorder,
                                 tracker.home)  # iterate
     recorder.params({f"input.{k}": v for k, v in inputs.items() if k not in ("rewards", "reward_checks")})

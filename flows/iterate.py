@@ -218,11 +218,11 @@ def guard_failure_source(loaded, feed: FailureFeed, recorded_input: str | None) 
     if recorded_input is None:
         return
     recorded_key = Path(recorded_input).stem
-    heldout = [n for n, d in spec.data.items() if d.role == "heldout" and data_key(d, loaded.base_dir) == recorded_key]
+    heldout = [n for n, d in spec.data.items() if d.role == "heldout" and data_key(d, loaded.base_dir, spec.data) == recorded_key]
     if heldout:
         raise LeakageError(f"the run of {feed.collect} that wrote this failure set evaluated heldout dataset "
                            f"{heldout[0]!r}; its failures must never reach training ({feed.step})")
-    if recorded_key != data_key(spec.data[data_name], loaded.base_dir):
+    if recorded_key != data_key(spec.data[data_name], loaded.base_dir, spec.data):
         raise LeakageError(f"the run of {feed.collect} that wrote this failure set evaluated {recorded_input}, not "
                            f"probe dataset {data_name!r}; refusing to train {feed.step} on it")
 

@@ -111,8 +111,8 @@ def fingerprint(loaded: LoadedPipeline, stage: str, upstream_runs: dict[str, str
         "config": config.model_dump(mode="json", exclude=set(EXECUTION_FIELDS)),
         "seed": spec.seed,
         "upstream": references,
-        "data": {name: data_key(spec.data[name], loaded.base_dir) for name in config.dataset_names()},
-        "rewards": {name: r.model_dump(mode="json") for name, r in loaded.rewards_for(config.reward_names()).items()},
+        "data": {name: data_key(spec.data[name], loaded.base_dir, spec.data) for name in config.dataset_names()},
+        "rewards": {name: r.identity() for name, r in loaded.rewards_for(config.reward_names()).items()},
         "version": __version__,
     }
     payload.update(round_fingerprint(spec, stage))  # iterate: the mix of round r's data (empty otherwise)

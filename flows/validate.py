@@ -31,6 +31,7 @@ from stages.data import (
     DataError,
     DataSpec,
     FileData,
+    MixtureData,
     ReasoningGymData,
     holds_preferences,
     load_records,
@@ -55,7 +56,16 @@ from stages.pretrained import (
     locate_gguf,
 )
 from stages.registry import STAGE_KINDS
-from stages.rewards import BUILTIN_REWARDS, REASONING_GYM_FN, REWARD_MODEL_FN, RewardError, RewardSpec, load_reward_fn
+from stages.rewards import (
+    BUILTIN_REWARDS,
+    JUDGE_FN,
+    REASONING_GYM_FN,
+    REWARD_MODEL_FN,
+    RewardError,
+    RewardSpec,
+    import_dotted,
+    load_reward_fn,
+)
 from stages.reward_schemas import RECORD_READERS, kwargs_issues, record_problem
 from stages.sandbox import ISOLATION_MODES
 from stages.spec_model import KEY_NAME_PATTERN, name_problem
@@ -233,6 +243,39 @@ def _reward_fn_issues(d: _Draft) -> Issues:
     return issues
 
 
+def _judge_issues(d: _Draft) -> Issues:
+    """A judge is the base model, a stage with a policy checkpoint, or an importable function; its known
+    cases can be checked before training only when the judge exists then (base, or a function)."""
+    issues = []
+    for name, spec in d.rewards.items():
+        if spec.fn != JUDGE_FN:
+            continue
+        if spec.judge_fn is not None:
+            try:
+                import_dotted(spec.judge_fn, "judge_fn")
+            except RewardError as error:
+                issues.append((("rewards", name, "judge_fn"), str(error)))
+            continue
+        if spec.model is not None:
+            raw_model = d.raw_rewards[name].get("model")
+            issues += [(("rewards", name, *where), message) for where, message in _model_issues(raw_model, d.base_dir, {})]
+            continue
+        where = ("rewards", name, "stage")
+        if spec.stage != BASE and spec.stage not in d.raw_stages:
+            options = [BASE, *d.raw_stages]
+            issues.append((where, f"unknown stage {spec.stage!r}{did_you_mean(spec.stage, options)}; the judge is "
+                                  f"{BASE} or a stage: {', '.join(options)}"))
+        elif spec.stage in d.stages and (not d.stages[spec.stage].produces_checkpoint
+                                         or d.stages[spec.stage].kind == "reward_model"):
+            issues.append((where, f"stage {spec.stage!r} ({d.stages[spec.stage].kind}) has no generative checkpoint "
+                                  "to judge with"))
+        if name in d.raw_checks and spec.stage != BASE:  # (a judge_fn or a model of its own exists now)
+            issues.append((("reward_checks", name), f"judge {name!r} is stage {spec.stage!r}'s checkpoint, which does "
+                           "not exist before that stage has trained, so its known cases cannot be checked; judge with "
+                           f"`stage: {BASE}` or a `judge_fn` to check them"))
+    return issues
+
+
 def _dataset_issues(d: _Draft) -> Issues:
     issues = []
     for name, spec in d.data.items():
@@ -243,11 +286,44 @@ def _dataset_issues(d: _Draft) -> Issues:
                 issues.append((("data", name, "exclude", i), f"unknown dataset {other!r}"
                                f"{did_you_mean(other, d.raw_data)}; datasets: {', '.join(d.raw_data)}"))
     for name, spec in d.data.items():
+        if isinstance(spec, MixtureData):
+            issues += _mixture_issues(d, name, spec)
+    for name, spec in d.data.items():
         if isinstance(spec, FileData) and d.records.error(name):
             issues.append((("data", name, "path"), d.records.error(name)))
         elif isinstance(spec, ReasoningGymData):
             for field_name, message in _reasoning_gym_task_issues(spec):
                 issues.append((("data", name, field_name), message))
+    return issues
+
+
+def _mixture_issues(d: _Draft, name: str, spec: MixtureData) -> Issues:
+    """A mixture's components are declared plain datasets of one record type, and heldout data only ever
+    mixes with heldout data (leakage guard: a training mixture never draws a heldout record)."""
+    issues, kinds = [], set()
+    for component in spec.mixture:
+        where = ("data", name, "mixture", component)
+        raw = d.raw_data.get(component)
+        if component == name:
+            issues.append((where, f"mixture {name!r} cannot contain itself"))
+        elif raw is None:
+            issues.append((where, f"unknown dataset {component!r}{did_you_mean(component, d.raw_data)}; datasets: "
+                                  f"{', '.join(map(str, d.raw_data))}"))
+        elif isinstance(raw, dict) and "mixture" in raw:
+            issues.append((where, f"dataset {component!r} is itself a mixture; list its components here instead"))
+        elif isinstance(raw, dict) and (raw.get("role") == "heldout") != (spec.role == "heldout"):
+            if spec.role == "heldout":
+                issues.append((where, f"heldout mixture {name!r} cannot draw from {raw.get('role')} dataset "
+                                      f"{component!r}: it would evaluate on data that is trained on (leakage guard)"))
+            else:
+                issues.append((where, f"dataset {component!r} has role heldout and cannot be a component of "
+                                      f"{spec.role} mixture {name!r} (leakage guard: heldout data is only ever "
+                                      "evaluated)"))
+        elif component in d.data:
+            kinds.add(holds_preferences(d.data[component]))
+    if len(kinds) > 1:
+        issues.append((("data", name, "mixture"), f"mixture {name!r} mixes preference pairs with conversations; "
+                                                  "its components must hold one kind of record"))
     return issues
 
 
@@ -309,7 +385,7 @@ class _DatasetRecords:
                     self._records[name] = located_file_records(spec, self.base_dir)
                 elif spec is not None:
                     self._records[name] = [(f"data.{name} record {i + 1}", r)
-                                           for i, r in enumerate(load_records(spec, self.base_dir))]
+                                           for i, r in enumerate(load_records(spec, self.base_dir, self.data))]
                 else:
                     self._records[name] = None
             except DataError as error:
@@ -352,10 +428,10 @@ def _consumer_issues(stages: dict, rewards: dict[str, RewardSpec], data: dict, r
     for name, config in stages.items():
         for data_name in config.dataset_names():
             spec = data.get(data_name) if isinstance(data_name, str) else None
-            if spec is None or holds_preferences(spec) or isinstance(spec, ArithmeticData):
+            if spec is None or holds_preferences(spec, data) or isinstance(spec, ArithmeticData):
                 continue
             kind = getattr(config, "kind", "")
-            located = records.get(data_name) if isinstance(spec, FileData) else None
+            located = records.get(data_name) if isinstance(spec, (FileData, MixtureData)) else None
             if located and (problem := _first_problem(located, lambda r: _record_shape_problem(kind, r))):
                 issues.append((("stages", name, "data"), f"dataset {data_name!r} cannot feed stage {name!r} ({kind}): "
                                f"{problem}"))
@@ -392,8 +468,8 @@ def _leakage_issues(data: dict, records: _DatasetRecords) -> list[tuple[tuple, s
             continue
         where = ("data", held_name, "path" if isinstance(held, FileData) else "seed")
         for other_name, other in data.items():
-            if other_name == held_name or other.role == "heldout":
-                continue
+            if other_name == held_name or other.role == "heldout" or isinstance(other, MixtureData):
+                continue  # a mixture holds its components' records: they are compared themselves
             if isinstance(held, ArithmeticData) and isinstance(other, ArithmeticData):
                 same = ("seed", "min_operand", "max_operand", "ops")
                 if all(getattr(held, f) == getattr(other, f) for f in same):
@@ -535,7 +611,7 @@ def _reasoning_gym_issues(stages: dict, rewards: dict[str, RewardSpec], data: di
         gym_rewards = [(i, r) for i, r in enumerate(config.reward_names())
                        if isinstance(r, str) and fn_of(r) == REASONING_GYM_FN]
         for data_name in config.dataset_names():
-            if not isinstance(data_name, str) or data_name not in data or isinstance(data[data_name], ReasoningGymData):
+            if not isinstance(data_name, str) or data_name not in data or _is_reasoning_gym(data, data_name):
                 continue
             for i, reward_name in gym_rewards:
                 issues.append((("stages", name, "rewards", i), f"reward {reward_name!r} (fn reasoning_gym) scores "
@@ -577,6 +653,14 @@ def _reasoning_gym_issues(stages: dict, rewards: dict[str, RewardSpec], data: di
     return issues
 
 
+def _is_reasoning_gym(data: dict, name: str) -> bool:
+    """A reasoning_gym dataset, or a mixture of them only (its records name their task entries too)."""
+    spec = data[name]
+    if isinstance(spec, MixtureData):
+        return all(isinstance(data.get(c), ReasoningGymData) for c in spec.mixture)
+    return isinstance(spec, ReasoningGymData)
+
+
 def _shared_prompts(held: ReasoningGymData, other: ReasoningGymData) -> int:
     """How many of ``held``'s prompts ``other`` also holds (0 when either cannot be generated: reported elsewhere)."""
     try:
@@ -615,7 +699,8 @@ def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dic
                                f"{field_name}"))
         wants_pairs = getattr(config, "data_records", "conversations") == "preferences"
         for data_name in config.dataset_names():
-            if isinstance(data_name, str) and data_name in data and holds_preferences(data[data_name]) != wants_pairs:
+            if (isinstance(data_name, str) and data_name in data
+                    and holds_preferences(data[data_name], data) != wants_pairs):
                 needed = ("preference pairs (`generator: arithmetic_preferences` or a file with "
                           "`records: preferences`)" if wants_pairs else "conversations, not preference pairs")
                 issues.append((("stages", name, "data"), f"stage kind {config.kind} reads {needed}; "
@@ -695,6 +780,7 @@ COLLECTORS = (
     _reference_issues,
     _reward_check_issues,
     _reward_fn_issues,
+    _judge_issues,
     _dataset_issues,
     lambda d: _consumer_issues(d.stages, d.rewards, d.data, d.raw_rewards, d.records),
     lambda d: _leakage_issues(d.data, d.records),

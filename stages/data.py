@@ -21,6 +21,11 @@ the reward parses. Each record also carries ``task``, the entry's identity
 ``score_answer``. The installed reasoning-gym version is part of the dataset's cache key.
 reasoning-gym draws entry i from ``seed + i``, so the validator refuses a heldout dataset
 whose ``[seed, seed + n)`` overlaps another dataset of the same task and config.
+
+A mixture (``mixture: {a: 0.7, b: 0.3}``, ``n``, ``seed``) draws each of its ``n`` records'
+source with the declared probabilities, then the next record of that source's shuffled
+order (``mix_datasets``); its recipe and realised per-source counts are written beside its
+JSONL (``<key>.mixture.json``) for the stage's run to log. Its key covers its components'.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from stages.data_specs import (  # the declarations, read here and by flows/spec
     DataError,
     DataSpec,
     FileData,
+    MixtureData,
     ReasoningGymData,
     holds_preferences,
 )
@@ -149,8 +155,31 @@ def resolve_path(spec: FileData, base_dir: Path) -> Path:
     return path if path.is_absolute() else (base_dir / path)
 
 
-def load_records(spec, base_dir: Path) -> list[dict]:
-    """The dataset's canonical records; raises DataError naming the file (and line)."""
+def mix_datasets(spec: MixtureData, sources: dict[str, list[dict]]) -> tuple[list[dict], dict[str, int]]:
+    """(records, realised count per source): each record's source drawn with the declared
+    probabilities, then the next record of that source's shuffled order (reshuffled when used up)."""
+    empty = [name for name in spec.mixture if not sources.get(name)]
+    if empty:
+        raise DataError(f"mixture component(s) {', '.join(empty)} hold no records")
+    rng = random.Random(f"mixture:{spec.seed}")
+    names = list(spec.mixture)
+    picks = rng.choices(names, weights=[spec.mixture[name] for name in names], k=spec.n)
+    orders: dict[str, list[dict]] = {name: [] for name in names}
+    records = []
+    for name in picks:
+        if not orders[name]:
+            orders[name] = list(sources[name])
+            rng.shuffle(orders[name])
+        records.append(orders[name].pop())
+    return records, {name: picks.count(name) for name in names}
+
+
+def load_records(spec, base_dir: Path, datasets: dict | None = None) -> list[dict]:
+    """The dataset's canonical records; raises DataError naming the file (and line).
+    ``datasets`` (every declared dataset by name) is needed for a mixture."""
+    if isinstance(spec, MixtureData):
+        sources = {name: load_records(_component(spec, name, datasets), base_dir, datasets) for name in spec.mixture}
+        return mix_datasets(spec, sources)[0]
     if isinstance(spec, ArithmeticData):
         return generate_arithmetic(spec)
     if isinstance(spec, ArithmeticPreferenceData):
@@ -192,10 +221,21 @@ def prompt_text(record: dict) -> str:
     return " ".join(text.casefold().split())
 
 
-def data_key(spec, base_dir: Path) -> str:
-    """Content key of a dataset: its spec, plus the file's bytes for file datasets and the installed
-    reasoning-gym version for reasoning-gym tasks (an upgrade may generate other entries)."""
+def _component(spec: MixtureData, name: str, datasets: dict | None):
+    component = (datasets or {}).get(name)
+    if component is None or isinstance(component, MixtureData):
+        raise DataError(f"mixture component {name!r} is not a declared dataset (or is itself a mixture)")
+    return component
+
+
+def data_key(spec, base_dir: Path, datasets: dict | None = None) -> str:
+    """Content key of a dataset: its spec, plus the file's bytes for file datasets, the installed
+    reasoning-gym version for reasoning-gym tasks (an upgrade may generate other entries), and the
+    components' keys for a mixture (``datasets``: every declared dataset by name)."""
     digest = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode())
+    if isinstance(spec, MixtureData):
+        digest.update(json.dumps({name: _materialized_key(_component(spec, name, datasets), base_dir, datasets)
+                                  for name in spec.mixture}, sort_keys=True).encode())
     if isinstance(spec, ReasoningGymData):
         from stages.reasoning_gym_tasks import reasoning_gym_version
 
@@ -207,17 +247,26 @@ def data_key(spec, base_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def materialize(spec, base_dir: Path, cache_dir: Path, excluded: dict | None = None) -> Path:
-    """Write the dataset's canonical JSONL once (atomically) and return its path.
-
-    ``excluded`` holds the specs of the datasets named in the spec's ``exclude`` (by name): their
-    prompts are dropped from this one, and their content keys are part of its key."""
-    excluded = {name: excluded[name] for name in getattr(spec, "exclude", [])} if excluded else {}
-    key = data_key(spec, base_dir)
+def _materialized_key(spec, base_dir: Path, datasets: dict | None) -> str:
+    """``data_key``, extended by the keys of the datasets a spec ``exclude``s (what its file is named by)."""
+    key = data_key(spec, base_dir, datasets)
+    excluded = {name: datasets[name] for name in getattr(spec, "exclude", [])} if datasets else {}
     if excluded:
         key = hashlib.sha256(json.dumps([key, {n: data_key(s, base_dir) for n, s in sorted(excluded.items())}])
                              .encode()).hexdigest()[:16]
-    target = cache_dir / f"{key}.jsonl"
+    return key
+
+
+def materialize(spec, base_dir: Path, cache_dir: Path, datasets: dict | None = None) -> Path:
+    """Write the dataset's canonical JSONL once (atomically) and return its path.
+
+    ``datasets`` holds every declared dataset by name: those named in the spec's ``exclude``
+    have their prompts dropped from this one (their content keys are part of its key); a
+    mixture draws from its components' materialised records."""
+    if isinstance(spec, MixtureData):
+        return _materialize_mixture(spec, base_dir, cache_dir, datasets)
+    excluded = {name: datasets[name] for name in getattr(spec, "exclude", [])} if datasets else {}
+    target = cache_dir / f"{_materialized_key(spec, base_dir, datasets)}.jsonl"
     if target.exists():
         return target
     records = load_records(spec, base_dir)
@@ -226,13 +275,36 @@ def materialize(spec, base_dir: Path, cache_dir: Path, excluded: dict | None = N
         records = [r for r in records if prompt_text(r) not in seen]
         if not records:
             raise DataError(f"every entry's prompt appears in {', '.join(sorted(excluded))} (exclude): nothing is left")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".writing-", suffix=".jsonl", dir=cache_dir)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        for record in records:
-            handle.write(json.dumps(record) + "\n")
-    os.replace(tmp, target)
+    _write_atomic(target, "".join(json.dumps(record) + "\n" for record in records))
     return target
+
+
+def _write_atomic(target: Path, text: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".writing-", suffix=target.suffix, dir=target.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, target)
+
+
+def _materialize_mixture(spec: MixtureData, base_dir: Path, cache_dir: Path, datasets: dict | None) -> Path:
+    """The mixture's JSONL, and beside it ``<key>.mixture.json``: the recipe and the realised counts."""
+    target = cache_dir / f"{data_key(spec, base_dir, datasets)}.jsonl"
+    if target.exists() and mixture_report_path(target).exists():
+        return target
+    sources = {name: read_materialized(materialize(_component(spec, name, datasets), base_dir, cache_dir, datasets))
+               for name in spec.mixture}
+    records, counts = mix_datasets(spec, sources)
+    report = {"recipe": spec.probabilities(), "n": spec.n, "seed": spec.seed, "counts": counts,
+              "available": {name: len(rows) for name, rows in sources.items()}}
+    _write_atomic(mixture_report_path(target), json.dumps(report, sort_keys=True))
+    _write_atomic(target, "".join(json.dumps(record) + "\n" for record in records))
+    return target
+
+
+def mixture_report_path(materialized: Path) -> Path:
+    """Where a materialised mixture's recipe and realised counts are written."""
+    return materialized.with_name(materialized.stem + ".mixture.json")
 
 
 def read_materialized(path: Path) -> list[dict]:

@@ -147,6 +147,34 @@ class ReasoningGymData(SpecModel):
         return config
 
 
+class MixtureData(SpecModel):
+    """A weighted mixture of other datasets: each of its `n` records is drawn from component c with
+    probability weight_c / (sum of weights), then taken from that component's own shuffled order (a
+    component drawn more often than it has records is reshuffled and drawn again)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mixture: dict[str, float] = Field(
+        min_length=1, description="Component datasets (names under `data:`, not mixtures themselves) and their "
+        "sampling weights, e.g. {arith: 0.7, chat: 0.3}; weights are normalised to probabilities.")
+    role: Role = Field(description=ROLE_HELP + " A train or probe mixture takes no heldout component; a heldout "
+                       "mixture takes only heldout ones.")
+    n: int = Field(ge=1, le=1_000_000, description="Number of records drawn.")
+    seed: int = Field(0, description="Seed of the draw; the same seed and components draw the same records.")
+
+    @field_validator("mixture")
+    @classmethod
+    def _positive_weights(cls, mixture: dict[str, float]):
+        bad = {name: weight for name, weight in mixture.items() if not weight > 0 or weight == float("inf")}
+        if bad:
+            raise ValueError(f"weights must be positive and finite; got {bad}")
+        return mixture
+
+    def probabilities(self) -> dict[str, float]:
+        total = sum(self.mixture.values())
+        return {name: weight / total for name, weight in self.mixture.items()}
+
+
 def _data_source(value) -> str | None:
     if isinstance(value, ArithmeticData):
         return "generator"
@@ -156,10 +184,12 @@ def _data_source(value) -> str | None:
         return "path"
     if isinstance(value, ReasoningGymData):
         return "reasoning_gym"
+    if isinstance(value, MixtureData):
+        return "mixture"
     if isinstance(value, dict):
         if value.get("generator") == "arithmetic_preferences":
             return "preference_generator"
-        for key in ("generator", "path", "reasoning_gym"):
+        for key in ("generator", "path", "reasoning_gym", "mixture"):
             if key in value:
                 return key
     return None
@@ -171,18 +201,23 @@ DataSpec = Annotated[
         Annotated[ArithmeticPreferenceData, Tag("preference_generator")],
         Annotated[FileData, Tag("path")],
         Annotated[ReasoningGymData, Tag("reasoning_gym")],
+        Annotated[MixtureData, Tag("mixture")],
     ],
     Discriminator(
         _data_source,
         custom_error_type="data_source",
         custom_error_message="a dataset needs a source: `generator: arithmetic`, "
-        "`generator: arithmetic_preferences`, `path: FILE` or `reasoning_gym: TASK`",
+        "`generator: arithmetic_preferences`, `path: FILE`, `reasoning_gym: TASK` or `mixture: {NAME: WEIGHT, ...}`",
     ),
 ]
 
 
-def holds_preferences(spec) -> bool:
-    """Whether a dataset is preference pairs (for reward_model / dpo) rather than conversations."""
+def holds_preferences(spec, datasets: dict | None = None) -> bool:
+    """Whether a dataset is preference pairs (for reward_model / dpo) rather than conversations; a
+    mixture is what its components are (``datasets``: every declared dataset by name)."""
+    if isinstance(spec, MixtureData):
+        components = [(datasets or {}).get(name) for name in spec.mixture]
+        return any(c is not None and not isinstance(c, MixtureData) and holds_preferences(c) for c in components)
     return isinstance(spec, ArithmeticPreferenceData) or (isinstance(spec, FileData) and spec.records == "preferences")
 
 

@@ -147,7 +147,7 @@ def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, Reward
         "sampling": config.sampling.identity(),
         "data": Path(data_path).name,  # content-keyed file name
         "max_prompts": config.max_prompts,
-        "rewards": {name: spec.model_dump(mode="json") for name, spec in rewards.items()},
+        "rewards": {name: spec.identity() for name, spec in rewards.items()},
         "verifier": config.verifier or config.rewards[0],
         "success_threshold": config.success_threshold,
     }
@@ -181,7 +181,8 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     }, [r.get("task") for r in records for _ in range(k)])
     from stages.reward_model_scoring import bind_reward_models
 
-    scored = score_completions(rewards, flat_texts, columns, bind_reward_models(rewards, inputs))
+    bound = bind_reward_models(rewards, inputs)
+    scored = score_completions(rewards, flat_texts, columns, bound)
     by_name = {c.name: c for c in scored.components}
     verdict = by_name[verifier]
     correct = [s >= config.success_threshold for s in verdict.scores]
@@ -192,6 +193,7 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
         picks, metrics["best_of_n_accuracy"] = select_best_of_n(
             Path(inputs["reward_model"]), columns["prompts"], flat_texts, correct, k,
             inputs.get("trust_remote_code", False))
+    metrics.update(_audit(ctx, rewards, scored, bound, columns["prompts"], flat_texts))
     ctx.log_metrics(metrics)
     # timings are logged, not returned: the returned metrics are what a rerun must reproduce
     generated = sum(len(s.token_ids) for group in samples for s in group)
@@ -207,6 +209,15 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
             error_rows = [{"completion": flat_texts[i], "error": message} for i, message in component.errors[:50]]
             ctx.log_table(error_rows, f"reward_errors_{component.name}.json")
     return {"failures": str(failures_path), "metrics": metrics}
+
+
+def _audit(ctx, rewards: dict[str, RewardSpec], scored, bound: dict, prompts: list, texts: list[str]) -> dict:
+    """Judges against verifiers and reward models on these samples: agreement and confusion counts as
+    metrics, the disagreeing examples as tables (stages/judge.py)."""
+    from stages.judge import JudgeReward, audit_judges, log_audits
+
+    judges = {name: fn for name, fn in bound.items() if isinstance(fn, JudgeReward)}
+    return log_audits(ctx, audit_judges(rewards, scored, judges, prompts, texts)) if judges else {}
 
 
 def _sample(config: EvalConfig, inputs: dict, ctx, prompts: list, verifier: str):

@@ -92,9 +92,9 @@ class RewardErrorBudget:
             )
 
 
-def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, metrics_sink, fn=None):
+def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, metrics_sink, fn=None, auditor=None):
     """A TRL reward function (``prompts, completions, **columns``) around one of our rewards
-    (``fn``: a bound reward-model scorer for a ``fn: reward_model`` reward)."""
+    (``fn``: a bound reward-model scorer or judge; ``auditor``: stages/judge.py's ``BatchAuditor``)."""
 
     def reward(prompts, completions, completion_ids=None, **columns):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -102,6 +102,8 @@ def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, met
         scored = score_component(name, spec, texts, with_task_column(
             {"answer": columns.get("answer"), "prompts": prompts}, tasks), fn)
         budget.record(name, scored.errors, texts)
+        if auditor is not None:
+            auditor.record(scored, prompts, texts)
         sink = metrics_sink()
         if sink is not None:
             sink[f"reward/{name}/unparsed_frac"].append(1.0 - sum(scored.parsed) / len(texts))
@@ -312,7 +314,7 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     rewards: dict[str, RewardSpec] = inputs["rewards"]
     budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
     holder: dict = {}  # the trainer's metrics, once it exists: the reward functions log into them
-    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"))
+    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"), ctx)
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
@@ -373,13 +375,17 @@ def _load_policy(inputs: dict):
     return model, tokenizer, own_generation_config
 
 
-def _reward_funcs(inputs: dict, budget: RewardErrorBudget, trainer_metrics) -> list:
-    """One TRL reward function per declared reward (reward-model rewards bound to their checkpoints)."""
+def _reward_funcs(inputs: dict, budget: RewardErrorBudget, trainer_metrics, ctx) -> list:
+    """One TRL reward function per declared reward (reward models and judges bound to their checkpoints),
+    judges audited against the verifiers every ``audit_every`` batches."""
+    from stages.judge import batch_auditor
     from stages.reward_model_scoring import bind_reward_models
 
     rewards: dict[str, RewardSpec] = inputs["rewards"]
     bound = bind_reward_models(rewards, inputs)
-    return [make_reward_func(name, spec, budget, trainer_metrics, bound.get(name)) for name, spec in rewards.items()]
+    auditor = batch_auditor(rewards, bound, ctx)
+    return [make_reward_func(name, spec, budget, trainer_metrics, bound.get(name), auditor)
+            for name, spec in rewards.items()]
 
 
 def _final_metrics(history: list[dict], steps: int, reward_errors: int) -> dict[str, float]:

@@ -97,8 +97,11 @@ def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[fl
     return [score - means[key] for key, score in zip(keys, scores)]
 
 
-def bind_reward_models(rewards: dict[str, RewardSpec], inputs: dict) -> dict[str, RewardModelReward]:
-    """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once."""
+def bind_reward_models(rewards: dict[str, RewardSpec], inputs: dict) -> dict:
+    """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once, and of
+    every ``fn: judge`` reward (stages/judge.py: its judge is loaded only when a reply is not cached)."""
+    from stages.judge import bind_judges
+
     loaded: dict[str, RewardModelScorer] = {}
     bound = {}
     for name, spec in rewards.items():
@@ -112,7 +115,7 @@ def bind_reward_models(rewards: dict[str, RewardSpec], inputs: dict) -> dict[str
         if path not in loaded:
             loaded[path] = RewardModelScorer(Path(path), spec.batch_size, inputs.get("trust_remote_code", False))
         bound[name] = RewardModelReward(loaded[path], spec)
-    return bound
+    return {**bound, **bind_judges(rewards, inputs)}
 
 
 def reward_model_correlations(scored: ScoredBatch, rewards: dict[str, RewardSpec]) -> dict[str, float]:

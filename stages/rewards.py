@@ -23,10 +23,24 @@ from typing import Any, Callable, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from stages.models import ModelSpec
 from stages.spec_model import SpecModel
 
 REWARD_MODEL_FN = "reward_model"  # the built-in that scores with a trained reward_model stage
 REASONING_GYM_FN = "reasoning_gym"  # the built-in that scores reasoning_gym data with the task's score_answer
+JUDGE_FN = "judge"  # the built-in that asks a generative model (or a judge function) to score against a rubric
+JUDGE_SCALE = re.compile(r"(-?\d+)-(-?\d+)")  # a judge's numeric scale, e.g. 1-10
+
+
+class JudgeSampling(SpecModel):
+    """How a judge samples its reply: fixed, and part of the reward's hash and of the judge cache's key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="Sampling temperature; 0 (default) is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_tokens: int = Field(8, ge=1, le=4096, description="Token budget of a judge reply.")
+    seed: int = Field(0, description="Seed of the judge's sampler.")
 
 
 class RewardSpec(SpecModel):
@@ -38,32 +52,78 @@ class RewardSpec(SpecModel):
     weight: float = Field(1.0, description="Weight of this component in the combined reward (0: scored and "
                           "logged, never trained on, e.g. a verifier watched beside a learned reward).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function.")
-    stage: str | None = Field(None, description="fn reward_model: the `reward_model` stage whose checkpoint scores.")
+    stage: str | None = Field(None, description="fn reward_model: the `reward_model` stage whose checkpoint scores; "
+                              "fn judge: the model that judges, `base` (the pipeline's model: tiny, path, GGUF or "
+                              "hub) or a stage whose checkpoint it is.")
     normalize: Literal["none", "running", "group"] = Field(
         "none", description="fn reward_model: `running` rescales scores by the running mean and std of every "
         "score the stage has seen so far; `group` subtracts, per prompt, the mean score of that prompt's "
         "completions in the batch (a reward model's scores are only comparable within a prompt).")
     offset: float = Field(0.0, description="fn reward_model: a fixed offset subtracted from every score.")
-    batch_size: int = Field(64, ge=1, description="fn reward_model: completions scored per forward pass.")
+    batch_size: int = Field(64, ge=1, description="fn reward_model: completions scored per forward pass; fn judge: "
+                            "judge prompts per generate call (HF generate).")
+    model: ModelSpec | None = Field(None, description="fn judge, instead of `stage:`: a model of its own, "
+                                    "{gguf: {package, file}} or {gguf: FILE}, {hub: ID} or {path: DIR}, as the "
+                                    "pipeline's `model:` takes them.")
+    judge_fn: str | None = Field(None, description="fn judge, instead of `stage:`: a dotted path `pkg.mod:fn` to a "
+                                 "function `fn(conversations) -> replies` (one reply text per chat conversation), e.g. "
+                                 "a hosted model's client; cached by its name.")
+    rubric: str | None = Field(None, description="fn judge: the judge's user message, with `{completion}` and "
+                               "optionally `{prompt}` (the user turns) and `{answer}` (the reference answer).")
+    scale: str = Field("yes_no", description="fn judge: how the reply is read: `yes_no` (a reply starting with yes "
+                       "scores 1, no 0) or `LOW-HIGH` integers such as `1-10` (the first number n of the reply, "
+                       "scored (n - LOW) / (HIGH - LOW)). Any other reply is a judge error, counted, never a score.")
+    sampling: JudgeSampling = Field(default_factory=JudgeSampling, description="fn judge: the judge's sampling "
+                                    "settings (temperature 0 by default).")
+    backend: Literal["auto", "hf", "vllm"] = Field("auto", description="fn judge: generation backend of a model "
+                                                   "judge (auto: vLLM where it can serve the judge, else HF).")
+    audit_every: int = Field(10, ge=1, description="fn judge: a grpo stage audits the judge against its verifiers "
+                             "every this many reward batches (eval stages audit every evaluation).")
 
     @model_validator(mode="after")
     def _reward_model_fields(self):
+        own = {REWARD_MODEL_FN: {"stage", "normalize", "offset", "batch_size"},
+               JUDGE_FN: {"stage", "model", "batch_size", "judge_fn", "rubric", "scale", "sampling", "backend", "audit_every"}}
+        misplaced = sorted(self.model_fields_set - own.get(self.fn, set())
+                           & (own[REWARD_MODEL_FN] | own[JUDGE_FN]))
+        if misplaced:
+            users = " or ".join(f"fn {fn}" for fn, fields in own.items() if set(misplaced) <= fields) or "other fns"
+            raise ValueError(f"{', '.join(misplaced)} only apply to {users}, not {self.fn!r}")
         if self.fn == REWARD_MODEL_FN:
             if not self.stage:
                 raise ValueError("fn reward_model needs `stage:`, the reward_model stage whose checkpoint scores")
             if self.normalize != "none" and self.offset:
                 raise ValueError(f"normalize {self.normalize} and offset {self.offset} are alternatives; set one")
-        else:
-            misplaced = [f for f in ("stage", "normalize", "offset", "batch_size") if f in self.model_fields_set]
-            if misplaced:
-                raise ValueError(f"{', '.join(misplaced)} only apply to fn reward_model, not {self.fn!r}")
+        elif self.fn == JUDGE_FN:
+            self._check_judge()
         return self
+
+    def identity(self) -> dict:
+        """The reward as hashed (stage fingerprints, eval settings): a judge's own fields only on a judge,
+        so the hashes of every other reward stay what they were before judges existed."""
+        payload = self.model_dump(mode="json")
+        if self.fn != JUDGE_FN:
+            for key in ("model", "judge_fn", "rubric", "scale", "sampling", "backend", "audit_every"):
+                payload.pop(key)
+        return payload
+
+    def _check_judge(self) -> None:
+        if sum(x is not None for x in (self.stage, self.model, self.judge_fn)) != 1:
+            raise ValueError("fn judge needs one judge: `stage:` (base, or a stage whose checkpoint judges), "
+                             "`model:` (a GGUF, hub or path model of its own) or `judge_fn: pkg.mod:fn`")
+        if not self.rubric or "{completion}" not in self.rubric:
+            raise ValueError("fn judge needs `rubric:`, the judge's message, containing {completion} (and optionally "
+                             "{prompt} and {answer})")
+        match = JUDGE_SCALE.fullmatch(self.scale)
+        if self.scale != "yes_no" and not (match and int(match[1]) < int(match[2])):
+            raise ValueError(f"scale {self.scale!r}: use yes_no or LOW-HIGH integers with LOW < HIGH, e.g. 1-10")
 
 
 @dataclass
 class RewardOutput:
     scores: list[float]
     parsed: list[bool]
+    errors: list[tuple[int, str]] = field(default_factory=list)  # (index, why): counted, the score is not one
 
 
 class RewardError(ValueError):
@@ -133,6 +193,13 @@ def reward_model(completions: list[str], **_) -> list[float]:
                       "that uses it; it cannot be called on its own (e.g. by check-reward before training)")
 
 
+def judge(completions: list[str], **_) -> list[float]:
+    """Scores with a judge model or function; the stage that uses it binds the judge (stages/judge.py
+    ``bind_judges``), so an unbound call is a wiring error."""
+    raise RewardError("the judge reward is bound to its judge by the stage (or check-reward) that uses it; it cannot "
+                      "be called on its own")
+
+
 def reward_input_key(reward_name: str) -> str:
     """The ``inputs`` key under which a stage receives the checkpoint of a reward's reward_model stage."""
     return f"rewards.{reward_name}"
@@ -141,6 +208,7 @@ def reward_input_key(reward_name: str) -> str:
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "exact_answer": exact_answer,
     REWARD_MODEL_FN: reward_model,
+    JUDGE_FN: judge,
     "math_answer": _lazy("stages.rewards_math:math_answer"),
     "code_tests": _lazy("stages.rewards_code:code_tests"),
     REASONING_GYM_FN: _lazy("stages.reasoning_gym_tasks:reasoning_gym_answer"),
@@ -161,10 +229,17 @@ def load_reward_fn(name: str) -> Callable[..., Any]:
     """Resolve a built-in name or a dotted path (``pkg.mod:fn`` or ``pkg.mod.fn``)."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
+    fn = import_dotted(name, "reward")
+    check_signature(name, fn)
+    return fn
+
+
+def import_dotted(name: str, what: str) -> Callable[..., Any]:
+    """The function a dotted path names (``pkg.mod:fn`` or ``pkg.mod.fn``): never a file, never code."""
     looks_like_file = "/" in name or "\\" in name or name.endswith(".py")
     if looks_like_file or not _DOTTED_PATH.fullmatch(name):  # never a file path, a relative import, code
         raise RewardError(
-            f"reward {name!r} is not a dotted path: reward code is imported only from a module on the Python "
+            f"{what} {name!r} is not a dotted path: {what} code is imported only from a module on the Python "
             "path, named like `my_pkg.rewards:score`"
             + ("; a file path is never imported, make the file an importable module instead" if looks_like_file else "")
         )
@@ -174,18 +249,19 @@ def load_reward_fn(name: str) -> Callable[..., Any]:
         module_name, _, attr = name.rpartition(".")
     else:
         raise RewardError(
-            f"unknown reward {name!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
+            f"unknown {what} {name!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
             "and not a dotted path like `my_pkg.rewards:score`"
         )
     try:
         module = importlib.import_module(module_name)
     except Exception as error:
-        raise RewardError(f"reward {name!r}: cannot import module {module_name!r} "
+        raise RewardError(f"{what} {name!r}: cannot import module {module_name!r} "
                           f"({type(error).__name__}: {error})") from None
     fn = getattr(module, attr, None)
     if fn is None:
-        raise RewardError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
-    check_signature(name, fn)
+        raise RewardError(f"{what} {name!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise RewardError(f"{what} {name!r} is not callable")
     return fn
 
 
@@ -248,7 +324,10 @@ def _normalise_output(name: str, result: Any, expected: int) -> RewardOutput:
         if math.isnan(value):
             raise RewardError(f"reward {name!r} returned NaN")
         scores.append(value)
-    return RewardOutput(scores, output.parsed)
+    bad = [index for index, _ in output.errors if not 0 <= index < expected]
+    if bad:
+        raise RewardError(f"reward {name!r} reported errors at indices {bad} of {expected} completions")
+    return RewardOutput(scores, output.parsed, list(output.errors))
 
 
 def score_component(name: str, spec: RewardSpec, completions: list[str], columns: dict[str, list],
@@ -260,7 +339,7 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
     fn = fn or load_reward_fn(spec.fn)
     try:
         output = _normalise_output(name, fn(completions, **columns, **spec.kwargs), len(completions))
-        return ComponentScores(name, spec.weight, output.scores, output.parsed)
+        return ComponentScores(name, spec.weight, output.scores, output.parsed, output.errors)
     except RewardError:
         raise
     except Exception:
@@ -272,6 +351,7 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
             output = _normalise_output(name, fn([text], **single, **spec.kwargs), 1)
             scores.append(output.scores[0])
             parsed.append(output.parsed[0])
+            errors += [(i, message) for _, message in output.errors]
         except RewardError:
             raise
         except Exception as error:  # counted and reported, scored 0 and marked unparsed
@@ -352,13 +432,15 @@ class CaseResult:
         return problems
 
 
-def check_reward_cases(name: str, spec: RewardSpec, cases: list[RewardCase]) -> list[CaseResult]:
-    """Score every known case of one reward; a result with violations means do not train on it."""
+def check_reward_cases(name: str, spec: RewardSpec, cases: list[RewardCase],
+                       fn: Callable[..., Any] | None = None) -> list[CaseResult]:
+    """Score every known case of one reward; a result with violations means do not train on it.
+    ``fn``: the bound scorer of a judge."""
     completions = [c.completion for c in cases]
     columns = {
         "answer": [c.answer for c in cases],
         "prompts": [[{"role": "user", "content": c.prompt or ""}] for c in cases],
     }
-    scored = score_component(name, spec, completions, with_task_column(columns, [c.task for c in cases]))
+    scored = score_component(name, spec, completions, with_task_column(columns, [c.task for c in cases]), fn)
     errors = dict(scored.errors)
     return [CaseResult(name, case, scored.scores[i], scored.parsed[i], errors.get(i)) for i, case in enumerate(cases)]

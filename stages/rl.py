@@ -24,10 +24,13 @@ class RewardCheckFailed(RuntimeError):
 
 def verify_rewards(inputs: dict, ctx) -> None:
     """Run the declared reward cases; refuse to train on any violation (logged as a table)."""
-    from stages.rewards import check_reward_cases
+    from stages.reward_model_scoring import bind_reward_models
+    from stages.rewards import JUDGE_FN, check_reward_cases
 
+    checked = {n: inputs["rewards"][n] for n in inputs.get("reward_checks", {})}
+    judges = bind_reward_models({n: s for n, s in checked.items() if s.fn == JUDGE_FN}, inputs)
     results = [r for name, cases in inputs.get("reward_checks", {}).items()
-               for r in check_reward_cases(name, inputs["rewards"][name], cases)]
+               for r in check_reward_cases(name, inputs["rewards"][name], cases, judges.get(name))]
     ctx.log_table([{"reward": r.reward, "case": r.case.case, "completion": r.completion_repr, "score": r.score,
                     "parsed": r.parsed, "violations": "; ".join(r.violations)} for r in results],
                   "reward_checks.json")

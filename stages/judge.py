@@ -1,0 +1,281 @@
+"""LLM-as-judge (``fn: judge``) and the audit of a judge against a verifier or a reward model.
+
+A judge is a generative model (``stage: base`` or a stage's checkpoint; the base may be a
+converted GGUF or a hub snapshot) or a function with the same contract (``judge_fn:
+pkg.mod:fn``, ``fn(conversations) -> replies``). Each (prompt, completion) is written into the
+YAML's ``rubric`` (``{prompt}``, ``{completion}``, ``{answer}``), sent as one user turn, and
+answered once at the reward's fixed ``sampling`` (greedy by default) through the generation
+backend (stages/generation.py: vLLM where it can serve the judge, else HF generate; the model
+is loaded only when a reply is not cached). The reply is read onto the declared ``scale``:
+``yes_no`` (1 / 0) or ``LOW-HIGH`` (the first number n, scored (n - LOW) / (HIGH - LOW), so
+every judge scores in [0, 1]). A reply that cannot be read is an error of the judge: it is
+reported in the reward's ``errors`` (``reward/<name>/errors``, the RL stages' ``reward_errors``
+policy), never passed off as a score.
+
+Replies are cached on disk, one JSONL per (judge identity, sampling settings, backend), keyed by
+the rendered rubric (which holds the rubric, the prompt and the completion): a rerun does not
+pay twice. A model judge's identity is its checkpoint path and its files' sizes and times; a
+function judge's is its dotted name.
+
+The audit (``audit_judges``) compares each judge with each verifier (exact_answer, math_answer,
+code_tests, reasoning_gym: passed at score >= 0.5) and reward model (passed at score > 0) that
+scored the same completions: agreement rate and confusion counts, over the completions the
+judge could score (a judge pass is a score >= 0.5), and the disagreeing examples for a person
+to read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from stages.rewards import (
+    ComponentScores,
+    JUDGE_FN,
+    JUDGE_SCALE,
+    REWARD_MODEL_FN,
+    RewardOutput,
+    RewardSpec,
+    ScoredBatch,
+    import_dotted,
+    reward_input_key,
+)
+
+JUDGE_PASS = 0.5  # a judge's (scaled) score at or above this is a pass
+VERIFIER_FNS = {"exact_answer": 0.5, "math_answer": 0.5, "code_tests": 0.5, "reasoning_gym": 0.5,
+                REWARD_MODEL_FN: 0.0}  # the scorers a judge is audited against, and where each passes
+AUDIT_ROWS = 200  # disagreeing examples kept per (judge, verifier) table
+
+_YES_NO = re.compile(r"\W*(yes|no)\b", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def read_judgement(reply: str, scale: str) -> float | None:
+    """The reply's score in [0, 1] on ``scale``, or None when the reply does not give one."""
+    if scale == "yes_no":
+        match = _YES_NO.match(reply)
+        return None if match is None else float(match[1].lower() == "yes")
+    low, high = (int(x) for x in JUDGE_SCALE.fullmatch(scale).groups())
+    match = _NUMBER.search(reply)
+    if match is None or not low <= float(match[0]) <= high:
+        return None
+    return (float(match[0]) - low) / (high - low)
+
+
+def render_rubric(rubric: str, prompt: list[dict] | None, completion: str, answer: str | None) -> str:
+    """The judge's message: the rubric with its placeholders filled (other braces are left alone)."""
+    user_turns = "\n".join(t["content"] for t in (prompt or []) if t.get("role") == "user")
+    return (rubric.replace("{prompt}", user_turns).replace("{answer}", "" if answer is None else str(answer))
+            .replace("{completion}", completion))
+
+
+@dataclass
+class Verdict:
+    reply: str
+    score: float | None  # None: the reply could not be read
+
+
+class ReplyCache:
+    """Judge replies on disk by the rendered message, one JSONL file per judge key (appended to)."""
+
+    def __init__(self, directory: Path | None, key: str):
+        self.path = directory / f"{key}.jsonl" if directory is not None else None
+        self.replies: dict[str, str] = {}
+        if self.path is not None and self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a killed writer: asked again
+                    continue
+                self.replies[entry["message"]] = entry["reply"]
+
+    def add(self, replies: dict[str, str]) -> None:
+        self.replies.update(replies)
+        if self.path is not None and replies:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write("".join(json.dumps({"message": m, "reply": r}) + "\n" for m, r in replies.items()))
+
+
+class JudgeReward:
+    """The reward function of a ``fn: judge`` reward: ``(completions, prompts, answer) -> RewardOutput``;
+    ``last`` holds the verdicts of its last call (for the audit)."""
+
+    def __init__(self, spec: RewardSpec, ask: Callable[[list[list[dict]]], list[str]], cache: ReplyCache):
+        self.spec, self.ask, self.cache = spec, ask, cache
+        self.last: list[Verdict] = []
+        self.asked = 0  # judge messages sent (not answered from the cache)
+
+    def __call__(self, completions: list[str], prompts: list[list[dict]] | None = None,
+                 answer: list[str | None] | None = None, **_) -> RewardOutput:
+        n = len(completions)
+        messages = [render_rubric(self.spec.rubric, (prompts or [None] * n)[i], completions[i],
+                                  (answer or [None] * n)[i]) for i in range(n)]
+        missing = list(dict.fromkeys(m for m in messages if m not in self.cache.replies))
+        if missing:
+            replies = self.ask([[{"role": "user", "content": m}] for m in missing])
+            if len(replies) != len(missing):
+                raise RuntimeError(f"judge answered {len(replies)} of {len(missing)} messages")
+            self.asked += len(missing)
+            self.cache.add(dict(zip(missing, (str(r) for r in replies))))
+        self.last = [Verdict(self.cache.replies[m], read_judgement(self.cache.replies[m], self.spec.scale))
+                     for m in messages]
+        errors = [(i, f"judge reply {v.reply[:200]!r} is not on scale {self.spec.scale}")
+                  for i, v in enumerate(self.last) if v.score is None]
+        return RewardOutput([v.score if v.score is not None else 0.0 for v in self.last], [True] * n, errors)
+
+
+class ModelJudge:
+    """``conversations -> replies`` by a checkpoint through the generation backend, loaded on first use."""
+
+    def __init__(self, spec: RewardSpec, checkpoint: Path, trust_remote_code: bool = False):
+        self.spec, self.checkpoint, self.trust_remote_code = spec, checkpoint, trust_remote_code
+        self.backend = None
+
+    def __call__(self, conversations: list[list[dict]]) -> list[str]:
+        from stages.generation import SamplingSettings, open_backend
+
+        if self.backend is None:
+            self.backend = open_backend(self.spec.backend, self.checkpoint, keep_logprobs=False,
+                                        trust_remote_code=self.trust_remote_code,
+                                        prompt_batch_size=self.spec.batch_size)
+        settings = SamplingSettings(attempts=1, **self.spec.sampling.model_dump())
+        return [group[0].text for group in self.backend.generate(conversations, settings)]
+
+
+def model_identity(checkpoint: Path) -> str:
+    """A checkpoint's path and its files' sizes and modification times: new weights, a new identity."""
+    files = sorted(p for p in Path(checkpoint).iterdir() if p.is_file())
+    return json.dumps([str(Path(checkpoint).resolve()), [(p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                                          for p in files]])
+
+
+def bind_judges(rewards: dict[str, RewardSpec], inputs: dict) -> dict[str, JudgeReward]:
+    """The reward function of every ``fn: judge`` reward; ``inputs`` carries each model judge's checkpoint
+    (``rewards.<name>``) and the reply cache's directory (``judge_cache``, none: no cache)."""
+    from stages.generation import resolve_backend
+
+    cache_dir = Path(inputs["judge_cache"]) if inputs.get("judge_cache") else None
+    bound = {}
+    for name, spec in rewards.items():
+        if spec.fn != JUDGE_FN:
+            continue
+        if spec.judge_fn is not None:
+            ask, identity = import_dotted(spec.judge_fn, "judge_fn"), f"fn:{spec.judge_fn}"
+        else:
+            key = reward_input_key(name)
+            if key not in inputs:
+                raise ValueError(f"reward {name!r} is judged by {spec.stage or 'its model'!r}, but the stage received no "
+                                 "checkpoint "
+                                 f"for it (inputs[{key!r}] is missing)")
+            checkpoint = Path(inputs[key])
+            trusted = getattr(spec.model, "trust_remote_code", False) if spec.model else inputs.get("trust_remote_code")
+            ask = ModelJudge(spec, checkpoint, bool(trusted))
+            identity = f"{model_identity(checkpoint)} backend {resolve_backend(spec.backend, checkpoint)[0]}"
+        key = hashlib.sha256(json.dumps([identity, spec.sampling.model_dump(mode="json")]).encode()).hexdigest()[:20]
+        bound[name] = JudgeReward(spec, ask, ReplyCache(cache_dir, key))
+    return bound
+
+
+# ---------------------------------------------------------------- audit
+
+
+@dataclass
+class Audit:
+    judge: str
+    verifier: str
+    counts: dict[str, int]  # both_pass, judge_only, verifier_only, both_fail, judge_errors
+    disagreements: list[dict]  # prompt, completion, judge_reply, judge_score, verifier_score
+
+    @property
+    def agreement(self) -> float | None:
+        audited = sum(v for k, v in self.counts.items() if k != "judge_errors")
+        return (self.counts["both_pass"] + self.counts["both_fail"]) / audited if audited else None
+
+    def metrics(self) -> dict[str, float]:
+        prefix = f"audit/{self.judge}/{self.verifier}"
+        metrics = {f"{prefix}/{key}": float(value) for key, value in self.counts.items()}
+        if self.agreement is not None:
+            metrics[f"{prefix}/agreement"] = self.agreement
+        return metrics
+
+
+def audit_judges(rewards: dict[str, RewardSpec], scored: ScoredBatch, judges: dict[str, JudgeReward],
+                 prompts: list[list[dict]], completions: list[str]) -> list[Audit]:
+    """Each judge against each verifier and reward model that scored the same completions."""
+    by_name = {c.name: c for c in scored.components}
+    audits = []
+    for judge_name, judge in judges.items():
+        if judge_name not in by_name or len(judge.last) != len(completions):
+            continue  # not scored here, or scored one by one after an exception (its verdicts are partial)
+        for name, component in by_name.items():
+            threshold = VERIFIER_FNS.get(rewards[name].fn)
+            if name == judge_name or threshold is None:
+                continue
+            errored = {i for i, _ in component.errors}
+            audits.append(_audit_pair(judge_name, name, judge.last, component.scores, threshold, errored,
+                                      prompts, completions))
+    return audits
+
+
+def _audit_pair(judge_name: str, name: str, verdicts: list[Verdict], verifier_scores: list[float], threshold: float,
+                errored: set[int], prompts: list[list[dict]], completions: list[str]) -> Audit:
+    counts = {"both_pass": 0, "judge_only": 0, "verifier_only": 0, "both_fail": 0, "judge_errors": 0}
+    rows = []
+    for i, (verdict, score) in enumerate(zip(verdicts, verifier_scores)):
+        if verdict.score is None:
+            counts["judge_errors"] += 1
+            continue
+        if i in errored:  # the verifier raised on it: nothing to compare with
+            continue
+        judge_pass = verdict.score >= JUDGE_PASS
+        verifier_pass = score >= threshold if threshold > 0 else score > threshold
+        key = {(True, True): "both_pass", (True, False): "judge_only", (False, True): "verifier_only",
+               (False, False): "both_fail"}[(judge_pass, verifier_pass)]
+        counts[key] += 1
+        if judge_pass != verifier_pass and len(rows) < AUDIT_ROWS:
+            prompt = prompts[i][-1]["content"] if prompts[i] else ""
+            rows.append({"prompt": prompt, "completion": completions[i], "judge_reply": verdict.reply,
+                         "judge_score": verdict.score, "verifier_score": score})
+    return Audit(judge_name, name, counts, rows)
+
+
+def log_audits(ctx, audits: list[Audit], suffix: str = "") -> dict[str, float]:
+    """Each audit's disagreements as a table artifact (``audit/<judge>_vs_<verifier><suffix>.json``); its metrics."""
+    metrics = {}
+    for audit in audits:
+        metrics.update(audit.metrics())
+        if audit.disagreements:
+            ctx.log_table(audit.disagreements, f"audit/{audit.judge}_vs_{audit.verifier}{suffix}.json")
+    return metrics
+
+
+class BatchAuditor:
+    """For a trainer that calls each reward function on its own (TRL's GRPO): gathers one batch's
+    components and audits every ``audit_every``-th batch (the smallest of the stage's judges)."""
+
+    def __init__(self, rewards: dict[str, RewardSpec], judges: dict[str, JudgeReward], ctx):
+        self.rewards, self.judges, self.ctx = rewards, judges, ctx
+        self.every = min(rewards[name].audit_every for name in judges)
+        self.batches, self.pending = 0, {}
+
+    def record(self, component: ComponentScores, prompts: list[list[dict]], texts: list[str]) -> None:
+        self.pending[component.name] = component
+        if len(self.pending) < len(self.rewards):
+            return
+        self.batches += 1
+        scored, self.pending = ScoredBatch([self.pending[name] for name in self.rewards], []), {}
+        if self.batches % self.every == 0:
+            audits = audit_judges(self.rewards, scored, self.judges, prompts, texts)
+            self.ctx.log_metrics(log_audits(self.ctx, audits, f"_batch_{self.batches:05d}"), step=self.batches)
+
+
+def batch_auditor(rewards: dict[str, RewardSpec], bound: dict, ctx) -> BatchAuditor | None:
+    """An auditor when the stage scores with a judge and something to audit it against, else None."""
+    judges = {name: fn for name, fn in bound.items() if isinstance(fn, JudgeReward)}
+    verifiers = [name for name, spec in rewards.items() if spec.fn in VERIFIER_FNS]
+    return BatchAuditor(rewards, judges, ctx) if judges and verifiers else None
