@@ -217,7 +217,7 @@ def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowS
     recorder.tags({TAG_SEED: str(job.seed)})
     with time_limit(job.stage, job.time_limit_seconds, ctx):
         if job.resources.world_size() > 1:  # N training processes (flows/distributed.py)
-            run_distributed(job, ctx)
+            run_distributed(job, ctx, inputs)
         else:
             run_stage_function(job, inputs, ctx)
     ctx.flush()

@@ -1,7 +1,7 @@
 """One rank of a multi-process stage: ``python -m flows.rank JOB.json`` (launched by flows/distributed.py).
 
 The file holds the stage's ``StageJob`` and where rank 0 records (the stage run the
-orchestrating process opened). Every rank resolves the job's inputs and runs the same stage
+orchestrating process opened) and the input paths it resolved. Every rank runs the same stage
 function as an in-process run (``flows.execute.run_stage_function``); rank 0 records
 through the real stage context and writes back what it staged, the others compute silently.
 A rank that fails writes ``distributed.error.rank<N>.json`` (its error and traceback), so the
@@ -24,6 +24,12 @@ from flows.job import StageJob
 from flows.tracking import MlflowStageContext, Tracker
 
 
+def rank_inputs(job: StageJob, described: dict, home: Path) -> dict:
+    """The stage's inputs on this rank: rewards and checks rebuilt from the job (they are not JSON),
+    every path as the launching process resolved it (an iterate round's failure-set data included)."""
+    return {**resolve_inputs(job.loaded, job.stage, job.upstream_outputs, home), **described["paths"]}
+
+
 def main(rank_file: str) -> int:
     described = json.loads(Path(rank_file).read_text(encoding="utf-8"))
     job = StageJob.from_json(described["job"])
@@ -34,7 +40,7 @@ def main(rank_file: str) -> int:
     work_dir, resume_dir = Path(described["work_dir"]), Path(described["resume_dir"])
     result_path = work_dir / "distributed.result.json"
     try:
-        inputs = resolve_inputs(job.loaded, job.stage, job.upstream_outputs, home)
+        inputs = rank_inputs(job, described, home)
         if rank == 0:
             ctx = MlflowStageContext(Tracker(home), described["run_id"], work_dir, job.seed, resume_dir=resume_dir)
             ctx.deadline = deadline

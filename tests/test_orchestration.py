@@ -127,3 +127,26 @@ def test_no_function_in_flows_or_stages_is_longer_than_a_screen():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, long
+
+
+def test_ranks_train_on_the_data_the_launching_process_resolved(tmp_path, monkeypatch):
+    """An iterate round's training data is the failure set the launching process builds; a rank
+    that re-resolved the job alone would train on the declared dataset instead."""
+    from flows.execute import resolve_inputs
+    from flows.graph import upstream_of
+    from flows.job import bind_upstream, stage_jobs
+    from flows.lineage import Action, Decision
+    from flows.rank import rank_inputs
+
+    monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path))
+    loaded = _iterate_pipeline()
+    step = next(name for name in loaded.spec.stages if "@" in name and loaded.spec.stages[name].kind == "sft")
+    decisions = [Decision(name, Action.RUN, "forced", forced=True) for name in loaded.spec.stages]
+    outputs = {u: {"checkpoint": f"/x/{u}", "failures": f"/x/{u}/failures.jsonl"} for u in loaded.spec.stages}
+    job = bind_upstream(stage_jobs(loaded, decisions, "1", "parent")[step], {u: f"run-{u}" for u in outputs},
+                        outputs, upstream_of(loaded.spec)[step])
+    declared = resolve_inputs(job.loaded, job.stage, job.upstream_outputs, tmp_path)
+    launched = {**declared, "data": str(tmp_path / "round-data.jsonl")}  # what failure_set_inputs returns
+    on_rank = rank_inputs(job, {"paths": {k: v for k, v in launched.items() if isinstance(v, str)}}, tmp_path)
+    assert on_rank["data"] == launched["data"] != declared["data"]
+    assert on_rank["rewards"].keys() == declared["rewards"].keys()
