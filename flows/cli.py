@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--force", metavar="STAGE", action="append", default=[],
                      help="ignore STAGE's cache (downstream becomes stale); repeatable")
     run.add_argument("--no-cache", action="store_true", help="ignore every cache entry")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="show other libraries' output (progress bars, warnings, logs) instead of capturing it "
+                     "to the stage's log file")
+    run.add_argument("--debug", action="store_true", help="-v, Prefect's logs, and a failed stage's traceback")
 
     deploy = commands.add_parser(
         "deploy", help="register the pipeline as a Prefect deployment on a work pool, optionally on a schedule")
@@ -126,29 +130,48 @@ def main(argv: list[str] | None = None) -> int:
 
         return check_rewards_command(loaded, args.reward, console)
 
-    return _run(loaded, args, console)
+    return _run(loaded, args)
 
 
-def _run(loaded, args, console) -> int:
-    """``posttrain run`` on a pipeline that validated: the plan, the run, the summary, the exit status."""
+def _run(loaded, args) -> int:
+    """``posttrain run`` on a pipeline that validated: the plan, the run, the summary, the exit status.
+
+    Only posttrain's own lines reach the terminal; what else the run writes goes to the stage's
+    log file, or else to the run's log (``flows/terminal.py``), unless ``-v`` / ``--debug``."""
+    import os
+    import traceback
+
     from flows.home import HomeError
     from flows.lineage import PlanError, RunOptions
-    from flows.pipeline import print_summary
+    from flows.pipeline import print_failure, print_summary
+    from flows.terminal import Terminal, activated, run_log
 
+    if args.debug:
+        os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"  # read when Prefect is first imported
+    terminal = Terminal(verbose=args.verbose, debug=args.debug)
     options = RunOptions(only=args.only, from_stage=args.from_stage, force=args.force, no_cache=args.no_cache)
-    try:
-        report = run_from_cli(loaded, options, console)
-    except (PlanError, HomeError) as error:
-        print(f"posttrain run: {error}; nothing was run", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("posttrain run: interrupted; the running stage is marked KILLED in MLflow and its trainer "
-              "checkpoints are kept: the next `posttrain run` resumes it", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as error:  # orchestration itself broke (a server lost mid-run, ...)
-        print(f"posttrain run: the run could not complete: {type(error).__name__}: {error}", file=sys.stderr)
-        return EXIT_STAGE_FAILED
-    print_summary(report, console)
+    with run_log(loaded.spec.name) as log:
+        try:
+            with activated(terminal), terminal.capture(log.path):
+                report = run_from_cli(loaded, options, terminal.console)
+        except (PlanError, HomeError) as error:
+            print(f"posttrain run: {error}; nothing was run", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except KeyboardInterrupt:
+            print("posttrain run: interrupted; the running stage is marked KILLED in MLflow and its trainer "
+                  "checkpoints are kept: the next `posttrain run` resumes it", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception as error:  # orchestration itself broke (a server lost mid-run, ...)
+            if args.debug:
+                traceback.print_exc()
+            print(f"posttrain run: the run could not complete: {type(error).__name__}: {error}", file=sys.stderr)
+            print(f"  log: {log.keep()}", file=sys.stderr)
+            return EXIT_STAGE_FAILED
+        log.keep()
+    if report.failed:
+        print_failure(report, terminal.console, show_traceback=args.debug)
+    else:
+        print_summary(report, terminal.console)
     return EXIT_STAGE_FAILED if report.failed or report.unrecorded else EXIT_OK
 
 
