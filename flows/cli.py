@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("sync", help="record in MLflow what a tracking outage left waiting in $POSTTRAIN_HOME/pending")
 
+    server = commands.add_parser("server", help="the Prefect API server posttrain keeps for this home between runs")
+    server.add_argument("action", choices=("status", "stop"), help="status: is it up, where; stop: stop it now")
+
     compare = commands.add_parser(
         "compare", help="rank evaluated checkpoints (within one eval settings hash), chart them, promote the best")
     compare.add_argument("file", nargs="?", help="pipeline YAML file (its name is the MLflow experiment)")
@@ -86,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     # (spec, overrides, flags, environment) is accepted: refused input leaves nothing behind.
     home = configure_environment(create=False)
     console = Console() if sys.stdout.isatty() else Console(width=160)  # logs and CI get full rows
+
+    if args.command == "server":
+        return _server(args.action, home, console)
 
     if args.command in ("sync", "compare"):
         if (problem := home_problem(home)) is not None:
@@ -213,6 +219,19 @@ def _deploy(loaded, args, console) -> int:
     return EXIT_OK
 
 
+def _server(action: str, home, console) -> int:
+    """``posttrain server status|stop``: posttrain's Prefect API server for this home (flows/prefect_server.py)."""
+    from flows.prefect_server import describe, stop_server
+
+    if action == "status":
+        console.print(describe(home), highlight=False, markup=False)
+        return EXIT_OK
+    stopped = stop_server(home)
+    console.print(f"stopped the Prefect API server (pid {stopped.pid})" if stopped
+                  else f"no Prefect API server runs for {home}", highlight=False)
+    return EXIT_OK
+
+
 def _sync(console) -> int:
     """Send the journals of runs an outage left unrecorded; 1 while some still wait."""
     from flows.home import posttrain_home
@@ -262,7 +281,7 @@ def run_from_cli(loaded, options, console):
     from flows.home import artifact_root, configure_environment, posttrain_home, uses_local_mlflow
     from flows.lineage import Action, PlanError, plan_run
     from flows.pipeline import prepare_store, print_plan, run_pipeline
-    from flows.prefect_server import prefect_api
+    from flows.prefect_server import early_start, prefect_api
     from flows.store import TrackingUnavailable, check_reachable
 
     home = posttrain_home()
@@ -275,7 +294,10 @@ def run_from_cli(loaded, options, console):
             check_reachable()
         except TrackingUnavailable as error:
             raise PlanError(f"{error}; start it, or unset MLFLOW_TRACKING_URI to use the local store") from None
+    fresh_store = uses_local_mlflow() and not (home / "mlflow.db").exists()
     home = configure_environment()
+    if fresh_store:  # a new home runs everything: the Prefect server starts while MLflow's store is made
+        early_start(home)
     tracker = prepare_store(home, console)
     experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))
     for run_id in tracker.reap_dead_runs(experiment_id):
