@@ -38,16 +38,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run a pipeline (cached stages are reused)")
     with_overrides(run)
-    picks = run.add_mutually_exclusive_group()
-    picks.add_argument("--only", metavar="STAGE", help="run only STAGE, against cached upstream outputs")
-    picks.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun STAGE and everything downstream")
-    run.add_argument("--force", metavar="STAGE", action="append", default=[],
-                     help="ignore STAGE's cache (downstream becomes stale); repeatable")
-    run.add_argument("--no-cache", action="store_true", help="ignore every cache entry")
-    run.add_argument("-v", "--verbose", action="store_true",
-                     help="show other libraries' output (progress bars, warnings, logs) instead of capturing it "
-                     "to the stage's log file")
-    run.add_argument("--debug", action="store_true", help="-v, Prefect's logs, and a failed stage's traceback")
+    _run_arguments(run)
 
     deploy = commands.add_parser(
         "deploy", help="register the pipeline as a Prefect deployment on a work pool, optionally on a schedule")
@@ -77,6 +68,19 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--output", metavar="PNG", help="where to save the chart "
                          "(default $POSTTRAIN_HOME/compare/EXPERIMENT/compare-METRIC.png)")
     return parser
+
+
+def _run_arguments(run: argparse.ArgumentParser) -> None:
+    picks = run.add_mutually_exclusive_group()
+    picks.add_argument("--only", metavar="STAGE", help="run only STAGE, against cached upstream outputs")
+    picks.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun STAGE and everything downstream")
+    run.add_argument("--force", metavar="STAGE", action="append", default=[],
+                     help="ignore STAGE's cache (downstream becomes stale); repeatable")
+    run.add_argument("--no-cache", action="store_true", help="ignore every cache entry")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="show other libraries' output (progress bars, warnings, logs) instead of capturing it "
+                     "to the stage's log file")
+    run.add_argument("--debug", action="store_true", help="-v, Prefect's logs, and a failed stage's traceback")
 
 
 def main(argv: list[str] | None = None) -> int:
