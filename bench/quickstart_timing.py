@@ -9,6 +9,7 @@ its wall time over the sum of its stage runs' durations as MLflow recorded them 
 (3) `--only` on the last eval stage (the server from (1) still up), over that stage's own
 duration (target <= 1.2). The server is stopped at the end. The last two lines are the
 ratios.
+"""
 
 from __future__ import annotations
 
