@@ -285,7 +285,7 @@ def run_from_cli(loaded, options, console):
     from flows.home import artifact_root, configure_environment, posttrain_home, uses_local_mlflow
     from flows.lineage import Action, PlanError, plan_run
     from flows.pipeline import prepare_store, print_plan, run_pipeline
-    from flows.prefect_server import early_start, prefect_api
+    from flows.prefect_server import early_start, prefect_api, stop_server
     from flows.store import TrackingUnavailable, check_reachable
 
     home = posttrain_home()
@@ -300,14 +300,20 @@ def run_from_cli(loaded, options, console):
             raise PlanError(f"{error}; start it, or unset MLFLOW_TRACKING_URI to use the local store") from None
     fresh_store = uses_local_mlflow() and not (home / "mlflow.db").exists()
     home = configure_environment()
-    if fresh_store:  # a new home runs everything: the Prefect server starts while MLflow's store is made
-        early_start(home)
-    tracker = prepare_store(home, console)
-    experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))
-    for run_id in tracker.reap_dead_runs(experiment_id):
-        console.print(f"[yellow]run {run_id} was left RUNNING by a process that died; marked FAILED[/yellow]")
-    decisions = plan_run(loaded, options, tracker, experiment_id)
-    _check_pools(loaded, decisions)
+    # a new home runs everything: the Prefect server starts while MLflow's store is made (and is
+    # stopped again if the plan is refused)
+    started = early_start(home) if fresh_store else None
+    try:
+        tracker = prepare_store(home, console)
+        experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))
+        for run_id in tracker.reap_dead_runs(experiment_id):
+            console.print(f"[yellow]run {run_id} was left RUNNING by a process that died; marked FAILED[/yellow]")
+        decisions = plan_run(loaded, options, tracker, experiment_id)
+        _check_pools(loaded, decisions)
+    except PlanError:
+        if started:
+            stop_server(home)
+        raise
     console.print(f"plan for {loaded.spec.name}:")
     print_plan(decisions, console)
     if not any(d.action is Action.RUN for d in decisions):

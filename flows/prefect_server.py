@@ -164,11 +164,12 @@ def stop_server(home: Path, timeout: float = 10.0) -> ServerInfo | None:
     return info
 
 
-def early_start(home: Path) -> None:
-    """Start the server in the background if this run will want one: called before planning,
-    so its start-up overlaps MLflow's."""
-    if not _configured_api_url():
-        start_server(home)
+def early_start(home: Path) -> bool:
+    """Start the server in the background if this run will want one (called before planning, so
+    its start-up overlaps MLflow's); whether this call started it."""
+    if _configured_api_url():
+        return False
+    return start_server(home)[1] is not None
 
 
 _OUR_URLS: set[str] = set()  # URLs of our servers this process set; Prefect's settings may keep them

@@ -16,6 +16,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A Prefect API server posttrain starts in a test's home (no harness) stops soon after the test
+os.environ.setdefault("POSTTRAIN_PREFECT_IDLE_SECONDS", "20")
 
 # Tests marked ``needs_bwrap`` run model-written code in the real bubblewrap sandbox. Without a
 # working bwrap they are skipped with the reason; with this set (CI's .ci/run does) they fail.
