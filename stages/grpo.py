@@ -249,14 +249,14 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         max_steps=config.max_steps,
         learning_rate=config.lr,
         lr_scheduler_type="constant",
-        per_device_train_batch_size=config.prompts_per_step * config.group_size,
+        per_device_train_batch_size=config.prompts_per_step * config.sampling.attempts,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=config.updates_per_batch,
-        num_generations=config.group_size,
-        max_completion_length=config.max_completion_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
+        num_generations=config.sampling.attempts,
+        max_completion_length=config.sampling.max_tokens,
+        temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
         beta=config.kl_beta,
         loss_type=config.loss,
         scale_rewards="none" if config.advantage == "group_centered" else "group",
@@ -286,10 +286,10 @@ def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int, backend: 
     if backend != "vllm":
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
-    return GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=config.group_size,
-                        temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_completion_tokens,
+    return GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=config.sampling.attempts,
+                        temperature=config.sampling.temperature, top_p=config.sampling.top_p, max_tokens=config.sampling.max_tokens,
                         seed=seed, engine=config.engine,
-                        max_model_len=context_length(tokenizer, dataset["prompt"], config.max_completion_tokens),
+                        max_model_len=context_length(tokenizer, dataset["prompt"], config.sampling.max_tokens),
                         trust_remote_code=inputs.get("trust_remote_code", False))
 
 
@@ -334,7 +334,7 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics))
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed,
-                    "generation_batch": config.prompts_per_step * config.group_size})
+                    "generation_batch": config.prompts_per_step * config.sampling.attempts})
     try:
         with stop_gracefully(trainer, ctx, resumable=False):
             trainer.train()
