@@ -57,30 +57,33 @@ def main() -> None:
         env.pop("MLFLOW_TRACKING_URI", None)
         env.pop("PREFECT_API_URL", None)
         run = [sys.executable, "-m", "flows.cli", "run", pipeline]
-
-        load_before = f"{os.getloadavg()[0]:.1f}"
-        fresh = timed(run, env)
-        stages = stage_seconds(home, latest_pipeline_run(home))
-        print(f"fresh run: {fresh:.1f} s wall; stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
-        overhead = fresh - sum(stages.values())
-        print(f"orchestration overhead (wall - sum of stage runs): {overhead:.1f} s "
-              f"({overhead / fresh:.0%} of the fresh run)")
-
-        cached = timed(run, env)
-        print(f"cached rerun: {cached:.1f} s wall")
-
-        last_eval = [s for s in stages if s.startswith("eval")][-1]
         try:
-            only = timed(run + ["--only", last_eval], env)
-        finally:
+            measure(run, env, home)
+        finally:  # the Prefect API server the first run started for this home
             subprocess.run([sys.executable, "-m", "flows.cli", "server", "stop"], env=env, cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        own = stage_seconds(home, latest_pipeline_run(home))[last_eval]
-        print(f"--only {last_eval}: {only:.1f} s wall; the stage itself {own:.1f} s")
-        print(f"load average before / after: {load_before} / {os.getloadavg()[0]:.1f} (2 cores)")
-        print(f"cached_rerun_vs_fresh_wall_ratio={cached / fresh:.3f} (target <= 0.05)")
-        print(f"orchestration_ratio={fresh / sum(stages.values()):.2f} (fresh wall / sum of stages; target <= 1.15)")
-        print(f"only_ratio={only / own:.2f} (--only {last_eval} wall / the stage; target <= 1.2)")
+
+
+def measure(run: list[str], env: dict, home: str) -> None:
+    load_before = f"{os.getloadavg()[0]:.1f}"
+    fresh = timed(run, env)
+    stages = stage_seconds(home, latest_pipeline_run(home))
+    print(f"fresh run: {fresh:.1f} s wall; stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
+    overhead = fresh - sum(stages.values())
+    print(f"orchestration overhead (wall - sum of stage runs): {overhead:.1f} s "
+          f"({overhead / fresh:.0%} of the fresh run)")
+
+    cached = timed(run, env)
+    print(f"cached rerun: {cached:.1f} s wall")
+
+    last_eval = [s for s in stages if s.startswith("eval")][-1]
+    only = timed(run + ["--only", last_eval], env)
+    own = stage_seconds(home, latest_pipeline_run(home))[last_eval]
+    print(f"--only {last_eval}: {only:.1f} s wall; the stage itself {own:.1f} s")
+    print(f"load average before / after: {load_before} / {os.getloadavg()[0]:.1f} (2 cores)")
+    print(f"cached_rerun_vs_fresh_wall_ratio={cached / fresh:.3f} (target <= 0.05)")
+    print(f"orchestration_ratio={fresh / sum(stages.values()):.2f} (fresh wall / sum of stages; target <= 1.15)")
+    print(f"only_ratio={only / own:.2f} (--only {last_eval} wall / the stage; target <= 1.2)")
 
 
 if __name__ == "__main__":
