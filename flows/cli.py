@@ -38,12 +38,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run a pipeline (cached stages are reused)")
     with_overrides(run)
-    picks = run.add_mutually_exclusive_group()
-    picks.add_argument("--only", metavar="STAGE", help="run only STAGE, against cached upstream outputs")
-    picks.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun STAGE and everything downstream")
-    run.add_argument("--force", metavar="STAGE", action="append", default=[],
-                     help="ignore STAGE's cache (downstream becomes stale); repeatable")
-    run.add_argument("--no-cache", action="store_true", help="ignore every cache entry")
+    _run_arguments(run)
 
     deploy = commands.add_parser(
         "deploy", help="register the pipeline as a Prefect deployment on a work pool, optionally on a schedule")
@@ -55,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("sync", help="record in MLflow what a tracking outage left waiting in $POSTTRAIN_HOME/pending")
     _ui_parser(commands)
+
+    server = commands.add_parser("server", help="the Prefect API server posttrain keeps for this home between runs")
+    server.add_argument("action", choices=("status", "stop"), help="status: is it up, where; stop: stop it now")
 
     compare = commands.add_parser(
         "compare", help="rank evaluated checkpoints (within one eval settings hash), chart them, promote the best")
@@ -78,6 +76,19 @@ def _ui_parser(commands) -> None:
     ui.add_argument("--port", type=int, metavar="PORT", help="port to listen on (default 5000, else a free one)")
 
 
+def _run_arguments(run: argparse.ArgumentParser) -> None:
+    picks = run.add_mutually_exclusive_group()
+    picks.add_argument("--only", metavar="STAGE", help="run only STAGE, against cached upstream outputs")
+    picks.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun STAGE and everything downstream")
+    run.add_argument("--force", metavar="STAGE", action="append", default=[],
+                     help="ignore STAGE's cache (downstream becomes stale); repeatable")
+    run.add_argument("--no-cache", action="store_true", help="ignore every cache entry")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="show other libraries' output (progress bars, warnings, logs) instead of capturing it "
+                     "to the stage's log file")
+    run.add_argument("--debug", action="store_true", help="-v, Prefect's logs, and a failed stage's traceback")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
@@ -91,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "ui":
         return _ui(args, console)
+    if args.command == "server":
+        return _server(args.action, home, console)
 
     if args.command in ("sync", "compare"):
         if (problem := home_problem(home)) is not None:
@@ -135,29 +148,48 @@ def main(argv: list[str] | None = None) -> int:
 
         return check_rewards_command(loaded, args.reward, console)
 
-    return _run(loaded, args, console)
+    return _run(loaded, args)
 
 
-def _run(loaded, args, console) -> int:
-    """``posttrain run`` on a pipeline that validated: the plan, the run, the summary, the exit status."""
+def _run(loaded, args) -> int:
+    """``posttrain run`` on a pipeline that validated: the plan, the run, the summary, the exit status.
+
+    Only posttrain's own lines reach the terminal; what else the run writes goes to the stage's
+    log file, or else to the run's log (``flows/terminal.py``), unless ``-v`` / ``--debug``."""
+    import os
+    import traceback
+
     from flows.home import HomeError
     from flows.lineage import PlanError, RunOptions
-    from flows.pipeline import print_summary
+    from flows.pipeline import print_failure, print_summary
+    from flows.terminal import Terminal, activated, run_log
 
+    if args.debug:
+        os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"  # read when Prefect is first imported
+    terminal = Terminal(verbose=args.verbose, debug=args.debug)
     options = RunOptions(only=args.only, from_stage=args.from_stage, force=args.force, no_cache=args.no_cache)
-    try:
-        report = run_from_cli(loaded, options, console)
-    except (PlanError, HomeError) as error:
-        print(f"posttrain run: {error}; nothing was run", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("posttrain run: interrupted; the running stage is marked KILLED in MLflow and its trainer "
-              "checkpoints are kept: the next `posttrain run` resumes it", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as error:  # orchestration itself broke (a server lost mid-run, ...)
-        print(f"posttrain run: the run could not complete: {type(error).__name__}: {error}", file=sys.stderr)
-        return EXIT_STAGE_FAILED
-    print_summary(report, console)
+    with run_log(loaded.spec.name) as log:
+        try:
+            with activated(terminal), terminal.capture(log.path):
+                report = run_from_cli(loaded, options, terminal.console)
+        except (PlanError, HomeError) as error:
+            print(f"posttrain run: {error}; nothing was run", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except KeyboardInterrupt:
+            print("posttrain run: interrupted; the running stage is marked KILLED in MLflow and its trainer "
+                  "checkpoints are kept: the next `posttrain run` resumes it", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except Exception as error:  # orchestration itself broke (a server lost mid-run, ...)
+            if args.debug:
+                traceback.print_exc()
+            print(f"posttrain run: the run could not complete: {type(error).__name__}: {error}", file=sys.stderr)
+            print(f"  log: {log.keep()}", file=sys.stderr)
+            return EXIT_STAGE_FAILED
+        log.keep()
+    if report.failed:
+        print_failure(report, terminal.console, show_traceback=args.debug)
+    else:
+        print_summary(report, terminal.console)
     return EXIT_STAGE_FAILED if report.failed or report.unrecorded else EXIT_OK
 
 
@@ -196,6 +228,19 @@ def _deploy(loaded, args, console) -> int:
     when = f"on schedule {args.cron!r} ({args.timezone})" if args.cron else "when triggered"
     console.print(f"deployment {name} on work pool {args.pool!r} runs {loaded.path.name} {when}")
     console.print(f"run it now: prefect deployment run '{name}'; workers: prefect worker start --pool {args.pool}")
+    return EXIT_OK
+
+
+def _server(action: str, home, console) -> int:
+    """``posttrain server status|stop``: posttrain's Prefect API server for this home (flows/prefect_server.py)."""
+    from flows.prefect_server import describe, stop_server
+
+    if action == "status":
+        console.print(describe(home), highlight=False, markup=False)
+        return EXIT_OK
+    stopped = stop_server(home)
+    console.print(f"stopped the Prefect API server (pid {stopped.pid})" if stopped
+                  else f"no Prefect API server runs for {home}", highlight=False)
     return EXIT_OK
 
 
@@ -259,7 +304,7 @@ def run_from_cli(loaded, options, console):
     from flows.home import artifact_root, configure_environment, posttrain_home, uses_local_mlflow
     from flows.lineage import Action, PlanError, plan_run
     from flows.pipeline import prepare_store, print_plan, run_pipeline
-    from flows.prefect_server import prefect_api
+    from flows.prefect_server import early_start, prefect_api, stop_server
     from flows.store import TrackingUnavailable, check_reachable
 
     home = posttrain_home()
@@ -272,13 +317,22 @@ def run_from_cli(loaded, options, console):
             check_reachable()
         except TrackingUnavailable as error:
             raise PlanError(f"{error}; start it, or unset MLFLOW_TRACKING_URI to use the local store") from None
+    fresh_store = uses_local_mlflow() and not (home / "mlflow.db").exists()
     home = configure_environment()
-    tracker = prepare_store(home, console)
-    experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))
-    for run_id in tracker.reap_dead_runs(experiment_id):
-        console.print(f"[yellow]run {run_id} was left RUNNING by a process that died; marked FAILED[/yellow]")
-    decisions = plan_run(loaded, options, tracker, experiment_id)
-    _check_pools(loaded, decisions)
+    # a new home runs everything: the Prefect server starts while MLflow's store is made (and is
+    # stopped again if the plan is refused)
+    started = early_start(home) if fresh_store else None
+    try:
+        tracker = prepare_store(home, console)
+        experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))
+        for run_id in tracker.reap_dead_runs(experiment_id):
+            console.print(f"[yellow]run {run_id} was left RUNNING by a process that died; marked FAILED[/yellow]")
+        decisions = plan_run(loaded, options, tracker, experiment_id)
+        _check_pools(loaded, decisions)
+    except PlanError:
+        if started:
+            stop_server(home)
+        raise
     console.print(f"plan for {loaded.spec.name}:")
     print_plan(decisions, console)
     if not any(d.action is Action.RUN for d in decisions):

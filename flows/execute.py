@@ -31,6 +31,7 @@ from flows.recording import Recorder
 from flows.store import TrackingUnavailable, is_unavailable
 from flows.spec import BASE, LoadedPipeline
 from flows.tags import TAG_ERROR, TAG_FINGERPRINT, TAG_KIND, TAG_SEED, TAG_UPSTREAM
+from flows.terminal import stage_output
 from flows.tracking import MlflowStageContext, Tracker
 from stages.context import StageTimeLimit
 from stages.data import MixtureData, materialize, mixture_report_path
@@ -44,10 +45,11 @@ TIME_LIMIT_GRACE = 30.0
 class StageFailed(Exception):
     """A stage raised at run time (exit status 1); carries the pipeline report when there is one."""
 
-    def __init__(self, message: str, report=None, run_id: str | None = None):
+    def __init__(self, message: str, report=None, run_id: str | None = None, log_path: str | None = None):
         super().__init__(message)
         self.report = report  # a flows.pipeline.PipelineReport
         self.run_id = run_id
+        self.log_path = log_path  # the stage's log file: its captured output and the traceback
 
 
 @dataclass
@@ -61,6 +63,7 @@ class StageRow:
     note: str = ""
     outputs: dict[str, str] = field(default_factory=dict)  # local paths of what the stage published
     unrecorded: str = ""  # what could not be written to MLflow (the store was unreachable), in words
+    log: str = ""  # the stage's log file (captured output; the traceback if it failed)
 
 
 # ------------------------------------------------------------------ what a stage reads
@@ -179,31 +182,49 @@ def _run(job: StageJob, tracker: Tracker, console) -> StageRow:
     work_dir = tracker.home / "work" / recorder.run_id
     # Keyed by fingerprint, not run id: the next execution of the same stage resumes from it.
     resume_dir = tracker.home / "resume" / job.experiment_id / f"{job.stage}-{job.fingerprint}"
+    log_path = tracker.home / "logs" / job.pipeline.name / f"{job.stage}-{recorder.run_id}.log"
     started = time.perf_counter()
     try:
-        ctx = MlflowStageContext(tracker, recorder.run_id, work_dir, job.seed, console, resume_dir=resume_dir,
-                                 recorder=recorder)
-        _run_stage(job, tracker, recorder, ctx)
+        with stage_output(job.stage, log_path):  # the terminal's stage line; other output to the log
+            ctx = MlflowStageContext(tracker, recorder.run_id, work_dir, job.seed, console, resume_dir=resume_dir,
+                                     recorder=recorder)
+            _run_stage(job, tracker, recorder, ctx)
     except KeyboardInterrupt:
         recorder.tags({TAG_ERROR: "interrupted (Ctrl-C); trainer checkpoints so far are kept in "
                                   f"{resume_dir} and the next run of this stage resumes from them"})
         recorder.terminate("KILLED")
         raise
     except BaseException as error:
-        try:  # record why; if recording itself breaks, the stage's error still wins
-            recorder.tags({TAG_ERROR: f"{type(error).__name__}: {error}"[:5000]})
-            recorder.text(traceback.format_exc(), "error.txt")
-            recorder.terminate("FAILED")
-        except Exception:
-            pass
+        _record_failure(recorder, error, log_path)
         raise StageFailed(f"stage {job.stage!r} failed: {type(error).__name__}: {error}",
-                          run_id=recorder.run_id) from error
+                          run_id=recorder.run_id, log_path=str(log_path)) from error
+    if log_path.exists():
+        recorder.artifacts(str(log_path), "logs")
     published = tracker.publish_outputs(recorder, job.pipeline.name, job.stage, ctx.staged)
     record_stage_model(recorder, job.pipeline.name, job.stage, job.config, job.upstream_runs, published)
     row = StageRow(job.stage, job.kind, "ran", time.perf_counter() - started, recorder.run_id, outputs=published)
     shutil.rmtree(work_dir, ignore_errors=True)
     shutil.rmtree(resume_dir, ignore_errors=True)
     return _report_row(row, recorder, tracker)
+
+
+def _record_failure(recorder: Recorder, error: BaseException, log_path: Path) -> None:
+    """Why the stage failed: on its run (tag, error.txt, its log) and at the end of its log file."""
+    text = traceback.format_exc()
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(text)
+    except OSError:
+        pass
+    try:  # if recording itself breaks, the stage's error still wins
+        recorder.tags({TAG_ERROR: f"{type(error).__name__}: {error}"[:5000]})
+        recorder.text(text, "error.txt")
+        if log_path.exists():
+            recorder.artifacts(str(log_path), "logs")
+        recorder.terminate("FAILED")
+    except Exception:
+        pass
 
 
 def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowStageContext) -> None:

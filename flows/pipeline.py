@@ -118,7 +118,8 @@ class _StageLoop:
             self.failed = True
             cause = error.__cause__ if isinstance(error, StageFailed) and error.__cause__ else error
             self.rows.append(StageRow(job.stage, job.kind, "failed", run_id=getattr(error, "run_id", None),
-                                      note=f"{type(cause).__name__}: {cause}"[:300]))
+                                      note=f"{type(cause).__name__}: {cause}"[:300],
+                                      log=getattr(error, "log_path", None) or ""))
             return
         except KeyboardInterrupt:
             self.recorder.tags({TAG_STAGE_RUNS: json.dumps(self.run_ids)})
@@ -186,6 +187,25 @@ def print_summary(report: PipelineReport, console) -> None:
     console.print(f"pipeline run {report.parent_run_id} in experiment {report.experiment_id}")
     for message in report.unrecorded:
         console.print(f"[bold yellow]not recorded in MLflow:[/bold yellow] {message}", highlight=False)
+
+
+def print_failure(report: PipelineReport, console, show_traceback: bool = False) -> None:
+    """A failed run in a few lines, the last one the failed stage's log: no table, no traceback
+    (``show_traceback``: the stage's traceback first, from the end of its log)."""
+    failed = next(row for row in report.rows if row.status == "failed")
+    if show_traceback and failed.log and Path(failed.log).exists():
+        text = Path(failed.log).read_text(encoding="utf-8", errors="replace")
+        start = text.rfind("Traceback (most recent call last)")
+        console.print(text[start:] if start >= 0 else text, highlight=False, markup=False, end="")
+    error = (failed.note.splitlines() or [""])[0][:300]
+    console.print(f"[bold red]stage {failed.stage} failed:[/bold red] {error}", highlight=False)
+    not_run = [row.stage for row in report.rows if row.status == "not run"]
+    done = [f"{row.stage} {row.status}" for row in report.rows if row.status in ("ran", "cached")]
+    console.print(f"  pipeline run {report.parent_run_id}: " + "; ".join(
+        filter(None, [", ".join(done), f"not run: {', '.join(not_run)}" if not_run else ""])), highlight=False)
+    for message in report.unrecorded:
+        console.print(f"  [bold yellow]not recorded in MLflow:[/bold yellow] {message}", highlight=False)
+    console.print(f"  log: {failed.log or 'none (the stage did not start)'}", highlight=False, markup=False)
 
 
 def prepare_store(home: Path, console) -> Tracker:

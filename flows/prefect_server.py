@@ -1,33 +1,40 @@
-"""The embedded Prefect API server, started by posttrain in its own session.
+"""posttrain's own Prefect API server: started on first use, shared by later runs, stopped when idle.
 
-With no ``PREFECT_API_URL``, Prefect would start its own temporary server as a child in
-the same process group, so a Ctrl-C in the terminal reaches it too: the server dies
-first, and the interrupted flow then spends a minute retrying to report that it stopped
-(measured: 70 s, ending in ``httpx.ConnectError``). posttrain starts the same server
-(Prefect's ASGI app under uvicorn, on the same SQLite database in ``$PREFECT_HOME``) in a
-new session, so Ctrl-C reaches posttrain alone; the server is told to die with its parent
-(``PR_SET_PDEATHSIG``), so even a ``kill -9`` of posttrain leaves no server behind, and it
-is stopped by PID when the run ends.
+With no ``PREFECT_API_URL``, a ``posttrain run`` needs a Prefect API for its flow. Starting
+one costs seconds (importing Prefect's server, migrating its SQLite database: 10-15 s of a
+quickstart here), so posttrain starts it once per ``$POSTTRAIN_HOME`` and later runs reuse
+it: Prefect's ASGI app under uvicorn on 127.0.0.1 (a free port), on the SQLite database in
+``$PREFECT_HOME``, in its own session (a Ctrl-C in the terminal reaches posttrain, not the
+server). ``$PREFECT_HOME/server.json`` records its pid (with the process's start time, so a
+recycled pid is never taken for it), port and URL.
+
+While a run uses the server it holds a shared ``flock`` on ``$PREFECT_HOME/clients.lock``
+(released by the kernel even if the run is killed); the server stops itself once nobody
+has held it for ``POSTTRAIN_PREFECT_IDLE_SECONDS`` (default 600). ``posttrain server
+status`` / ``posttrain server stop`` show and stop it (by pid). A server.json whose process
+is gone is removed and a new server started.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import fcntl
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Run in the server's own interpreter before it becomes uvicorn: ask the kernel for SIGTERM
-# when posttrain dies (PR_SET_PDEATHSIG = 1), then exec. (No preexec_fn: unsafe with threads.)
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
-    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
-)
+IDLE_SECONDS = 600.0
+
+
+def _idle_seconds() -> float:
+    return float(os.environ.get("POSTTRAIN_PREFECT_IDLE_SECONDS", IDLE_SECONDS))
 
 
 def _free_port() -> int:
@@ -36,58 +43,136 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class EmbeddedPrefectServer:
-    def __init__(self, log_path: Path):
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
-        self.port: int | None = None
+def _process_start(pid: int) -> float | None:
+    """When ``pid`` started; None if no such process runs (a zombie has finished running)."""
+    try:
+        import psutil
+
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            with contextlib.suppress(ChildProcessError):  # our own child (e.g. started in this process): reap it
+                os.waitpid(pid, os.WNOHANG)
+            return None
+        return process.create_time()
+    except Exception:
+        return None
+
+
+@dataclass
+class ServerInfo:
+    pid: int
+    port: int
+    process_start: float  # the pid's start time: a recycled pid does not match
+    idle_seconds: float
 
     @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
-    def start(self, timeout: float) -> None:
+    def alive(self) -> bool:
+        start = _process_start(self.pid)
+        return start is not None and abs(start - self.process_start) < 0.05
+
+    def healthy(self, timeout: float = 2.0) -> bool:
         import httpx
 
-        prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
-        self.port = _free_port()
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-               "PREFECT__SERVER_FINAL": "1"}
-        env.pop("PREFECT_API_URL", None)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", _DIE_WITH_PARENT, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
-                 "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--log-level", "error", "--lifespan", "on"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        with httpx.Client() as client:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the Prefect API server exited with status {self.process.returncode}; "
-                                       f"its log: {self.log_path}")
-                try:
-                    if client.get(f"{self.api_url}/health", timeout=2).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"the Prefect API server did not answer within {timeout:.0f} s; its log: {self.log_path}")
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()
         try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process = None
+            return httpx.get(f"{self.api_url}/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def prefect_dir(home: Path) -> Path:
+    return Path(os.environ.get("PREFECT_HOME") or home / "prefect")
+
+
+def _state_path(home: Path) -> Path:
+    return prefect_dir(home) / "server.json"
+
+
+def read_state(home: Path) -> tuple[ServerInfo | None, str | None]:
+    """The recorded server if its process still runs; else None and, if a stale record was
+    removed, what it said."""
+    path = _state_path(home)
+    try:
+        info = ServerInfo(**json.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        return None, None
+    except (ValueError, TypeError) as error:
+        path.unlink(missing_ok=True)
+        return None, f"removed an unreadable {path} ({error})"
+    if info.alive():
+        return info, None
+    path.unlink(missing_ok=True)
+    return None, f"removed a stale {path}: pid {info.pid} is gone"
+
+
+# ------------------------------------------------------------------ starting and stopping
+
+
+def start_server(home: Path) -> tuple[ServerInfo, subprocess.Popen | None]:
+    """The running server, or a new one starting (not yet answering: see ``wait_healthy``)."""
+    from flows.locks import file_lock
+
+    with file_lock(prefect_dir(home) / "server.lock"):
+        info, _ = read_state(home)
+        if info is not None:
+            return info, None
+        log_path = prefect_dir(home) / "server.log"
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+               "PREFECT__SERVER_FINAL": "1", "PREFECT_HOME": str(prefect_dir(home))}
+        env.pop("PREFECT_API_URL", None)
+        port, idle = _free_port(), _idle_seconds()
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "flows.prefect_server", str(port), str(idle)],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        info = ServerInfo(process.pid, port, _process_start(process.pid) or 0.0, idle)
+        _state_path(home).write_text(json.dumps(asdict(info)), encoding="utf-8")
+        return info, process
+
+
+def wait_healthy(info: ServerInfo, process: subprocess.Popen | None, home: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    log_path = prefect_dir(home) / "server.log"
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            _state_path(home).unlink(missing_ok=True)
+            raise RuntimeError(f"the Prefect API server exited with status {process.returncode}; its log: {log_path}")
+        if info.healthy():
+            return
+        time.sleep(0.1)
+    stop_server(home)
+    raise RuntimeError(f"the Prefect API server did not answer within {timeout:.0f} s; its log: {log_path}")
+
+
+def stop_server(home: Path, timeout: float = 10.0) -> ServerInfo | None:
+    """Stop the recorded server by its pid (SIGTERM, then SIGKILL); the one stopped, or None."""
+    info, _ = read_state(home)
+    if info is None:
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(info.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while info.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if info.alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(info.pid, signal.SIGKILL)
+    _state_path(home).unlink(missing_ok=True)
+    return info
+
+
+def early_start(home: Path) -> bool:
+    """Start the server in the background if this run will want one (called before planning, so
+    its start-up overlaps MLflow's); whether this call started it."""
+    if _configured_api_url():
+        return False
+    return start_server(home)[1] is not None
+
+
+_OUR_URLS: set[str] = set()  # URLs of our servers this process set; Prefect's settings may keep them
 
 
 def _configured_api_url() -> str | None:
@@ -96,27 +181,98 @@ def _configured_api_url() -> str | None:
     if "prefect" in sys.modules:  # e.g. inside prefect_test_harness
         from prefect.settings import get_current_settings
 
-        return get_current_settings().api.url
+        url = get_current_settings().api.url
+        return None if url in _OUR_URLS else url
     return None
 
 
 @contextlib.contextmanager
 def prefect_api(home: Path):
-    """A Prefect API for the flow: the configured one, else an embedded server for this run."""
+    """A Prefect API for the flow: the configured one, else posttrain's server for this home
+    (started if none runs), held as a client for the duration."""
     if _configured_api_url():
         yield
         return
-    from flows.locks import file_lock
-
-    server = EmbeddedPrefectServer(home / "prefect" / "server.log")
-    with file_lock(home / "locks" / "prefect-store.lock"):  # one server at a time migrates the database
-        server.start(float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")))
-    os.environ["PREFECT_API_URL"] = server.api_url  # read when Prefect is first imported
+    clients = prefect_dir(home) / "clients.lock"
+    clients.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(clients, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # the server does not stop while a run holds this
+        info, process = start_server(home)
+        wait_healthy(info, process, home, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
+                                                               "180")))
+        _OUR_URLS.add(info.api_url)
+        os.environ["PREFECT_API_URL"] = info.api_url  # read when Prefect is first imported
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):  # if it was imported before
-            yield
+        with temporary_settings(updates={PREFECT_API_URL: info.api_url}):  # if it was imported before
+            try:
+                yield
+            finally:
+                _flush_prefect_logs()
     finally:
         os.environ.pop("PREFECT_API_URL", None)
-        server.stop()
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _flush_prefect_logs() -> None:
+    """Send Prefect's buffered run logs while the API is still set (not at interpreter exit)."""
+    with contextlib.suppress(Exception):
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler.flush()
+
+
+def describe(home: Path) -> str:
+    """``posttrain server status``, in words."""
+    info, stale = read_state(home)
+    lines = [stale] if stale else []
+    if info is None:
+        lines.append(f"no Prefect API server runs for {home} (the next `posttrain run` starts one)")
+    else:
+        up = time.time() - info.process_start
+        health = "answering" if info.healthy() else "not answering"
+        lines.append(f"Prefect API server for {home}: pid {info.pid}, {info.api_url} ({health}), up {up:.0f} s, "
+                     f"stops after {info.idle_seconds:.0f} s without a posttrain run")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the server process
+
+
+def _serve(port: int, idle_seconds: float) -> None:
+    """Prefect's API app under uvicorn; exits after ``idle_seconds`` with no client holding the lock."""
+    import uvicorn
+
+    from prefect.server.api.server import create_app
+
+    home = Path(os.environ["PREFECT_HOME"])
+    server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="error",
+                                           lifespan="on"))
+    threading.Thread(target=_stop_when_idle, args=(server, home / "clients.lock", idle_seconds), daemon=True).start()
+    try:
+        server.run()
+    finally:
+        state = home / "server.json"
+        with contextlib.suppress(Exception):
+            if json.loads(state.read_text(encoding="utf-8"))["pid"] == os.getpid():
+                state.unlink()
+
+
+def _stop_when_idle(server, clients: Path, idle_seconds: float) -> None:
+    fd = os.open(clients, os.O_RDWR | os.O_CREAT, 0o644)
+    idle_since = time.monotonic()
+    while not server.should_exit:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # succeeds only when no run holds it shared
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            if time.monotonic() - idle_since >= idle_seconds:
+                server.should_exit = True
+        except BlockingIOError:
+            idle_since = time.monotonic()
+        time.sleep(min(1.0, idle_seconds / 4))
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), float(sys.argv[2]))

@@ -247,6 +247,8 @@ class MlflowStageContext:
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.recorder.metrics({metric_name(k): v for k, v in metrics.items()}, step or 0)
+        if (line := _terminal_line()) is not None:
+            line.metrics_logged(metrics)
 
     def metric_history(self, name: str):
         """Every logged value of a metric, after the buffered writes landed."""
@@ -271,6 +273,10 @@ class MlflowStageContext:
 
     @contextmanager
     def progress(self, description: str, total: int):
+        if (line := _terminal_line()) is not None:  # this stage's line on `posttrain run`'s terminal
+            line.begin(description, total)
+            yield line
+            return
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -288,3 +294,11 @@ class MlflowStageContext:
                     bar.advance(task, amount)
 
             yield _Advance()
+
+
+def _terminal_line():
+    """The running stage's line on the terminal of this process's ``posttrain run``, if any."""
+    from flows.terminal import active
+
+    terminal = active()
+    return terminal.line if terminal is not None else None

@@ -59,6 +59,7 @@ METRIC_NAMES = {
     "loss": "loss",
     "grad_norm": "grad_norm",
     "learning_rate": "lr",
+    "num_tokens": "num_tokens",  # prompt and completion tokens so far: the terminal's tokens/s
 }
 
 

@@ -29,6 +29,7 @@ def test_extract_code_prefers_the_last_python_block():
     assert extract_code("   ") is None and extract_code("```python\n\n```") is None
 
 
+@pytest.mark.needs_bwrap
 def test_code_tests_scores_right_wrong_and_unparsable():
     completions = [
         fenced("def add(a, b):\n    return a + b"),
@@ -42,6 +43,7 @@ def test_code_tests_scores_right_wrong_and_unparsable():
     assert result.parsed == [True, True, False, False, True]
 
 
+@pytest.mark.needs_bwrap
 @pytest.mark.parametrize(
     "shortcut",
     [
@@ -61,6 +63,7 @@ def test_shortcuts_that_skip_the_tests_do_not_pass(shortcut):
     assert result.scores == [0.0] and result.parsed == [True]
 
 
+@pytest.mark.needs_bwrap
 def test_the_solution_cannot_read_the_tests_from_disk():
     # Hard-coding answers from the tests file would pass; the harness deletes it first.
     cheat = "import os\nTESTS = open('tests.py').read() if os.path.exists('tests.py') else ''\n" \
@@ -68,6 +71,7 @@ def test_the_solution_cannot_read_the_tests_from_disk():
     assert code_tests([fenced(cheat)], tests="assert add(2, 3) == 5").scores == [0.0]
 
 
+@pytest.mark.needs_bwrap
 def test_code_tests_reads_tests_from_a_column_or_the_answer_column():
     square = fenced("def square(x):\n    return x * x")
     columns = {"tests": ["assert square(3) == 9", "assert square(3) == 10"]}
@@ -77,11 +81,13 @@ def test_code_tests_reads_tests_from_a_column_or_the_answer_column():
         code_tests([square])
 
 
+@pytest.mark.needs_bwrap
 def test_code_tests_times_out_slow_solutions():
     result = code_tests([fenced("def add(a, b):\n    while True:\n        pass")], tests=ADD_TESTS, timeout_s=1)
     assert result.scores == [0.0] and result.parsed == [True]
 
 
+@pytest.mark.needs_bwrap
 def test_code_tests_through_the_reward_registry():
     specs = {"tests_pass": RewardSpec(fn="stages.rewards_code:code_tests", kwargs={"timeout_s": 3})}
     columns = {"answer": [ADD_TESTS, ADD_TESTS, ADD_TESTS], "prompts": [[], [], []]}

@@ -1,7 +1,8 @@
 """The sandbox for model-written code: real bwrap, real processes, real containment.
 
-Nothing here is skipped: without bubblewrap these tests fail with the install hint
-(CI installs it). Each containment test also shows that the thing it blocks does happen
+Without a working bubblewrap the tests marked ``needs_bwrap`` are skipped with the reason
+(``apt-get install bubblewrap``); CI installs it and sets POSTTRAIN_REQUIRE_HOST_TOOLS=1, under
+which they fail instead of skipping (tests/conftest.py). Each containment test also shows that the thing it blocks does happen
 outside the sandbox, so it can fail.
 """
 
@@ -48,11 +49,13 @@ def private_tempdir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.needs_bwrap
 def test_bwrap_is_installed():
     assert shutil.which("bwrap"), "bubblewrap is not installed: `apt-get install bubblewrap` (CI must install it)"
     sandbox.check_sandbox()  # raises SandboxUnavailable with bwrap's own error if it cannot start
 
 
+@pytest.mark.needs_bwrap
 def test_runs_stdlib_code_with_stdin_files_and_exit_status():
     result = run(
         """
@@ -68,6 +71,7 @@ def test_runs_stdlib_code_with_stdin_files_and_exit_status():
     assert (result.returncode, result.timed_out, result.killed_reason) == (3, False, None)
 
 
+@pytest.mark.needs_bwrap
 def test_parent_secret_is_not_visible_inside(monkeypatch):
     secret = "posttrain-secret-" + secrets.token_hex(8)
     monkeypatch.setenv("POSTTRAIN_TEST_SECRET", secret)
@@ -92,6 +96,7 @@ def test_parent_secret_is_not_visible_inside(monkeypatch):
     assert secret not in result.stdout and "POSTTRAIN_TEST_SECRET" not in result.stdout
 
 
+@pytest.mark.needs_bwrap
 def test_no_network_not_even_the_hosts_loopback():
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -121,6 +126,7 @@ def test_no_network_not_even_the_hosts_loopback():
     assert "('192.0.2.1', 80) FAILED [Errno 101] Network is unreachable" in result.stdout
 
 
+@pytest.mark.needs_bwrap
 def test_writes_outside_the_working_dir_fail_and_leave_nothing(private_tempdir):
     host_dir = private_tempdir / "host"
     host_dir.mkdir()
@@ -158,6 +164,7 @@ def test_writes_outside_the_working_dir_fail_and_leave_nothing(private_tempdir):
     assert sorted(p.name for p in private_tempdir.iterdir()) == ["host"]
 
 
+@pytest.mark.needs_bwrap
 def test_infinite_loop_is_killed_at_the_timeout_with_everything_it_started():
     marker = str(1_000_000 + secrets.randbelow(1_000_000))
     started = time.monotonic()
@@ -178,6 +185,7 @@ def test_infinite_loop_is_killed_at_the_timeout_with_everything_it_started():
     assert processes_with_marker(f"sleep\0{marker}") == []
 
 
+@pytest.mark.needs_bwrap
 def test_background_processes_die_with_the_program():
     marker = str(1_000_000 + secrets.randbelow(1_000_000))
     result = run(
@@ -191,6 +199,7 @@ def test_background_processes_die_with_the_program():
     assert processes_with_marker(f"sleep\0{marker}") == []
 
 
+@pytest.mark.needs_bwrap
 def test_memory_bomb_is_stopped_by_the_memory_limit():
     result = run(
         """
@@ -205,6 +214,7 @@ def test_memory_bomb_is_stopped_by_the_memory_limit():
     assert run("print(sum(range(10)))").stdout == "45\n"
 
 
+@pytest.mark.needs_bwrap
 def test_gradual_memory_growth_stops_near_the_limit():
     result = run(
         """
@@ -222,6 +232,7 @@ def test_gradual_memory_growth_stops_near_the_limit():
     assert 100 <= held <= 256
 
 
+@pytest.mark.needs_bwrap
 def test_fork_bomb_is_contained_by_the_process_limit():
     marker = str(1_000_000 + secrets.randbelow(1_000_000))
     result = run(
@@ -248,6 +259,7 @@ def test_fork_bomb_is_contained_by_the_process_limit():
     assert processes_with_marker(f"sleep\0{marker}") == []
 
 
+@pytest.mark.needs_bwrap
 def test_huge_output_is_capped_keeping_head_and_tail():
     result = run(
         """
@@ -262,12 +274,14 @@ def test_huge_output_is_capped_keeping_head_and_tail():
     assert "bytes omitted" in result.stdout
 
 
+@pytest.mark.needs_bwrap
 def test_file_size_limit():
     result = run('open("big.bin", "wb").write(b"0" * (8 * 2**20))', max_file_mb=4)
     assert result.returncode != 0
     assert result.killed_reason == "file size limit (EFBIG)"
 
 
+@pytest.mark.needs_bwrap
 def test_file_names_must_stay_inside_the_working_dir():
     with pytest.raises(ValueError, match="relative path"):
         run_sandboxed("pass", files={"../escape.py": "x"})

@@ -1,0 +1,74 @@
+"""posttrain's Prefect API server: started on first use, reused, shown, stopped by pid, stopped
+when idle, and a stale pid file is not trusted. Real server processes, real `posttrain server`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from conftest import run_cli
+from flows.prefect_server import prefect_api, prefect_dir, read_state, stop_server
+
+
+@pytest.fixture()
+def own_server(home, monkeypatch):
+    """A home with no PREFECT_API_URL, so posttrain starts its own server there."""
+    from flows.home import configure_environment
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(home / "prefect"))
+    configure_environment()
+    yield home
+    stop_server(home)
+
+
+def test_started_on_first_use_reused_shown_and_stopped_by_pid(own_server, capsys):
+    home = own_server
+    with prefect_api(home):
+        first, _ = read_state(home)
+        assert first is not None and first.healthy()
+    with prefect_api(home):  # the next run finds it
+        again, _ = read_state(home)
+        assert again.pid == first.pid
+    capsys.readouterr()
+    assert run_cli("server", "status") == 0
+    out = capsys.readouterr().out
+    assert f"pid {first.pid}" in out and "answering" in out and first.api_url in out
+
+    assert run_cli("server", "stop") == 0
+    assert f"stopped the Prefect API server (pid {first.pid})" in capsys.readouterr().out
+    assert not first.alive() and not (prefect_dir(home) / "server.json").exists()
+    assert run_cli("server", "status") == 0
+    assert "no Prefect API server runs" in capsys.readouterr().out
+
+
+def test_a_stale_pid_file_is_removed_never_trusted(own_server, capsys):
+    home = own_server
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    state = prefect_dir(home) / "server.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"pid": gone.pid, "port": 9, "process_start": 1.0, "idle_seconds": 600}))
+    assert run_cli("server", "status") == 0
+    out = capsys.readouterr().out
+    assert f"removed a stale {state}: pid {gone.pid} is gone" in out and "no Prefect API server runs" in out
+    assert not state.exists()
+    assert run_cli("server", "stop") == 0  # nothing to stop, nothing killed
+    assert "no Prefect API server runs" in capsys.readouterr().out
+
+
+def test_stops_itself_when_no_run_has_used_it_for_the_idle_time(own_server, monkeypatch):
+    home = own_server
+    monkeypatch.setenv("POSTTRAIN_PREFECT_IDLE_SECONDS", "3")
+    with prefect_api(home):
+        server, _ = read_state(home)
+        time.sleep(6)  # twice the idle time, but a run holds it
+        assert server.alive() and server.healthy()
+    deadline = time.monotonic() + 60
+    while server.alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not server.alive()
+    assert not (prefect_dir(home) / "server.json").exists()

@@ -1,0 +1,65 @@
+"""What `posttrain run` prints: a quickstart-like run fits in 40 lines, a failed stage in 10 ending
+with its log; other libraries' output lands in the stage's log file (an MLflow artifact), not
+on the terminal. Real CLI in a subprocess (real file descriptors), real Prefect server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICKSTART, ROOT, write
+from test_pipeline import FAILING
+
+# The quickstart's five stages at a size that runs in seconds
+SMALL = ["--set", "data.train.n=64", "--set", "data.heldout.n=8", "--set", "stages.sft.max_steps=4",
+         "--set", "stages.sft.batch_size=8", "--set", "stages.grpo.max_steps=2"]
+NOISE = ("Loading weights", "Writing model shards", "Tokenizing", "it/s]", "examples/s", "Warning", "Traceback",
+         "INFO", "Error logging to API")
+
+
+def posttrain(home: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "POSTTRAIN_HOME": str(home), "POSTTRAIN_PREFECT_IDLE_SECONDS": "600",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    for key in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], env=env, cwd=home.parent, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=1200)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # two runs of real subprocesses; ~15 min when the 2 cores are shared many ways
+def test_a_run_prints_its_plan_stage_lines_and_summary_and_a_failure_ends_with_its_log(tmp_path):
+    home = tmp_path / "home"
+    try:
+        done = posttrain(home, "run", str(QUICKSTART), *SMALL)
+        lines = done.stdout.splitlines()
+        assert done.returncode == 0, done.stdout
+        assert len(lines) <= 40, done.stdout
+        assert not [line for line in lines if any(noise in line for noise in NOISE)], done.stdout
+        assert lines[0] == "plan for quickstart:" and "posttrain · quickstart" in done.stdout
+        for stage in ("eval_base", "sft", "eval_sft", "grpo", "eval_grpo"):
+            assert any(line.split()[:2] == [stage, "done"] for line in lines), (stage, done.stdout)
+        # what the terminal did not show is in the stages' logs, and on their MLflow runs
+        sft_logs = list((home / "logs" / "quickstart").glob("sft-*.log"))
+        assert len(sft_logs) == 1 and "Tokenizing train dataset" in sft_logs[0].read_text()
+        from mlflow.tracking import MlflowClient
+
+        sft_run = sft_logs[0].stem.split("-", 1)[1]
+        client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+        assert [a.path for a in client.list_artifacts(sft_run, "logs")] == [f"logs/{sft_logs[0].name}"]
+
+        failing = write(tmp_path / "failing.yaml", FAILING)
+        failed = posttrain(home, "run", str(failing))
+        lines = failed.stdout.splitlines()
+        assert failed.returncode == 1 and len(lines) <= 10, failed.stdout
+        assert "Traceback" not in failed.stdout and "Error logging" not in failed.stdout, failed.stdout
+        assert "stage eval_base failed: RewardError: reward 'broken' returned 1 scores" in failed.stdout
+        log = Path(lines[-1].removeprefix("  log: "))
+        assert lines[-1].startswith("  log: ") and log.is_file(), failed.stdout
+        assert "Traceback" in log.read_text() and "RewardError" in log.read_text()
+    finally:
+        posttrain(home, "server", "stop")
