@@ -56,7 +56,8 @@ class Terminal:
         if self.verbose:
             yield
             return
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        if not log_path.parent.is_dir():  # the run's own log lies in the temp dir, which exists
+            log_path.parent.mkdir(parents=True, exist_ok=True)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
