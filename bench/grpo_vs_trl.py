@@ -39,9 +39,10 @@ import _common
 
 # The quickstart's grpo stage, minus check_rewards (a one-off check before training).
 STAGE = {"kind": "rl", "algorithm": "grpo", "policy": "base", "reference": "base", "data": "train",
-         "rewards": ["correct"], "kl_beta": 0.01, "group_size": 8, "advantage": "group_centered",
-         "loss": "dapo", "prompts_per_step": 16, "lr": 5.0e-4, "temperature": 1.0, "max_completion_tokens": 4,
-         "sample_every": 25}
+         "rewards": ["correct"], "kl_beta": 0.01, "advantage": "group_centered",
+         "sampling": {"temperature": 1.0, "max_tokens": 4, "attempts": 8},
+         "loss": "dapo", "prompts_per_step": 16, "lr": 5.0e-4, "sample_every": 25}
+SAMPLING = STAGE["sampling"]
 SEED = 0
 TRAIN_SECONDS: dict[str, float] = {}
 
@@ -80,9 +81,9 @@ def plain_grpo_config(output_dir: str, max_steps: int):
 
     return GRPOConfig(
         output_dir=output_dir, max_steps=max_steps, learning_rate=STAGE["lr"], lr_scheduler_type="constant",
-        per_device_train_batch_size=STAGE["prompts_per_step"] * STAGE["group_size"],
-        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=STAGE["group_size"],
-        max_completion_length=STAGE["max_completion_tokens"], temperature=STAGE["temperature"], top_p=1.0,
+        per_device_train_batch_size=STAGE["prompts_per_step"] * SAMPLING["attempts"],
+        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=SAMPLING["attempts"],
+        max_completion_length=SAMPLING["max_tokens"], temperature=SAMPLING["temperature"], top_p=1.0,
         beta=STAGE["kl_beta"], loss_type=STAGE["loss"], scale_rewards="none", epsilon=0.2,
         logging_steps=1, save_strategy="no", report_to="none", seed=SEED, data_seed=SEED, use_cpu=True,
         log_completions=False, dataloader_num_workers=0,
@@ -183,9 +184,9 @@ def main() -> None:
     check_same_settings(build_grpo_config(RLStageConfig(**STAGE, max_steps=args.steps), home / "x", SEED),
                         plain_grpo_config(str(home / "x"), args.steps))
     race = Race(home, args.steps)
-    completions = STAGE["prompts_per_step"] * STAGE["group_size"]
+    completions = STAGE["prompts_per_step"] * SAMPLING["attempts"]
     print(f"GRPO, {args.steps} steps x {completions} completions ({STAGE['prompts_per_step']} prompts x "
-          f"{STAGE['group_size']}), {STAGE['max_completion_tokens']} tokens, tiny quickstart model, 1 thread; "
+          f"{SAMPLING['attempts']}), {SAMPLING['max_tokens']} tokens, tiny quickstart model, 1 thread; "
           f"{args.repeats} alternating rounds after a 2-step warm-up of each", flush=True)
     race.steps = 2
     race.ours(), race.trl()

@@ -42,8 +42,8 @@ import _common
 SEED = 0
 WARMUP = 2
 SHARED = {"kind": "rl", "policy": "base", "reference": "base", "data": "train", "rewards": ["correct"],
-          "kl_beta": 0.01, "group_size": 8, "prompts_per_step": 16, "lr": 5.0e-4, "temperature": 1.0,
-          "max_completion_tokens": 4, "sample_every": 25}
+          "kl_beta": 0.01, "sampling": {"temperature": 1.0, "max_tokens": 4, "attempts": 8},
+          "prompts_per_step": 16, "lr": 5.0e-4, "sample_every": 25}
 
 
 def timed(fn, bucket: list[float]):
@@ -145,10 +145,10 @@ def main() -> None:
         install(trainer)
 
     trainer_callbacks.quiet_trainer = quiet_and_timed  # train_grpo imports it at call time
-    sequences = SHARED["prompts_per_step"] * SHARED["group_size"]
+    sequences = SHARED["prompts_per_step"] * SHARED["sampling"]["attempts"]
     n_minibatches = -(-sequences // args.minibatch_size)
-    print(f"{SHARED['prompts_per_step']} prompts x {SHARED['group_size']} = {sequences} completions of <= "
-          f"{SHARED['max_completion_tokens']} tokens per step, tiny quickstart model, 1 thread; PPO: "
+    print(f"{SHARED['prompts_per_step']} prompts x {SHARED['sampling']['attempts']} = {sequences} completions of <= "
+          f"{SHARED['sampling']['max_tokens']} tokens per step, tiny quickstart model, 1 thread; PPO: "
           f"{args.ppo_epochs} epochs x {n_minibatches} minibatches of {args.minibatch_size}; GRPO: 1 optimizer step; "
           f"{args.steps} steps of each, alternating, after {WARMUP} warm-up steps", flush=True)
     rl.run(grpo_config, inputs, _common.StageContexts(home, "bench-step").make("grpo", SEED))

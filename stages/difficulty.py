@@ -23,7 +23,7 @@ pass rates are those of the starting policy, measured once; a prompt that become
 the policy learns is still trained on, and one that becomes solvable is never seen. It
 costs ``attempts x prompts`` generations up front and none per step, and the kept set is
 an artifact a person can read. Sampling defaults to the stage's rollout settings
-(``temperature``, ``top_p``, ``max_completion_tokens``) and the stage's seed, so "pass
+(``sampling.temperature``, ``top_p``, ``max_tokens``) and the stage's seed, so "pass
 rate" means the rate the rollouts would see.
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -53,11 +54,12 @@ class FilterSampling(SpecModel):
     model_config = ConfigDict(extra="forbid")
 
     temperature: float | None = Field(
-        None, gt=0.0, le=10.0, description="Sampling temperature; default the stage's `temperature`. Must be "
+        None, gt=0.0, le=10.0, description="Sampling temperature; default the stage's `sampling.temperature`. Must be "
         "above 0: greedy attempts are all alike, so every pass rate would be 0 or 1.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass; default the stage's `top_p`.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass; default the stage's `sampling.top_p`.")
     max_tokens: int | None = Field(
-        None, ge=1, le=32768, description="Token budget per attempt; default the stage's `max_completion_tokens`.")
+        None, ge=1, le=32768, description="Token budget per attempt; default the stage's `sampling.max_tokens`.")
+    attempts: int = Field(8, ge=2, le=1024, description="Samples per prompt (k) that measure its pass rate.")
     seed: int | None = Field(None, description="Seed of the sampler; default the stage's seed.")
     stop: list[str] = Field(default_factory=list, description="Strings that end an attempt where they first appear.")
 
@@ -66,11 +68,11 @@ class DifficultyFilter(SpecModel):
     """Before training, keep only the prompts the starting policy solves sometimes but not always."""
 
     model_config = ConfigDict(extra="forbid")
+    renamed: ClassVar[dict[str, str]] = {"attempts": "sampling.attempts"}
 
-    attempts: int = Field(8, ge=2, le=1024, description="Samples per prompt (k) that measure its pass rate.")
     sampling: FilterSampling = Field(
-        default_factory=FilterSampling, description="temperature, top_p, max_tokens, seed, stop of the attempts; "
-        "each defaults to the stage's rollout setting (temperature, top_p, max_completion_tokens, seed).")
+        default_factory=FilterSampling, description="attempts (k), temperature, top_p, max_tokens, seed, stop; every "
+        "field but attempts defaults to the stage's rollout setting (its `sampling:` and seed).")
     min_pass: float = Field(0.0, ge=0.0, le=1.0, description="Keep a prompt only if its pass rate is above this "
                             "(exclusive; 0 drops prompts never solved).")
     max_pass: float = Field(1.0, ge=0.0, le=1.0, description="Keep a prompt only if its pass rate is below this "
@@ -97,10 +99,10 @@ class DifficultyFilter(SpecModel):
         """The attempts' sampling settings, unset fields taken from the rl stage ``stage``."""
         own = self.sampling
         return SamplingSettings(
-            temperature=stage.temperature if own.temperature is None else own.temperature,
-            top_p=stage.top_p if own.top_p is None else own.top_p,
-            max_tokens=stage.max_completion_tokens if own.max_tokens is None else own.max_tokens,
-            attempts=self.attempts, seed=seed if own.seed is None else own.seed, stop=list(own.stop))
+            temperature=stage.sampling.temperature if own.temperature is None else own.temperature,
+            top_p=stage.sampling.top_p if own.top_p is None else own.top_p,
+            max_tokens=stage.sampling.max_tokens if own.max_tokens is None else own.max_tokens,
+            attempts=own.attempts, seed=seed if own.seed is None else own.seed, stop=list(own.stop))
 
 
 def pass_rates(correct: list[bool], k: int) -> list[float]:

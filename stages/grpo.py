@@ -254,14 +254,14 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         max_steps=config.max_steps,
         learning_rate=config.lr,
         lr_scheduler_type="constant",
-        per_device_train_batch_size=config.prompts_per_step * config.group_size,
+        per_device_train_batch_size=config.prompts_per_step * config.sampling.attempts,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=config.updates_per_batch,
-        num_generations=config.group_size,
-        max_completion_length=config.max_completion_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
+        num_generations=config.sampling.attempts,
+        max_completion_length=config.sampling.max_tokens,
+        temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
         beta=config.kl_beta,
         loss_type=config.loss,
         scale_rewards="none" if config.advantage == "group_centered" else "group",
@@ -293,13 +293,14 @@ def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int, backend: 
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
     env = config.environment
-    budget = config.max_completion_tokens if env is None else env.max_episode_tokens
+    sampling = config.sampling
+    budget = sampling.max_tokens if env is None else env.max_episode_tokens + 64  # + 64: the tools' line
     engine = None
     if backend == "vllm":
-        engine = GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=config.group_size,
-                              temperature=config.temperature, top_p=config.top_p,
-                              max_tokens=config.max_completion_tokens, seed=seed, engine=config.engine,
-                              max_model_len=context_length(tokenizer, dataset["prompt"], budget + 64),
+        engine = GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=sampling.attempts,
+                              temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
+                              seed=seed, engine=config.engine,
+                              max_model_len=context_length(tokenizer, dataset["prompt"], budget),
                               trust_remote_code=inputs.get("trust_remote_code", False))
     if env is None:
         return engine
@@ -310,8 +311,8 @@ def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int, backend: 
 
     runner = EpisodeRunner(build_environment(env), env, tokenizer)
     runner.environment.check()
-    settings = SamplingSettings(temperature=config.temperature, top_p=config.top_p,
-                                max_tokens=config.max_completion_tokens, attempts=1, seed=seed)
+    settings = SamplingSettings(temperature=sampling.temperature, top_p=sampling.top_p,
+                                max_tokens=sampling.max_tokens, attempts=1, seed=seed)
     return EpisodeRollouts(runner, tokenizer, settings, engine)
 
 
@@ -354,7 +355,7 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics))
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed,
-                    "generation_batch": config.prompts_per_step * config.group_size})
+                    "generation_batch": config.prompts_per_step * config.sampling.attempts})
     try:
         with stop_gracefully(trainer, ctx, resumable=False):
             trainer.train()

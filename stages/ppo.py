@@ -256,11 +256,11 @@ def compute_targets(policy, reference, critic, rollout: Rollout, scores_B: torch
     reward = -beta * k1 (+ the score at the last token), then GAE and whitening."""
     everything = slice(None)
     mask = rollout.mask_B_T
-    policy_logits = completion_logits(policy, rollout, everything, config.temperature)
+    policy_logits = completion_logits(policy, rollout, everything, config.sampling.temperature)
     old_logprobs = token_logprobs(policy_logits, rollout.completion_ids_B_T)
     entropy = token_entropy(policy_logits)
     del policy_logits
-    ref_logprobs = token_logprobs(completion_logits(reference, rollout, everything, config.temperature),
+    ref_logprobs = token_logprobs(completion_logits(reference, rollout, everything, config.sampling.temperature),
                                   rollout.completion_ids_B_T)
     values = completion_values(critic, rollout, everything) * mask
     k1, _, k3 = kl_estimators(old_logprobs, ref_logprobs)
@@ -293,7 +293,7 @@ def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, c
         for start in range(0, n_rows, minibatch):
             rows = order[start : start + minibatch]
             mask = rollout.mask_B_T[rows]
-            logits = completion_logits(policy, rollout, rows, config.temperature)
+            logits = completion_logits(policy, rollout, rows, config.sampling.temperature)
             logprobs = token_logprobs(logits, rollout.completion_ids_B_T[rows])
             values = completion_values(critic, rollout, rows)
             policy_loss, clip_frac, ratio_mean = ppo_policy_loss(
@@ -403,8 +403,8 @@ class PPORun:
         config = self.config
         prompts = [prompt_messages(r) for r in batch]
         answers = [r.get("answer") for r in batch]
-        settings = SamplingSettings(temperature=config.temperature, top_p=config.top_p, seed=self.seed + step,
-                                    max_tokens=config.max_completion_tokens, attempts=config.group_size)
+        settings = SamplingSettings(temperature=config.sampling.temperature, top_p=config.sampling.top_p, seed=self.seed + step,
+                                    max_tokens=config.sampling.max_tokens, attempts=config.sampling.attempts)
         if self.engine is not None:
             sync_policy(self.engine, self.policy)  # the policy the last update left, merged LoRA included
             groups = self.engine.generate(prompts, settings)
@@ -423,7 +423,7 @@ class PPORun:
         targets = compute_targets(self.policy, self.reference, self.critic, rollout, torch.tensor(scored.total),
                                   beta, config)
         update = ppo_update(self.policy, self.critic, self.optimizers, rollout, targets, config, generator)
-        metrics = {**rollout_metrics(rollout, scored, targets, config.group_size), **update,
+        metrics = {**rollout_metrics(rollout, scored, targets, config.sampling.attempts), **update,
                    **reward_model_correlations(scored, self.rewards),
                    "kl_beta": beta, "reward/errors": float(self.reward_errors)}
         self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts))
@@ -444,12 +444,12 @@ def train_ppo(config: RLStageConfig, inputs: dict, ctx) -> dict:
     if backend == "vllm":
         run.engine = VLLMBackend(Path(inputs["policy"]), trust_remote_code=inputs.get("trust_remote_code", False),
                                  engine=config.engine, max_model_len=context_length(
-                                     run.tokenizer, [prompt_messages(r) for r in records], config.max_completion_tokens))
+                                     run.tokenizer, [prompt_messages(r) for r in records], config.sampling.max_tokens))
     ctx.log_params({"resolved_backend": backend, "backend_reason": why})
     batches = prompt_batches(records, config.prompts_per_step, seed)
     generator = torch.Generator().manual_seed(seed)  # minibatch order
     ctx.log_params({"resolved_seed": seed, "prompts": len(records),
-                    "rollout_sequences": config.prompts_per_step * config.group_size})
+                    "rollout_sequences": config.prompts_per_step * config.sampling.attempts})
 
     history, metrics, started = [], {}, time.perf_counter()
     try:

@@ -37,10 +37,27 @@ class DynamicSampling(SpecModel):
         "(advantage 0: no policy gradient), counted in `dynamic/kept_zero_variance_frac`.")
 
 
+class RolloutSampling(SpecModel):
+    """How rollouts are sampled: the eval stage's ``sampling:`` vocabulary, less ``seed`` (the stage's seed
+    seeds the sampler) and ``stop`` (a rollout ends at the end-of-turn token or its budget)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature of rollouts (above 0: "
+                               "greedy completions of a prompt are all alike, so a group would carry no signal).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass of rollouts.")
+    max_tokens: int = Field(8, ge=1, le=32768, description="Token budget per rollout; hitting it is truncation.")
+    attempts: int = Field(8, ge=1, le=256, description="Completions sampled per prompt: GRPO's group (>= 2), "
+                          "over which advantages are centred; PPO's samples per prompt.")
+
+
 class RLStageConfig(ExecutionLimits):
     """Reinforcement learning against rewards with a KL anchor (GRPO or PPO)."""
 
     model_config = ConfigDict(extra="forbid")
+    renamed: ClassVar[dict[str, str]] = {
+        "group_size": "sampling.attempts", "max_completion_tokens": "sampling.max_tokens",
+        "temperature": "sampling.temperature", "top_p": "sampling.top_p"}
     trains: ClassVar[bool] = True
     produces_checkpoint: ClassVar[bool] = True
 
@@ -52,15 +69,18 @@ class RLStageConfig(ExecutionLimits):
     )
     data: str = Field(description="Prompts to train on (name under `data:`); must not be `heldout`.")
     rewards: list[str] = Field(min_length=1, description="Rewards (names under `rewards:` or built-ins), summed by weight.")
-    kl_beta: float = Field(0.02, ge=0.0, description="Weight of the KL penalty to the reference policy (0 disables it).")
-    group_size: int = Field(8, ge=1, le=256, description="Completions sampled per prompt (GRPO needs >= 2).")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per step (each sampled group_size times).")
+    kl_beta: float = Field(
+        0.02, ge=0.0, description="Weight of the KL anchor to the reference policy (0 disables it). GRPO: a term "
+        "of the loss, beta times the per-token KL estimate (k3) added to the policy-gradient loss. PPO: a penalty "
+        "in the reward, beta times the per-token log-ratio subtracted from each token's reward before GAE (and "
+        "adapted toward `kl_target` when set). The same beta is not the same pull in the two.")
+    sampling: RolloutSampling = Field(
+        default_factory=RolloutSampling,
+        description="Rollout sampling: temperature, top_p, max_tokens, attempts (completions per prompt).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step (each sampled `sampling.attempts` times).")
     max_steps: int = Field(100, ge=1, description="Training steps: GRPO optimizer steps; PPO rollout batches, "
                            "each followed by ppo_epochs passes of minibatch updates.")
     lr: float = Field(5e-4, gt=0, le=1.0, description="Policy learning rate.")
-    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature of rollouts.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass of rollouts.")
-    max_completion_tokens: int = Field(8, ge=1, description="Token budget per rollout; hitting it is truncation.")
     clip_epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="Clip range of the importance ratio.")
     seed: int | None = Field(None, description="Stage seed; default the pipeline seed.")
     sample_every: int = Field(25, ge=1, description="Log a table of sample completions every N steps.")
@@ -81,7 +101,7 @@ class RLStageConfig(ExecutionLimits):
     environment: EnvironmentSpec | None = Field(
         None, description="GRPO: train on multi-turn episodes in this environment (stages/environments.py): the "
         "model's turns and the tools' observations, observations never trained on; the rewards score each "
-        "episode's final answer; `max_completion_tokens` is then the budget of one turn.")
+        "episode's final answer; `sampling.max_tokens` is then the budget of one turn.")
     difficulty_filter: DifficultyFilter | None = Field(
         None, description="Before training, sample `attempts` completions of each prompt from the starting "
         "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "
@@ -162,8 +182,9 @@ class RLStageConfig(ExecutionLimits):
         if self.environment is not None and self.difficulty_filter is not None:
             raise ValueError("difficulty_filter samples single completions, not an environment's episodes; "
                              "remove one of environment and difficulty_filter")
-        if self.algorithm == "grpo" and self.group_size < 2:
-            raise ValueError(f"grpo needs group_size >= 2 to compare completions of a prompt (got {self.group_size})")
+        if self.algorithm == "grpo" and self.sampling.attempts < 2:
+            raise ValueError(f"grpo needs sampling.attempts >= 2 to compare completions of a prompt "
+                             f"(got {self.sampling.attempts})")
         return self
 
     def references(self) -> dict[str, str]:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 MAX_INT = 2**31 - 1
 MAX_FLOAT = 1e9
@@ -95,6 +95,17 @@ class SpecModel(BaseModel):
     """Every pipeline config model: unknown keys refused, every number finite and bounded."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Keys of an older vocabulary, refused with where each lives now (``old -> new path``).
+    renamed: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed(cls, data: Any):
+        if isinstance(data, dict):
+            old = [key for key in cls.renamed if key in data]
+            if old:
+                raise ValueError("; ".join(f"{key} was renamed (did you mean {cls.renamed[key]}?)" for key in old))
+        return data
 
     @field_validator("*", mode="after")
     @classmethod

@@ -246,7 +246,8 @@ def test_grpo_trains_in_the_environment(tiny_checkpoint, ctx_factory, home):
     data = materialize(ArithmeticData(generator="arithmetic_calculator", n=20, role="train", ops=["*"],
                                       min_operand=10, max_operand=99), Path("."), home / "data")
     config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"],
-                           group_size=2, prompts_per_step=2, max_steps=2, max_completion_tokens=6, backend="hf",
+                           prompts_per_step=2, max_steps=2, backend="hf",
+                           sampling={"attempts": 2, "max_tokens": 6},
                            environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 12})
     outputs = rl.run(config, {"policy": str(tiny_checkpoint), "data": str(data),
                               "rewards": {"correct": RewardSpec(fn="exact_answer")}}, ctx_factory("grpo-agent"))

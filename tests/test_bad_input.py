@@ -110,8 +110,11 @@ CASES = [
     Case("k_above_attempts", replace("[correct]}", "[correct], sampling: {attempts: 4}, pass_k: [1, 8]}"),
          ["p.yaml:11: stages.eval_sft.pass_k: pass@k needs k samples per prompt, but k = 8 > sampling.attempts (4)"]),
     Case("negative_dataset_size", replace("n: 20,", "n: -5,"), ["p.yaml:5: data.train.n: must be >= 1 (got -5)"]),
-    Case("grpo_group_of_one", append(GRPO.replace("]}", "], group_size: 1}")),
-         ["p.yaml:12: stages.grpo: grpo needs group_size >= 2", "(got 1)"]),
+    Case("grpo_group_of_one", append(GRPO.replace("]}", "], sampling: {attempts: 1}}")),
+         ["p.yaml:12: stages.grpo: grpo needs sampling.attempts >= 2", "(got 1)"]),
+    Case("rl_old_sampling_key", append(GRPO.replace("]}", "], group_size: 4, max_completion_tokens: 8}")),
+         ["p.yaml:12: stages.grpo: group_size was renamed (did you mean sampling.attempts?); "
+          "max_completion_tokens was renamed (did you mean sampling.max_tokens?)"]),
     Case("operand_range_inverted", replace("n: 20,", "n: 20, min_operand: 9, max_operand: 2,"),
          ["p.yaml:5: data.train: min_operand (9) must be <= max_operand (2)"]),
     # ---- stages and references

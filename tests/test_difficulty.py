@@ -42,9 +42,9 @@ def known_answers() -> list[str]:
 
 
 def rl_config(**overrides) -> RLStageConfig:
-    fields = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["verdict"], group_size=4,
-                  prompts_per_step=2, max_steps=2, max_completion_tokens=3, sample_every=1,
-                  difficulty_filter={"attempts": 4})
+    fields = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["verdict"],
+                  sampling={"attempts": 4, "max_tokens": 3}, prompts_per_step=2, max_steps=2, sample_every=1,
+                  difficulty_filter={"sampling": {"attempts": 4}})
     return RLStageConfig(**(fields | overrides))
 
 
@@ -90,7 +90,7 @@ def test_filter_keeps_prompts_strictly_between_the_bounds(tiny_checkpoint, ctx_f
 def test_max_prompts_scores_only_the_first_prompts(tiny_checkpoint, ctx_factory, tmp_path):
     ctx = ctx_factory("difficulty-first")
     data = write_prompts(tmp_path / "prompts.jsonl", known_answers())
-    config = rl_config(algorithm="ppo", difficulty_filter={"attempts": 2, "max_prompts": 6})
+    config = rl_config(algorithm="ppo", difficulty_filter={"sampling": {"attempts": 2}, "max_prompts": 6})
     with torch_threads(1):
         kept = read_materialized(filter_prompts(config, stage_inputs(tiny_checkpoint, data), ctx))
     assert [r["answer"] for r in kept] == ["mixed-2", "mixed-5"]
@@ -101,7 +101,7 @@ def test_bounds_that_exclude_every_prompt_fail_the_stage_with_the_counts(tiny_ch
     """min_pass is exclusive: the mixed prompts' pass rate 0.5 is not above 0.5."""
     ctx = ctx_factory("difficulty-empty")
     data = write_prompts(tmp_path / "prompts.jsonl", known_answers())
-    config = rl_config(algorithm="ppo", difficulty_filter={"attempts": 4, "min_pass": 0.5})
+    config = rl_config(algorithm="ppo", difficulty_filter={"sampling": {"attempts": 4}, "min_pass": 0.5})
     with torch_threads(1), pytest.raises(DifficultyFilterEmpty) as raised:
         filter_prompts(config, stage_inputs(tiny_checkpoint, data), ctx)
     message = str(raised.value)
@@ -123,7 +123,7 @@ def test_the_builtin_verifier_on_the_real_policy(tiny_checkpoint, ctx_factory, t
     """exact_answer against answers the untrained policy cannot write in 3 tokens: all too hard."""
     ctx = ctx_factory("difficulty-exact")
     data = write_prompts(tmp_path / "prompts.jsonl", ["123456789"] * 5)
-    config = rl_config(algorithm="ppo", rewards=["correct"], difficulty_filter={"attempts": 3})
+    config = rl_config(algorithm="ppo", rewards=["correct"], difficulty_filter={"sampling": {"attempts": 3}})
     with torch_threads(1), pytest.raises(DifficultyFilterEmpty, match=r"kept 0 of 5 prompts scored \(0 too easy"):
         filter_prompts(config, stage_inputs(tiny_checkpoint, data, {"correct": RewardSpec(fn="exact_answer")}), ctx)
     assert logged_metrics(ctx)["difficulty/too_hard"] == 5.0
@@ -150,7 +150,7 @@ def test_rl_stage_trains_only_on_the_kept_prompts(tiny_checkpoint, ctx_factory, 
     assert logged_metrics(ctx)["difficulty/kept"] == 4.0
 
 
-FILTER_LINE = "    max_completion_tokens: 4\n"
+FILTER_LINE = "    max_steps: 150\n"
 
 
 @pytest.mark.parametrize("block, path, message", [
@@ -158,7 +158,8 @@ FILTER_LINE = "    max_completion_tokens: 4\n"
      "min_pass (0.6) must be below max_pass (0.4)"),
     ("{max_pass: 1.5}", "stages.grpo.difficulty_filter.max_pass", "1"),
     ("{min_pass: -0.1}", "stages.grpo.difficulty_filter.min_pass", "0"),
-    ("{attempts: 1}", "stages.grpo.difficulty_filter.attempts", "2"),
+    ("{sampling: {attempts: 1}}", "stages.grpo.difficulty_filter.sampling.attempts", "2"),
+    ("{attempts: 4}", "stages.grpo.difficulty_filter", "attempts was renamed (did you mean sampling.attempts?)"),
     ("{sampling: {temperature: 0}}", "stages.grpo.difficulty_filter.sampling.temperature", "0"),
     ("{verifier: nope}", "stages.grpo", "difficulty_filter.verifier 'nope' must be one of the stage's rewards"),
 ])
@@ -176,7 +177,7 @@ def test_validate_accepts_a_filter_and_its_settings_are_in_the_fingerprint(tmp_p
     from flows.spec import load_pipeline
 
     text = QUICKSTART.read_text().replace(
-        FILTER_LINE, FILTER_LINE + "    difficulty_filter: {attempts: 4, max_prompts: 200}\n")
+        FILTER_LINE, FILTER_LINE + "    difficulty_filter: {sampling: {attempts: 4}, max_prompts: 200}\n")
     file = write(tmp_path / "p.yaml", text)
     assert run_cli("validate", str(file)) == 0, capsys.readouterr().err
     runs = {"sft": "run-sft"}

@@ -33,7 +33,7 @@ def run_grpo(tiny_checkpoint, ctx, data: Path, max_rounds: int):
     from stages import rl
 
     config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["verdict"],
-                           group_size=4, prompts_per_step=2, max_steps=3, max_completion_tokens=3,
+                           sampling={"attempts": 4, "max_tokens": 3}, prompts_per_step=2, max_steps=3,
                            dynamic_sampling={"max_rounds": max_rounds})
     inputs = {"policy": str(tiny_checkpoint), "data": str(data), "reward_checks": {},
               "rewards": {"verdict": RewardSpec(fn="test_dynamic_sampling:by_answer")}}

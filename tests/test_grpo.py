@@ -19,7 +19,7 @@ RL_METRICS = ["reward/mean", "reward/correct/mean", "reward/zero_variance_group_
 
 def grpo_config(**overrides) -> RLStageConfig:
     fields = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"], kl_beta=0.05,
-                  group_size=4, prompts_per_step=4, max_steps=3, max_completion_tokens=3, sample_every=2)
+                  sampling={"attempts": 4, "max_tokens": 3}, prompts_per_step=4, max_steps=3, sample_every=2)
     return RLStageConfig(**(fields | overrides))
 
 
@@ -111,8 +111,8 @@ def test_reward_exception_fails_the_stage_with_the_sample(tiny_checkpoint, ctx_f
 def test_algorithm_specific_fields_are_checked():
     with pytest.raises(ValueError, match="gamma only apply to algorithm ppo"):
         grpo_config(gamma=0.9)
-    with pytest.raises(ValueError, match="group_size >= 2"):
-        grpo_config(group_size=1)
+    with pytest.raises(ValueError, match="sampling.attempts >= 2"):
+        grpo_config(sampling={"attempts": 1})
 
 
 def test_check_reward_command(home, capsys):

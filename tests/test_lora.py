@@ -140,7 +140,7 @@ def rl_config(algorithm: str, **overrides):
     from stages.rl import RLStageConfig
 
     fields = dict(kind="rl", algorithm=algorithm, policy="base", data="train", rewards=["score"], kl_beta=0.05,
-                  group_size=2, prompts_per_step=2, max_steps=1, max_completion_tokens=4, lr=1e-2, lora=LORA)
+                  sampling={"attempts": 2, "max_tokens": 4}, prompts_per_step=2, max_steps=1, lr=1e-2, lora=LORA)
     return RLStageConfig(**(fields | overrides))
 
 

@@ -48,9 +48,9 @@ def prompts_file(tmp_path):
 
 def ppo_config(**overrides) -> RLStageConfig:
     fields = dict(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["digits"],
-                  group_size=4, prompts_per_step=4, max_completion_tokens=6, ppo_epochs=2, minibatch_size=8,
-                  lr=1e-3, kl_beta=0.05, sample_every=2)
-    return RLStageConfig(**{**fields, **overrides})
+                  prompts_per_step=4, ppo_epochs=2, minibatch_size=8, lr=1e-3, kl_beta=0.05, sample_every=2)
+    sampling = {"attempts": 4, "max_tokens": 6, **overrides.pop("sampling", {})}
+    return RLStageConfig(**{**fields, **overrides, "sampling": sampling})
 
 
 def run_inputs(checkpoint, data, rewards=None):
@@ -63,7 +63,7 @@ def test_ppo_smoke_changes_policy_logs_every_metric_and_saves(tiny_checkpoint, p
     from stages.ppo import train_ppo
 
     ctx = ctx_factory("ppo")
-    config = ppo_config(max_steps=3, temperature=0.7, kl_target=0.5, kl_horizon=100)
+    config = ppo_config(max_steps=3, sampling={"temperature": 0.7}, kl_target=0.5, kl_horizon=100)
     outputs = train_ppo(config, run_inputs(tiny_checkpoint, prompts_file), ctx)
 
     before, _ = load_model_and_tokenizer(tiny_checkpoint)
@@ -134,7 +134,7 @@ def test_ppo_learns_a_trivial_reward(tiny_checkpoint, prompts_file, ctx_factory)
     from stages.ppo import train_ppo
 
     ctx = ctx_factory("ppo-learn")
-    config = ppo_config(max_steps=15, lr=1e-2, kl_beta=0.02, group_size=8, ppo_epochs=2, minibatch_size=16)
+    config = ppo_config(max_steps=15, lr=1e-2, kl_beta=0.02, sampling={"attempts": 8}, ppo_epochs=2, minibatch_size=16)
     train_ppo(config, run_inputs(tiny_checkpoint, prompts_file), ctx)
     rewards = [m.value for m in ctx.metric_history("reward/mean")]
     kls = [m.value for m in ctx.metric_history("kl")]
@@ -181,7 +181,7 @@ def test_ppo_with_top_p_trains_against_the_distribution_it_records(tiny_checkpoi
     from stages.ppo import train_ppo
 
     ctx = ctx_factory("ppo-top-p")
-    config = ppo_config(max_steps=1, temperature=0.7, top_p=0.9, ppo_epochs=1, minibatch_size=16)
+    config = ppo_config(max_steps=1, sampling={"temperature": 0.7, "top_p": 0.9}, ppo_epochs=1, minibatch_size=16)
     outputs = train_ppo(config, run_inputs(tiny_checkpoint, prompts_file), ctx)
     assert outputs["metrics"]["ratio/mean"] == pytest.approx(1.0, abs=1e-5)
     assert outputs["metrics"]["clip_frac"] == 0.0

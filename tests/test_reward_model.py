@@ -101,7 +101,7 @@ def test_the_reward_model_as_ppo_reward_and_critic(tiny_checkpoint, ctx_factory,
     prompts_file = materialize(ArithmeticData(generator="arithmetic", n=20, role="train"), Path("."), home / "data")
     rewards = {"rm": spec, "digits": RewardSpec(fn="test_reward_model:digit_share", weight=0.0)}
     config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["rm", "digits"],
-                           critic="rm", group_size=4, prompts_per_step=4, max_completion_tokens=6, max_steps=2,
+                           critic="rm", sampling={"attempts": 4, "max_tokens": 6}, prompts_per_step=4, max_steps=2,
                            minibatch_size=8, lr=1e-3)
     ctx = ctx_factory("ppo-rm")
     result = train_ppo(config, {"policy": str(tiny_checkpoint), "data": str(prompts_file), "rewards": rewards,

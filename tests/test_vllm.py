@@ -192,7 +192,7 @@ def test_grpo_rolls_out_through_vllm_on_policy(vllm_tiny, ctx_factory, home):
 
     rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
     config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["short"], kl_beta=0.05,
-                           group_size=4, prompts_per_step=4, max_steps=3, max_completion_tokens=4, lr=5e-3,
+                           sampling={"attempts": 4, "max_tokens": 4}, prompts_per_step=4, max_steps=3, lr=5e-3,
                            engine={"dtype": "float32", "kv_cache_gib": 0.25})
     ctx = ctx_factory("grpo-vllm")
     outputs = rl.run(config, grpo_inputs(home, vllm_tiny, rewards), ctx)
@@ -213,7 +213,7 @@ def test_ppo_rolls_out_through_vllm_and_records_the_engine_logprobs(vllm_tiny, c
 
     rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
     config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["short"], kl_beta=0.05,
-                           group_size=2, prompts_per_step=4, max_steps=2, max_completion_tokens=4, lr=5e-3,
+                           sampling={"attempts": 2, "max_tokens": 4}, prompts_per_step=4, max_steps=2, lr=5e-3,
                            minibatch_size=4, engine={"dtype": "float32", "kv_cache_gib": 0.25})
     ctx = ctx_factory("ppo-vllm")
     rl.run(config, grpo_inputs(home, vllm_tiny, rewards), ctx)
@@ -245,8 +245,8 @@ def test_grpo_on_vllm_climbs_like_grpo_on_hf_on_the_quickstart_task(ctx_factory,
         gains = {}
         for backend in ("vllm", "hf"):
             config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"],
-                                   kl_beta=0.01, group_size=8, prompts_per_step=16, max_steps=100, lr=5e-4,
-                                   max_completion_tokens=4, backend=backend, sample_every=100,
+                                   kl_beta=0.01, sampling={"attempts": 8, "max_tokens": 4}, prompts_per_step=16,
+                                   max_steps=100, lr=5e-4, backend=backend, sample_every=100,
                                    engine={"dtype": "float32", "kv_cache_gib": 0.25})
             ctx = ctx_factory(f"grpo-{backend}")
             rl.run(config, {"policy": tuned, "data": str(demos), "reward_checks": {},
