@@ -214,13 +214,17 @@ def test_eval_stage_runs_episodes_hashes_their_settings_and_keeps_transcripts(ti
     rewards = {"correct": RewardSpec(fn="exact_answer")}
     out = run(config, {"model": str(tiny_checkpoint), "data": str(data), "rewards": rewards}, ctx_factory("eval-agent"))
     metrics = out["metrics"]
-    assert metrics["env/budget_hit_rate"] == 1.0 and metrics["truncated_rate"] == 1.0  # the untrained model
-    assert metrics["format_error_rate"] == 0.0  # a budget hit is not a format error
-    assert metrics["env/turns_mean"] == 1.0 and metrics["env/tool_calls_mean"] == 0.0
     cases = [json.loads(line) for line in Path(out["failures"]).read_text().splitlines()]
-    assert len(cases) == 3 and cases[0]["ended"] == ["token_budget"] * 2
-    assert cases[0]["transcripts"][0][0]["content"].startswith("What is") and \
-        cases[0]["transcripts"][0][1]["role"] == "assistant"
+    assert len(cases) == 3  # the untrained model answers nothing right: every prompt is a failure case
+    # counted by hand from the transcripts the failure cases keep
+    transcripts = [t for case in cases for t in case["transcripts"]]
+    ended = [e for case in cases for e in case["ended"]]
+    assert all(t[0]["content"].startswith("What is") and t[1]["role"] == "assistant" for t in transcripts)
+    answered = [t[-1]["content"] for t, e in zip(transcripts, ended) if e == "answer"]
+    assert metrics["env/budget_hit_rate"] == metrics["truncated_rate"] == pytest.approx(sum(e != "answer" for e in ended) / 6)
+    assert metrics["format_error_rate"] == pytest.approx(sum(not a.strip().lstrip("-").isdigit() for a in answered) / 6)
+    assert metrics["env/turns_mean"] == sum(m["role"] == "assistant" for t in transcripts for m in t) / 6
+    assert metrics["env/tool_calls_mean"] == sum(m["role"] == "tool" for t in transcripts for m in t) / 6
     hashes = {settings_hash(EvalConfig(**{**fields, "environment": {**fields["environment"], **change}}), data, rewards)
               for change in ({}, {"max_turns": 3}, {"max_episode_tokens": 17})}
     hashes.add(settings_hash(EvalConfig(**{**fields, "environment": None}), data, rewards))
