@@ -95,6 +95,9 @@ class EnvironmentSpec(SpecModel):
                                   "call is a tool error and the episode goes on.")
     max_observation_chars: int = Field(2000, ge=16, le=1_000_000, description="A tool result longer than this is "
                                        "cut (and marked cut) before it is rendered into the episode.")
+    render_tools: bool = Field(True, description="Pass the tools' JSON schemas to the chat template (`tools=`). "
+                               "Turn off when the policy learned its tools from demonstrations rendered without "
+                               "them (an SFT stage renders no tools): the episode's prompt must be the one it saw.")
     checks: list[EpisodeCase] = Field(
         default_factory=list, exclude=True,  # known cases, not settings: never part of a hash or fingerprint
         description="Known episodes scored before training (`check_rewards: true` on the rl stage, and "

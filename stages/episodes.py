@@ -91,7 +91,7 @@ class EpisodeRunner:
     def __init__(self, environment: Environment, spec: EnvironmentSpec, tokenizer):
         self.environment, self.spec, self.tokenizer = environment, spec, tokenizer
         self.tools = environment.tools()
-        self.schemas = tool_schemas(self.tools)
+        self.schemas = tool_schemas(self.tools) if spec.render_tools else None
 
     def start(self, messages: list[dict]) -> Episode:
         return Episode(render_prompt_ids(self.tokenizer, messages, self.schemas), [dict(m) for m in messages])
