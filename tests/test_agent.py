@@ -240,7 +240,7 @@ def test_environment_is_refused_on_ppo_and_with_a_difficulty_filter():
     with pytest.raises(ValidationError, match="environment: is supported by algorithm grpo only"):
         RLStageConfig(algorithm="ppo", **base)
     with pytest.raises(ValidationError, match="difficulty_filter samples single completions"):
-        RLStageConfig(algorithm="grpo", difficulty_filter={"attempts": 2}, **base)
+        RLStageConfig(algorithm="grpo", difficulty_filter={"sampling": {"attempts": 2}}, **base)
 
 
 def test_grpo_trains_in_the_environment(tiny_checkpoint, ctx_factory, home):
