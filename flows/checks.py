@@ -14,6 +14,10 @@ def check_rewards_command(loaded, only: list[str], console) -> int:
     checks = loaded.spec.reward_checks
     names = only or list(checks)
     missing = [n for n in names if n not in checks]
+    environments = {name: config for name, config in loaded.spec.stages.items()
+                    if getattr(config, "environment", None) is not None and config.environment.checks}
+    if environments and not only and not checks:
+        return check_environments(loaded, environments, console)
     if missing or not names:
         declared = ", ".join(checks) or "none"
         print(f"{loaded.path}: no reward_checks declared for {', '.join(missing) or 'any reward'} "
@@ -36,6 +40,33 @@ def check_rewards_command(loaded, only: list[str], console) -> int:
     console.print(table)
     bad = sum(1 for r in results if r.violations)
     console.print(f"{len(results)} cases, {bad} violation{'s' if bad != 1 else ''}")
+    status = check_environments(loaded, environments, console) if environments and not only else 0
+    return 1 if bad or status else 0
+
+
+def check_environments(loaded, stages: dict, console) -> int:
+    """Replay every stage environment's known episodes; 0 if all hold, 1 on a violation."""
+    from rich.table import Table
+
+    from stages.episode_checks import check_episode_cases
+
+    table = Table(title=f"environment checks · {loaded.spec.name}")
+    for column in ("stage", "case", "turns", "answer", "score", "ended", "tool errors", "verdict"):
+        table.add_column(column)
+    bad = total = 0
+    distinct: dict[str, list[str]] = {}  # stages sharing one environment (a YAML anchor) are checked once
+    for name, config in stages.items():
+        distinct.setdefault(repr((config.environment, config.reward_names())), []).append(name)
+    for names in distinct.values():
+        config, name = stages[names[0]], ", ".join(names)
+        for r in check_episode_cases(config.environment, loaded.rewards_for(config.reward_names()),
+                                     config.environment.checks):
+            total, bad = total + 1, bad + bool(r.violations)
+            verdict = "ok" if not r.violations else "VIOLATION: " + "; ".join(r.violations)
+            table.add_row(name, r.case.case, repr(r.case.turns)[:120], str(r.case.answer), f"{r.score:g}",
+                          r.episode.ended, str(r.episode.tool_errors), verdict, style="red" if r.violations else None)
+    console.print(table)
+    console.print(f"{total} episode cases, {bad} violation{'s' if bad != 1 else ''}")
     return 1 if bad else 0
 
 

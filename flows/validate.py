@@ -224,9 +224,11 @@ def _reward_check_issues(d: _Draft) -> Issues:
     for name, config in d.stages.items():
         if getattr(config, "check_rewards", False) is True:
             names = [r for r in config.reward_names() if isinstance(r, str)]
-            if not any(r in d.raw_checks for r in names):
+            environment = getattr(config, "environment", None)
+            if not any(r in d.raw_checks for r in names) and not (environment and environment.checks):
                 issues.append((("stages", name, "check_rewards"), "check_rewards is on, but `reward_checks:` "
-                               f"declares no cases for any of {', '.join(names)}"))
+                               f"declares no cases for any of {', '.join(names)}"
+                               + (" and its environment declares no `checks:`" if environment else "")))
     return issues
 
 

@@ -64,15 +64,14 @@ def generate_arithmetic(spec: ArithmeticData) -> list[dict]:
         shown = answer
         if rng.random() < spec.demo_error_rate:
             shown = answer + rng.choice([-2, -1, 1, 2])
-        records.append(
-            {
-                "messages": [
-                    {"role": "user", "content": f"What is {a}{op}{b}?"},
-                    {"role": "assistant", "content": str(shown)},
-                ],
-                "answer": str(answer),
-            }
-        )
+        question = {"role": "user", "content": f"What is {a}{op}{b}?"}
+        if spec.generator == "arithmetic_calculator":
+            turns = [{"role": "assistant", "content": f'<tool_call>calculator("{a}{op}{b}")</tool_call>'},
+                     {"role": "tool", "name": "calculator", "content": str(answer)}]
+        else:
+            turns = []
+        records.append({"messages": [question, *turns, {"role": "assistant", "content": str(shown)}],
+                        "answer": str(answer)})
     return records
 
 

@@ -32,7 +32,10 @@ class ArithmeticData(SpecModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    generator: Literal["arithmetic"] = Field(description="Built-in generator of arithmetic questions.")
+    generator: Literal["arithmetic", "arithmetic_calculator"] = Field(
+        description="Built-in generator of arithmetic questions: `arithmetic` demonstrates the answer alone; "
+        "`arithmetic_calculator` demonstrates an agent's episode: a call of the `calculator` environment's tool, "
+        "its result, then the answer (demo_error_rate then miscopies the result).")
     role: Role = Field(description=ROLE_HELP)
     n: int = Field(ge=1, le=1_000_000, description="Number of examples.")
     seed: int = Field(0, description="Seed of the generator; different seeds draw different samples.")

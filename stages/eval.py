@@ -34,6 +34,7 @@ from pydantic import (
 
 from stages.context import ExecutionLimits
 from stages.data import prompt_messages, read_materialized
+from stages.environments import EnvironmentSpec
 from stages.generation import BackendName, EngineSettings, SamplingSettings, open_backend
 from stages.rewards import RewardSpec, score_completions, with_task_column
 
@@ -75,6 +76,12 @@ class EvalConfig(ExecutionLimits):
         "backend's identity (vLLM's version, device and dtype) is part of the settings hash: the two draw "
         "different samples, so an HF and a vLLM evaluation never compare as like for like.")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM engine settings.")
+    environment: EnvironmentSpec | None = Field(
+        None, description="Evaluate an agent: each attempt is an episode in this environment (stages/episodes.py) "
+        "and its final answer is scored; `sampling.max_tokens` is the budget of one turn. The environment's "
+        "settings are part of the settings hash; metrics add env/turns_mean, env/tool_calls_mean, "
+        "env/tool_error_rate and env/budget_hit_rate (episodes that ran out of turns or tokens, counted apart "
+        "from wrong answers and format errors), and failure cases keep each attempt's whole transcript.")
 
     @field_validator("pass_k")
     @classmethod
@@ -157,6 +164,8 @@ def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, Reward
                              "checkpoint": f"{selector.parent.name}/{selector.name}" if selector else None}
     if engine:
         payload["engine"] = engine
+    if config.environment is not None:  # turns, budgets and tools change scores: absent, older hashes stay valid
+        payload["environment"] = config.environment.model_dump(mode="json")
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -166,12 +175,12 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     records = read_materialized(Path(inputs["data"]))
     if config.max_prompts:
         records = records[: config.max_prompts]
-    prompts = [prompt_messages(r) for r in records]
+    prompts = start_messages(config, records)
     answers = [r.get("answer") for r in records]
     sampling = config.sampling
     verifier = config.verifier or config.rewards[0]
 
-    samples, seconds = _sample(config, inputs, ctx, prompts, verifier)
+    samples, seconds, episodes = _sample(config, inputs, ctx, records, verifier)
 
     k = sampling.attempts
     flat_texts = [s.text for group in samples for s in group]
@@ -186,8 +195,16 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     by_name = {c.name: c for c in scored.components}
     verdict = by_name[verifier]
     correct = [s >= config.success_threshold for s in verdict.scores]
+    parsed = verdict.parsed
+    if episodes is not None:  # a shortcut is never correct; a budget hit is not a format error
+        from stages.episodes import episode_metrics, shortcut
 
-    metrics = summarise(samples, correct, scored, verdict.parsed, k, config.pass_k)
+        correct = [c and not shortcut(e, config.environment) for c, e in zip(correct, episodes)]
+        parsed = [p or e.budget_hit for p, e in zip(parsed, episodes)]
+
+    metrics = summarise(samples, correct, scored, parsed, k, config.pass_k)
+    if episodes is not None:
+        metrics.update(episode_metrics(episodes, config.environment))
     picks = None
     if config.select is not None:
         picks, metrics["best_of_n_accuracy"] = select_best_of_n(
@@ -200,8 +217,8 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     ctx.log_metrics({"generation_seconds": seconds, "generated_tokens_per_s": generated / max(seconds, 1e-9)})
 
     failures_path = ctx.output_file("failures.jsonl")
-    rows, failures = _write_failure_cases(failures_path, config, records, samples, scored, correct, verdict.parsed,
-                                          picks, k)
+    rows, failures = _write_failure_cases(failures_path, config, records, samples, scored, correct, parsed,
+                                          picks, k, episodes)
     ctx.log_metrics({"failure_cases": float(failures)})
     ctx.log_table(rows, "samples.json")
     for component in scored.components:
@@ -220,9 +237,11 @@ def _audit(ctx, rewards: dict[str, RewardSpec], scored, bound: dict, prompts: li
     return log_audits(ctx, audit_judges(rewards, scored, judges, prompts, texts)) if judges else {}
 
 
-def _sample(config: EvalConfig, inputs: dict, ctx, prompts: list, verifier: str):
-    """``attempts`` samples per prompt through the engine, its settings hash tagged; (samples, seconds)."""
+def _sample(config: EvalConfig, inputs: dict, ctx, records: list[dict], verifier: str):
+    """``attempts`` samples (or episodes, with an environment) per prompt through the engine, its settings hash
+    tagged; (samples, seconds, the episodes in prompt-major order or None)."""
     sampling = config.sampling
+    prompts = start_messages(config, records)
     with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
         backend = open_backend(config.backend, Path(inputs["model"]), progress=bar, keep_logprobs=False,
                                trust_remote_code=inputs.get("trust_remote_code", False),
@@ -236,19 +255,48 @@ def _sample(config: EvalConfig, inputs: dict, ctx, prompts: list, verifier: str)
                             "resolved_backend": backend.name, "backend_reason": backend.why,
                             **{f"engine/{key}": value for key, value in backend.identity().items()}})
             started = time.perf_counter()
+            if config.environment is not None:
+                samples, episodes = _run_episodes(config, backend, records)
+                return samples, time.perf_counter() - started, episodes
             samples = backend.generate(prompts, sampling)
-            return samples, time.perf_counter() - started
+            return samples, time.perf_counter() - started, None
         finally:
             backend.close()
 
 
+def start_messages(config: EvalConfig, records: list[dict]) -> list[list[dict]]:
+    """Where each record's attempts start: the environment's start, else the conversation before the answer."""
+    if config.environment is not None:
+        from stages.environments import build_environment
+
+        return [build_environment(config.environment).start(r) for r in records]
+    return [prompt_messages(r) for r in records]
+
+
+def _run_episodes(config: EvalConfig, backend, records: list[dict]):
+    """``attempts`` episodes per record; (per-record groups of samples holding each episode's final answer, its
+    model tokens and whether it hit a budget; the episodes, flat in prompt-major order)."""
+    from stages.environments import build_environment
+    from stages.episodes import EpisodeRunner
+    from stages.generation import Sample
+
+    environment = build_environment(config.environment)
+    environment.check()
+    runner = EpisodeRunner(environment, config.environment, backend.tokenizer)
+    k = config.sampling.attempts
+    episodes = runner.run(backend, [environment.start(r) for r in records for _ in range(k)], config.sampling)
+    flat = [Sample(text=e.answer or "", token_ids=[t for t, m in zip(e.completion_ids, e.env_mask) if m],
+                   logprobs=[], truncated=e.budget_hit) for e in episodes]
+    return [flat[i * k : (i + 1) * k] for i in range(len(records))], episodes
+
+
 def _write_failure_cases(path: Path, config: EvalConfig, records: list[dict], samples, scored, correct: list[bool],
-                         parsed: list[bool], picks, k: int) -> tuple[list[dict], int]:
+                         parsed: list[bool], picks, k: int, episodes=None) -> tuple[list[dict], int]:
     """Write every prompt with no correct attempt to ``path``; (sample table rows, failure count)."""
     rows, failures = [], 0
     with open(path, "w", encoding="utf-8") as handle:
         for i, (record, group) in enumerate(zip(records, samples)):
-            prompt, answer = prompt_messages(record), record.get("answer")
+            prompt, answer = start_messages(config, [record])[0], record.get("answer")
             span = range(i * k, (i + 1) * k)
             case = {
                 "messages": prompt,
@@ -261,6 +309,9 @@ def _write_failure_cases(path: Path, config: EvalConfig, records: list[dict], sa
             }
             if picks is not None:
                 case["best_of_n_pick"] = picks[i]
+            if episodes is not None:  # an agent's attempt is its whole transcript, and how it ended
+                case["transcripts"] = [episodes[j].messages for j in span]
+                case["ended"] = [episodes[j].ended for j in span]
             if record.get("task") is not None:  # a reasoning_gym entry: a later round's reward regenerates it
                 case["task"] = record["task"]
             if not any(case["correct"]):

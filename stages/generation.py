@@ -278,13 +278,36 @@ class HFGenerateBackend:
                     self.progress.advance(len(batch))
         return results
 
-    def _generate_batch(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
+    def generate_ids(self, prompt_ids: list[list[int]], settings: SamplingSettings,
+                     seed_offset: int = 0) -> list[list[Sample]]:
+        """Like ``generate``, from prompts already tokenised (left-padded here), the sampler seeded with
+        ``settings.seed + seed_offset``: what an episode's later turns continue from."""
         import torch
 
+        results: list[list[Sample]] = []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(settings.seed + seed_offset)
+            for start in range(0, len(prompt_ids), self.prompt_batch_size):
+                batch = prompt_ids[start : start + self.prompt_batch_size]
+                width = max(len(ids) for ids in batch)
+                pad = self.tokenizer.pad_token_id
+                input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in batch])
+                attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+                encoded = {"input_ids": input_ids.to(self.model.device), "attention_mask": attention.to(self.model.device)}
+                results.extend(self._generate_encoded(encoded, len(batch), settings))
+        return results
+
+    def _generate_batch(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
         tok = self.tokenizer
         texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
         tok.padding_side = "left"
         encoded = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
+        return self._generate_encoded(encoded, len(prompts), settings)
+
+    def _generate_encoded(self, encoded, n_prompts: int, settings: SamplingSettings) -> list[list[Sample]]:
+        import torch
+
+        tok = self.tokenizer
         greedy = settings.temperature == 0.0
         config = neutral_generation_config(
             do_sample=not greedy,
@@ -335,7 +358,7 @@ class HFGenerateBackend:
         if greedy:  # every attempt of a greedy decode is the same completion
             samples = [sample for sample in samples for _ in range(settings.attempts)]
         k = settings.attempts
-        return [samples[i * k : (i + 1) * k] for i in range(len(prompts))]
+        return [samples[i * k : (i + 1) * k] for i in range(n_prompts)]
 
 
 class VLLMBackend:

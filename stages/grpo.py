@@ -72,7 +72,7 @@ def rename_metrics(logs: dict) -> dict[str, float]:
             renamed[METRIC_NAMES[key]] = float(value)
         elif key.startswith("rewards/") and key.endswith("/mean"):
             renamed["reward/" + key[len("rewards/"):]] = float(value)
-        elif key.startswith("reward/"):
+        elif key.startswith(("reward/", "env/")):
             renamed[key] = float(value)
     return renamed
 
@@ -97,8 +97,10 @@ def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, met
     """A TRL reward function (``prompts, completions, **columns``) around one of our rewards
     (``fn``: a bound reward-model scorer or judge; ``auditor``: stages/judge.py's ``BatchAuditor``)."""
 
-    def reward(prompts, completions, completion_ids=None, **columns):
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    def reward(prompts, completions, completion_ids=None, episode_answer=None, episode_rewardable=None, **columns):
+        # an environment's episodes (stages/rollouts.py EpisodeRollouts): the final answer is scored, not the
+        # transcript, and a shortcut episode scores 0
+        texts = episode_answer or [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         tasks = [json.loads(t) if t else None for t in columns.get("task") or [None] * len(texts)]  # JSON for Arrow
         scored = score_component(name, spec, texts, with_task_column(
             {"answer": columns.get("answer"), "prompts": prompts}, tasks), fn)
@@ -109,6 +111,8 @@ def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, met
         if sink is not None:
             sink[f"reward/{name}/unparsed_frac"].append(1.0 - sum(scored.parsed) / len(texts))
             sink["reward/errors"].append(float(budget.count))
+        if episode_rewardable is not None:
+            return [score if ok else 0.0 for score, ok in zip(scored.scores, episode_rewardable)]
         return scored.scores
 
     reward.__name__ = name
@@ -159,6 +163,8 @@ def _trainer_class():
                 if old is None:
                     old = inputs.get("sampling_per_token_logps")
                 mask = inputs["completion_mask"].float()
+                if "tool_mask" in inputs:  # an environment's observations: not the policy's tokens
+                    mask = mask * inputs["tool_mask"].float()
                 ratio = torch.exp(logps.detach() - (logps.detach() if old is None else old))
                 mean = ((ratio * mask).sum() / mask.sum().clamp(min=1.0)).item()
                 self._metrics["train"]["ratio/mean"].append(mean)
@@ -282,20 +288,38 @@ def build_grpo_config(config, output_dir: Path, seed: int):
 
 
 def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int, backend: str):
-    """posttrain's vLLM rollouts for TRL (stages/rollouts.py) when the stage's backend resolved to
-    vLLM, else None (TRL samples with generate on the training model)."""
+    """posttrain's rollouts for TRL (stages/rollouts.py): an environment's episodes (through vLLM or the
+    training model's generate), or vLLM samples when the backend resolved to vLLM, else None (TRL samples
+    with generate on the training model)."""
     import os
 
     from stages.rollouts import GRPORollouts, context_length
 
-    if backend != "vllm":
+    if backend != "vllm" and config.environment is None:
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
-    return GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=config.sampling.attempts,
-                        temperature=config.sampling.temperature, top_p=config.sampling.top_p, max_tokens=config.sampling.max_tokens,
-                        seed=seed, engine=config.engine,
-                        max_model_len=context_length(tokenizer, dataset["prompt"], config.sampling.max_tokens),
-                        trust_remote_code=inputs.get("trust_remote_code", False))
+    env = config.environment
+    sampling = config.sampling
+    budget = sampling.max_tokens if env is None else env.max_episode_tokens + 64  # + 64: the tools' line
+    engine = None
+    if backend == "vllm":
+        engine = GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=sampling.attempts,
+                              temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
+                              seed=seed, engine=config.engine,
+                              max_model_len=context_length(tokenizer, dataset["prompt"], budget),
+                              trust_remote_code=inputs.get("trust_remote_code", False))
+    if env is None:
+        return engine
+    from stages.environments import build_environment
+    from stages.episodes import EpisodeRunner
+    from stages.generation import SamplingSettings
+    from stages.rollouts import EpisodeRollouts
+
+    runner = EpisodeRunner(build_environment(env), env, tokenizer)
+    runner.environment.check()
+    settings = SamplingSettings(temperature=sampling.temperature, top_p=sampling.top_p,
+                                max_tokens=sampling.max_tokens, attempts=1, seed=seed)
+    return EpisodeRollouts(runner, tokenizer, settings, engine)
 
 
 def train_grpo(config, inputs: dict, ctx) -> dict:
@@ -309,9 +333,7 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     model, tokenizer, own_generation_config = _load_policy(inputs)
 
     records = read_materialized(Path(inputs["data"]))
-    dataset = Dataset.from_list([{"prompt": prompt_messages(r), "answer": r.get("answer"),
-                                  "task": json.dumps(r["task"]) if r.get("task") is not None else None}
-                                 for r in records])
+    dataset = Dataset.from_list(_prompt_rows(config, records))
     rewards: dict[str, RewardSpec] = inputs["rewards"]
     budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
     holder: dict = {}  # the trainer's metrics, once it exists: the reward functions log into them
@@ -356,6 +378,18 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
     outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
+
+
+def _prompt_rows(config, records: list[dict]) -> list[dict]:
+    """TRL's dataset rows: the prompt (where an environment's episode starts, when the stage has one), the
+    reference answer and the generated task (JSON, for Arrow)."""
+    start = prompt_messages
+    if config.environment is not None:
+        from stages.environments import build_environment
+
+        start = build_environment(config.environment).start
+    return [{"prompt": start(r), "answer": r.get("answer"),
+             "task": json.dumps(r["task"]) if r.get("task") is not None else None} for r in records]
 
 
 def _load_policy(inputs: dict):

@@ -22,8 +22,10 @@ from stages.pretrained import set_padding_side
 from stages.spec_model import SpecModel
 
 # The assistant's end-of-turn token is inside {% generation %} so assistant-only loss
-# teaches the model to stop (TRL checks for exactly this).
+# teaches the model to stop (TRL checks for exactly this). Tools passed as `tools=` are
+# named in a system line (an agent's episodes, stages/episodes.py); tool results are `tool` turns.
 TINY_CHAT_TEMPLATE = (
+    "{%- if tools -%}<|system|>tools: {{ tools | map(attribute='function.name') | join(', ') }}<|end|>{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' -%}"
     "<|assistant|>{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}"

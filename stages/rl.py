@@ -34,15 +34,25 @@ def verify_rewards(inputs: dict, ctx) -> None:
     ctx.log_table([{"reward": r.reward, "case": r.case.case, "completion": r.completion_repr, "score": r.score,
                     "parsed": r.parsed, "violations": "; ".join(r.violations)} for r in results],
                   "reward_checks.json")
-    bad = [r for r in results if r.violations]
-    if bad:
-        lines = [f"{r.reward} [{r.case.case}] {r.case.completion!r}: {'; '.join(r.violations)}" for r in bad]
-        raise RewardCheckFailed(f"{len(bad)} reward check(s) failed, not training:\n" + "\n".join(lines))
+    lines = [f"{r.reward} [{r.case.case}] {r.case.completion!r}: {'; '.join(r.violations)}"
+             for r in results if r.violations]
+    environment = inputs.get("environment")
+    if environment is not None and environment.checks:  # known episodes, replayed through the environment
+        from stages.episode_checks import check_episode_cases
+
+        episodes = check_episode_cases(environment, inputs["rewards"], environment.checks)
+        ctx.log_table([{"environment": r.environment, "case": r.case.case, "turns": repr(r.case.turns)[:200],
+                        "score": r.score, "ended": r.episode.ended, "tool_errors": r.episode.tool_errors,
+                        "violations": "; ".join(r.violations)} for r in episodes], "environment_checks.json")
+        lines += [f"{r.environment} [{r.case.case}] {r.case.turns!r}: {'; '.join(r.violations)}"
+                  for r in episodes if r.violations]
+    if lines:
+        raise RewardCheckFailed(f"{len(lines)} reward check(s) failed, not training:\n" + "\n".join(lines))
 
 
 def run(config: RLStageConfig, inputs: dict, ctx) -> dict:
     if config.check_rewards:
-        verify_rewards(inputs, ctx)
+        verify_rewards({**inputs, "environment": config.environment}, ctx)
     if config.difficulty_filter is not None:  # train on the prompts the starting policy sometimes solves
         from stages.difficulty import filter_prompts
 

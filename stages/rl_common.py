@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits
 from stages.difficulty import DifficultyFilter
+from stages.environments import EnvironmentSpec
 from stages.generation import BackendName, EngineSettings
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 from stages.spec_model import SpecModel
@@ -97,6 +98,10 @@ class RLStageConfig(ExecutionLimits):
     lora: LoraSpec | None = Field(
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")
+    environment: EnvironmentSpec | None = Field(
+        None, description="GRPO: train on multi-turn episodes in this environment (stages/environments.py): the "
+        "model's turns and the tools' observations, observations never trained on; the rewards score each "
+        "episode's final answer; `sampling.max_tokens` is then the budget of one turn.")
     difficulty_filter: DifficultyFilter | None = Field(
         None, description="Before training, sample `attempts` completions of each prompt from the starting "
         "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "
@@ -171,6 +176,12 @@ class RLStageConfig(ExecutionLimits):
         if self.difficulty_filter is not None and self.difficulty_filter.verifier not in (None, *self.rewards):
             raise ValueError(f"difficulty_filter.verifier {self.difficulty_filter.verifier!r} must be one of the "
                              f"stage's rewards {self.rewards}")
+        if self.environment is not None and self.algorithm != "grpo":
+            raise ValueError("environment: is supported by algorithm grpo only; posttrain's PPO samples single "
+                             "completions and has no observation mask (stages/ppo.py); use algorithm: grpo")
+        if self.environment is not None and self.difficulty_filter is not None:
+            raise ValueError("difficulty_filter samples single completions, not an environment's episodes; "
+                             "remove one of environment and difficulty_filter")
         if self.algorithm == "grpo" and self.sampling.attempts < 2:
             raise ValueError(f"grpo needs sampling.attempts >= 2 to compare completions of a prompt "
                              f"(got {self.sampling.attempts})")

@@ -102,12 +102,17 @@ class GRPORollouts:
             self.backend.close()
             self.backend = None
 
-    def __call__(self, prompts: list, trainer) -> dict:
+    def synced(self, trainer) -> VLLMBackend:
+        """The engine, holding the weights of the policy ``trainer`` trains now."""
         backend = self.open()
         step = trainer.state.global_step
         if self.synced_step != step:  # the policy moved since the last rollout: the engine follows
             sync_policy(backend, trainer.model)
             self.synced_step, self.syncs = step, self.syncs + 1
+        return backend
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        backend = self.synced(trainer)
         distinct = prompts[:: self.group_size]
         if [p for p in distinct for _ in range(self.group_size)] != list(prompts):
             raise RuntimeError(f"expected each prompt {self.group_size} times in a row from TRL's sampler; "
@@ -120,3 +125,51 @@ class GRPORollouts:
         return {"prompt_ids": [list(ids) for ids, _ in samples],
                 "completion_ids": [sample.token_ids for _, sample in samples],
                 "logprobs": [sample.logprobs for _, sample in samples]}
+
+
+class EpisodeRollouts:
+    """TRL ``rollout_func`` for an rl stage with an ``environment``: one episode per prompt TRL hands over
+    (stages/episodes.py), returned with ``env_mask`` (TRL's ``tool_mask``: observation tokens carry no loss,
+    KL or ratio) and, per episode, its final answer and whether it may be rewarded (the reward functions read
+    both, stages/grpo.py), and the episode metrics logged into the trainer's.
+
+    The turns are sampled by posttrain's vLLM engine (``engine``, synced after each update) or else by
+    transformers' generate on the training model itself (on-policy by construction); a call's draws are
+    seeded ``seed + call * 100_003``.
+    """
+
+    def __init__(self, runner, tokenizer, settings: SamplingSettings, engine: GRPORollouts | None = None):
+        self.runner, self.tokenizer, self.settings, self.engine = runner, tokenizer, settings, engine
+        self.calls = 0
+        self.last: list = []  # the latest call's episodes, for sample tables
+
+    @property
+    def syncs(self) -> int:
+        return self.engine.syncs if self.engine is not None else 0
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    def backend(self, trainer):
+        if self.engine is not None:
+            return self.engine.synced(trainer)
+        from stages.generation import HFGenerateBackend
+
+        return HFGenerateBackend(trainer.model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True)
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        from stages.episodes import episode_metrics, shortcut
+
+        episodes = self.runner.run(self.backend(trainer), prompts, self.settings, seed_offset=self.calls * 100_003)
+        self.calls += 1
+        self.last = episodes
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        for key, value in episode_metrics(episodes, self.runner.spec).items():
+            metrics[key].append(value)
+        return {"prompt_ids": [e.prompt_ids for e in episodes],
+                "completion_ids": [e.completion_ids for e in episodes],
+                "logprobs": [e.logprobs for e in episodes],
+                "env_mask": [e.env_mask for e in episodes],
+                "episode_answer": [e.answer if e.answer is not None else "" for e in episodes],
+                "episode_rewardable": [not shortcut(e, self.runner.spec) for e in episodes]}

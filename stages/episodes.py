@@ -1,0 +1,194 @@
+"""The agent loop: multi-turn episodes of model turns and environment observations, as token ids.
+
+Why our own loop and not TRL's (``GRPOTrainer(tools=..., environment_factory=...)``, TRL
+1.16.0, read in trl/trainer/grpo_trainer.py ``_tool_call_loop``): TRL's does build the
+sequence by concatenating ids (prompt + sampled ids + the template's tool suffix) and masks
+tool results out of the loss (``tool_mask``), but it finds tool calls only through
+``parse_response``, which needs a tokenizer with a ``response_schema`` (the tiny models here
+and most checkpoints have none, and then no call is ever seen); it runs tools in the
+trainer's process with no time limit (a hanging tool stalls training) and no cap on what
+they return; it has no end-on-answer rule, no turn count or per-episode token budget of its
+own, and nothing per episode (turns, tool errors, how it ended) for rewards or evaluation.
+So posttrain runs its own loop here, used alike by evaluation and by GRPO, and hands GRPO
+the result through TRL's ``rollout_func`` with an ``env_mask``, which TRL 1.16 takes as its
+``tool_mask``: the loss, the KL term and the importance ratios all multiply by
+``completion_mask * tool_mask`` (checked in its source, and by tests/test_agent.py).
+
+An episode's ids are built by appending, turn by turn: the prompt rendered with the
+chat template (tools passed as ``tools=``), then each turn's sampled ids exactly as the
+engine returned them (with their sampled log-probs, mask 1), then the template's rendering
+of the observation (the ``tool`` messages and the next generation prompt, computed from a
+fixed two-message conversation as TRL does and tokenised alone; mask 0, log-prob 0). The
+transcript's text is never re-rendered and re-tokenised, which can split tokens differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stages.environments import (
+    Environment,
+    EnvironmentSpec,
+    execute_tool_call,
+    parse_tool_calls,
+    tool_schemas,
+)
+from stages.generation import SamplingSettings
+
+ENDED_ANSWER, ENDED_TURNS, ENDED_TOKENS = "answer", "max_turns", "token_budget"
+
+
+@dataclass
+class Episode:
+    """One episode: the prompt's ids, then model and observation ids with their mask and log-probs."""
+
+    prompt_ids: list[int]
+    messages: list[dict]  # the transcript: the start conversation, then assistant and tool messages
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the sampled log-prob of model tokens, 0 for observations
+    env_mask: list[int] = field(default_factory=list)  # 1: the model sampled it; 0: an observation
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    ended: str = ""  # answer, max_turns or token_budget
+    answer: str | None = None  # the final turn's text when the episode ended with an answer
+
+    @property
+    def budget_hit(self) -> bool:
+        return self.ended in (ENDED_TURNS, ENDED_TOKENS)
+
+    @property
+    def used_tool(self) -> bool:
+        return self.tool_calls > self.tool_errors
+
+
+def render_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """The start conversation rendered with its tools and the generation prompt, tokenised once."""
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def observation_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
+    """The template's rendering of ``tool_messages`` and the next generation prompt, as the ids that follow
+    an assistant turn ending in the end-of-turn token (TRL's ``_get_tool_suffix_ids`` recipe)."""
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
+    prefix = tokenizer.apply_chat_template(dummy, tokenize=False)
+    full = tokenizer.apply_chat_template(dummy + tool_messages, tokenize=False, add_generation_prompt=True)
+    prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    eos = [i for i, t in enumerate(prefix_ids) if t == tokenizer.eos_token_id]
+    if eos:  # templates that put a newline after the end-of-turn token: the model's turn stops at the token
+        prefix_ids = prefix_ids[: eos[-1] + 1]
+    if full_ids[: len(prefix_ids)] != prefix_ids:
+        raise ValueError("the chat template renders an assistant turn differently once tool messages follow; "
+                         "its observations cannot be appended as ids")
+    return full_ids[len(prefix_ids):]
+
+
+class EpisodeRunner:
+    """Runs episodes of one environment at fixed settings through a backend's ``generate_ids``."""
+
+    def __init__(self, environment: Environment, spec: EnvironmentSpec, tokenizer):
+        self.environment, self.spec, self.tokenizer = environment, spec, tokenizer
+        self.tools = environment.tools()
+        self.schemas = tool_schemas(self.tools) if spec.render_tools else None
+
+    def start(self, messages: list[dict]) -> Episode:
+        return Episode(render_prompt_ids(self.tokenizer, messages, self.schemas), [dict(m) for m in messages])
+
+    def run(self, backend, starts: list[list[dict]], settings: SamplingSettings, seed_offset: int = 0) -> list[Episode]:
+        """One episode per start conversation (repeat a start for several attempts); ``settings.max_tokens``
+        is the per-turn budget, ``settings.attempts`` is ignored."""
+        episodes = [self.start(messages) for messages in starts]
+        active = list(range(len(episodes)))
+        turn_settings = settings.model_copy(update={"attempts": 1})
+        for turn in range(self.spec.max_turns):
+            if not active:
+                break
+            budgets = [min(settings.max_tokens, self.spec.max_episode_tokens - len(episodes[i].completion_ids))
+                       for i in active]
+            # one call per distinct budget: the engine takes one max_tokens per call
+            for budget in sorted(set(budgets)):
+                members = [i for i, b in zip(active, budgets) if b == budget]
+                samples = backend.generate_ids(
+                    [episodes[i].prompt_ids + episodes[i].completion_ids for i in members],
+                    turn_settings.model_copy(update={"max_tokens": budget}),
+                    seed_offset=seed_offset + turn * 1_000_003 + budget * 7919)
+                for i, group in zip(members, samples):
+                    self.take_turn(episodes[i], group[0], last_turn=turn == self.spec.max_turns - 1)
+            active = [i for i in active if not episodes[i].ended]
+        return episodes
+
+    def take_turn(self, episode: Episode, sample, last_turn: bool) -> None:
+        """Append a sampled turn; end the episode, or execute its tool calls and append the observation."""
+        episode.completion_ids += list(sample.token_ids)
+        episode.logprobs += list(sample.logprobs) or [0.0] * len(sample.token_ids)
+        episode.env_mask += [1] * len(sample.token_ids)
+        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        tool_messages = advance(episode, text, sample.truncated, last_turn, self.tools, self.spec)
+        if tool_messages is None:
+            return
+        observation = observation_ids(self.tokenizer, tool_messages)
+        if len(episode.completion_ids) + len(observation) >= self.spec.max_episode_tokens:
+            episode.ended = ENDED_TOKENS  # no room left to read the result and answer
+            return
+        episode.completion_ids += observation
+        episode.logprobs += [0.0] * len(observation)
+        episode.env_mask += [0] * len(observation)
+
+
+def advance(episode: Episode, text: str, truncated: bool, last_turn: bool, tools: dict,
+            spec: EnvironmentSpec) -> list[dict] | None:
+    """A model turn's text, applied to the episode: it ends it (an answer, or a budget), or its tool calls are
+    executed and the ``tool`` messages to observe are returned (also added to the transcript)."""
+    episode.turns += 1
+    episode.messages.append({"role": "assistant", "content": text})
+    calls = parse_tool_calls(text)
+    if truncated:
+        episode.ended = ENDED_TOKENS
+    elif calls is None:
+        episode.ended, episode.answer = ENDED_ANSWER, text
+    elif last_turn:
+        episode.ended = ENDED_TURNS
+    if episode.ended:
+        return None
+    results = [execute_tool_call(call, tools, spec.tool_timeout_s, spec.max_observation_chars) for call in calls]
+    episode.tool_calls += len(results)
+    episode.tool_errors += sum(r.error for r in results)
+    tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+    episode.messages += tool_messages
+    return tool_messages
+
+
+def replay(environment: Environment, spec: EnvironmentSpec, messages: list[dict], turns: list[str]) -> Episode:
+    """An episode from scripted model turns (text, no tokenizer): the tools run for real; a script that runs
+    past ``max_turns`` or still calls a tool at its end ends on the turn budget."""
+    episode = Episode([], [dict(m) for m in messages])
+    tools = environment.tools()
+    for i, text in enumerate(turns[: spec.max_turns]):
+        if advance(episode, text, False, i == spec.max_turns - 1, tools, spec) is None:
+            break
+    if not episode.ended:
+        episode.ended = ENDED_TURNS
+    return episode
+
+
+def shortcut(episode: Episode, spec: EnvironmentSpec) -> bool:
+    """An answer given without one successful tool call where the environment requires the tool."""
+    return spec.require_tool and episode.ended == ENDED_ANSWER and not episode.used_tool
+
+
+def episode_metrics(episodes: list[Episode], spec: EnvironmentSpec) -> dict[str, float]:
+    """Turns and tool calls per episode, the tool error rate, and how episodes ended."""
+    n = max(len(episodes), 1)
+    calls = sum(e.tool_calls for e in episodes)
+    return {
+        "env/turns_mean": sum(e.turns for e in episodes) / n,
+        "env/tool_calls_mean": calls / n,
+        "env/tool_error_rate": sum(e.tool_errors for e in episodes) / calls if calls else 0.0,
+        "env/budget_hit_rate": sum(e.budget_hit for e in episodes) / n,
+        "env/turn_budget_hit_rate": sum(e.ended == ENDED_TURNS for e in episodes) / n,
+        "env/token_budget_hit_rate": sum(e.ended == ENDED_TOKENS for e in episodes) / n,
+        "env/shortcut_rate": sum(shortcut(e, spec) for e in episodes) / n,
+        "env/model_tokens_mean": sum(sum(e.env_mask) for e in episodes) / n,
+    }

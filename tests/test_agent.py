@@ -1,0 +1,259 @@
+"""The agent loop: environments, episodes built from ids, observations never trained on, agent evaluation."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.data import ArithmeticData, materialize
+from stages.environments import Environment, EnvironmentSpec, build_environment, execute_tool_call, parse_tool_calls
+from stages.episodes import EpisodeRunner, episode_metrics, observation_ids, replay
+from stages.generation import HFGenerateBackend, Sample, SamplingSettings
+from stages.rewards import RewardSpec
+
+CALL = '<tool_call>calculator("47*86")</tool_call>'
+QUESTION = [{"role": "user", "content": "What is 47*86?"}]
+
+
+class UnrulyEnvironment(Environment):
+    """Tools that raise, hang and flood: the episode must go on with a recorded error each time."""
+
+    def tools(self):
+        def boom(x: int) -> str:
+            raise RuntimeError("tool exploded")
+
+        def hang(x: int) -> str:
+            time.sleep(30)
+            return "never"
+
+        def flood(x: int) -> str:
+            return "9" * 1_000_000
+
+        return {"boom": boom, "hang": hang, "flood": flood}
+
+
+def scripted(tokenizer, text: str) -> Sample:
+    """A turn as an engine returns it: the text's ids and the end-of-turn token (log-probs made up: -0.5)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return Sample(text=text, token_ids=ids, logprobs=[-0.5] * len(ids), truncated=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    from stages.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
+
+
+def test_episode_ids_are_the_sampled_ids_then_the_rendered_observation_masked_out(tiny):
+    _, tokenizer = tiny
+    spec = EnvironmentSpec(fn="calculator", max_turns=3, max_episode_tokens=200)
+    runner = EpisodeRunner(build_environment(spec), spec, tokenizer)
+    episode = runner.start(QUESTION)
+    first, second = scripted(tokenizer, CALL), scripted(tokenizer, "4042")
+    runner.take_turn(episode, first, last_turn=False)
+    runner.take_turn(episode, second, last_turn=False)
+
+    observation = observation_ids(tokenizer, [{"role": "tool", "name": "calculator", "content": "4042"}])
+    assert tokenizer.decode(observation) == "<|tool|>4042<|end|><|assistant|>"  # the template's rendering
+    assert episode.completion_ids == first.token_ids + observation + second.token_ids
+    assert episode.env_mask == [1] * len(first.token_ids) + [0] * len(observation) + [1] * len(second.token_ids)
+    assert episode.logprobs == first.logprobs + [0.0] * len(observation) + second.logprobs
+    assert (episode.ended, episode.answer, episode.turns, episode.tool_calls, episode.tool_errors) == \
+        ("answer", "4042", 2, 1, 0)
+    # the tools were rendered through the chat template into the prompt
+    assert tokenizer.decode(episode.prompt_ids).startswith("<|system|>tools: calculator<|end|><|user|>What is")
+    # and the appended ids are what rendering the whole transcript gives (a char-level tokenizer splits alike)
+    whole = tokenizer.apply_chat_template(episode.messages, tools=runner.schemas, tokenize=False)
+    assert tokenizer.decode(episode.prompt_ids + episode.completion_ids) == whole
+
+
+def test_token_budget_and_turn_budget_end_episodes(tiny):
+    model, tokenizer = tiny
+    spec = EnvironmentSpec(fn="calculator", max_turns=2, max_episode_tokens=12)
+    runner = EpisodeRunner(build_environment(spec), spec, tokenizer)
+    backend = HFGenerateBackend(model, tokenizer, keep_logprobs=True)
+    episodes = runner.run(backend, [QUESTION] * 3, SamplingSettings(max_tokens=8, attempts=1, seed=0))
+    for e in episodes:  # the untrained model never stops inside 8 tokens: the per-turn budget ends it
+        assert e.ended == "token_budget" and e.budget_hit and e.answer is None
+        assert len(e.completion_ids) == len(e.logprobs) == len(e.env_mask) == 8 and all(e.env_mask)
+        assert all(lp <= 0 for lp in e.logprobs)
+    two_calls = replay(build_environment(spec), spec, QUESTION, [CALL, CALL])
+    assert (two_calls.ended, two_calls.tool_calls) == ("max_turns", 1)  # the last allowed turn is not executed
+    # an observation that does not fit the episode's budget ends it on the token budget
+    episode = runner.start(QUESTION)
+    runner.take_turn(episode, scripted(tokenizer, '<tool_call>calculator("1")</tool_call>'), last_turn=False)
+    assert episode.ended == "token_budget" and 0 not in episode.env_mask
+
+
+def test_unruly_tools_are_contained_and_the_episode_goes_on():
+    spec = EnvironmentSpec(fn="test_agent:UnrulyEnvironment", max_turns=6, tool_timeout_s=0.5,
+                           max_observation_chars=100)
+    turns = ["<tool_call>boom(1)</tool_call>", "<tool_call>hang(1)</tool_call>", "<tool_call>flood(1)</tool_call>",
+             '<tool_call>{"name": "boom", "arguments": {"x": "one"}}</tool_call>', "<tool_call>boom(</tool_call>",
+             "done"]
+    started = time.perf_counter()
+    episode = replay(build_environment(spec), spec, QUESTION, turns)
+    assert time.perf_counter() - started < 5
+    results = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert "tool exploded" in results[0] and "ran past 0.5 s" in results[1]
+    assert len(results[2]) == 100 and results[2].endswith("chars]")  # 1 MB cut to the observation limit
+    assert "x must be int" in results[3] and "unparsable tool call" in results[4]
+    assert (episode.ended, episode.answer, episode.tool_calls, episode.tool_errors) == ("answer", "done", 5, 4)
+
+
+def test_python_tool_runs_in_the_sandbox_with_its_limits():
+    spec = EnvironmentSpec(fn="python", kwargs={"timeout_s": 1.0}, max_turns=4)
+    environment = build_environment(spec)
+    environment.check()
+    tools = environment.tools()
+    calls = parse_tool_calls('<tool_call>python("print(47*86)")</tool_call>'
+                             '<tool_call>python("while True: pass")</tool_call>'
+                             '<tool_call>python("import os; print(os.listdir(\'/work\'))")</tool_call>')
+    ok, looping, escaping = [execute_tool_call(c, tools, timeout_s=10, max_chars=500) for c in calls]
+    assert (ok.content, ok.error) == ("4042", False)
+    assert looping.error and "time" in looping.content.lower()  # killed by the sandbox's wall clock
+    assert escaping.error and "FileNotFoundError" in escaping.content  # the host's files are not there
+
+
+def test_known_episodes_are_scored_before_training():
+    from stages.environments import EpisodeCase
+    from stages.episode_checks import check_episode_cases
+
+    spec = EnvironmentSpec(fn="calculator", max_turns=3, require_tool=True)
+    cases = [EpisodeCase(case="success", prompt="What is 47*86?", answer="4042", turns=[CALL, "4042"], min=1.0),
+             EpisodeCase(case="shortcut", prompt="What is 47*86?", answer="4042", turns=["4042"], max=0.0),
+             EpisodeCase(case="malformed", prompt="What is 47*86?", answer="4042", tool_errors=1, max=0.0,
+                         turns=['<tool_call>calculator("What is 47*86?")</tool_call>', "4042"])]
+    results = check_episode_cases(spec, {"correct": RewardSpec(fn="exact_answer")}, cases)
+    assert [r.score for r in results] == [1.0, 0.0, 0.0] and not any(r.violations for r in results)
+    lenient = spec.model_copy(update={"require_tool": False})  # a reward that pays the shortcut is caught
+    assert check_episode_cases(lenient, {"correct": RewardSpec(fn="exact_answer")}, cases)[1].violations
+
+
+def test_episode_metrics_counted_by_hand():
+    spec = EnvironmentSpec(fn="calculator", max_turns=3, require_tool=True)
+    env = build_environment(spec)
+    episodes = [replay(env, spec, QUESTION, [CALL, "4042"]),                            # 2 turns, 1 call
+                replay(env, spec, QUESTION, ['<tool_call>calculator(</tool_call>', "7"]),  # 2 turns, 1 error
+                replay(env, spec, QUESTION, [CALL, CALL, CALL]),                        # 3 turns, 2 calls, budget
+                replay(env, spec, QUESTION, ["4042"])]                                  # 1 turn, shortcut
+    metrics = episode_metrics(episodes, spec)
+    assert metrics["env/turns_mean"] == (2 + 2 + 3 + 1) / 4
+    assert metrics["env/tool_calls_mean"] == (1 + 1 + 2 + 0) / 4
+    assert metrics["env/tool_error_rate"] == 1 / 4
+    assert metrics["env/budget_hit_rate"] == metrics["env/turn_budget_hit_rate"] == 1 / 4
+    assert metrics["env/shortcut_rate"] == 2 / 4  # answered with no successful call: the 2nd and the 4th
+
+
+def test_loss_kl_and_ratio_ignore_observation_tokens(tiny_checkpoint):
+    """An episode built by hand through TRL's loss: the observation's log-probs (behaviour and reference)
+    changed to anything leave the loss and its gradient as they were; counted as model tokens, they do not."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from stages.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
+    args = GRPOConfig(output_dir="/tmp/unused-agent-loss", per_device_train_batch_size=2, num_generations=2,
+                      beta=0.1, loss_type="grpo", report_to="none", use_cpu=True, max_completion_length=8)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "x"}] * 2), processing_class=tokenizer)
+    ids = tokenizer("<|user|>6*7?<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
+    turn, obs, answer = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in ('calc("6*7")', "<|tool|>42", "42"))
+    completion = turn + obs + answer
+    mask_T = torch.tensor([[1] * len(turn) + [0] * len(obs) + [1] * len(answer)] * 2)
+    T = len(completion)
+
+    def loss_and_grad(old_T, ref_T, tool_mask):
+        inputs = {"prompt_ids": torch.tensor([ids] * 2), "prompt_mask": torch.ones(2, len(ids), dtype=torch.long),
+                  "completion_ids": torch.tensor([completion] * 2), "completion_mask": torch.ones(2, T, dtype=torch.long),
+                  "advantages": torch.tensor([1.0, -0.5]), "old_per_token_logps": old_T, "ref_per_token_logps": ref_T,
+                  "num_items_in_batch": tool_mask.sum(), "tool_mask": tool_mask}
+        model.zero_grad()
+        loss = trainer._compute_loss(model, inputs)
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    old_T, ref_T = torch.full((2, T), -3.0), torch.full((2, T), -2.5)
+    garbage_old, garbage_ref = old_T.clone(), ref_T.clone()
+    garbage_old[mask_T == 0], garbage_ref[mask_T == 0] = -40.0, 5.0
+    loss, grad = loss_and_grad(old_T, ref_T, mask_T)
+    loss_garbage, grad_garbage = loss_and_grad(garbage_old, garbage_ref, mask_T)
+    assert loss == loss_garbage and torch.equal(grad, grad_garbage)
+    unmasked, _ = loss_and_grad(garbage_old, garbage_ref, torch.ones_like(mask_T))
+    assert unmasked != pytest.approx(loss)
+
+    # the same loss by hand over the model tokens only (GRPO: per-sequence mean, clipped ratio, k3 KL times
+    # the ratio: TRL's use_bias_correction_kl, on by default)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + completion] * 2)).logits[:, len(ids) - 1 : -1]
+        logp_T = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor([completion] * 2)[..., None])[..., 0]
+    advantages = torch.tensor([[1.0], [-0.5]])
+    ratio = torch.exp(logp_T - old_T)
+    policy = -torch.min(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+    kl = (torch.exp(ref_T - logp_T) - (ref_T - logp_T) - 1) * ratio
+    per_token = (policy + 0.1 * kl) * mask_T
+    expected = (per_token.sum(-1) / mask_T.sum(-1)).mean()
+    assert loss == pytest.approx(expected.item(), rel=1e-3)
+
+
+def test_eval_stage_runs_episodes_hashes_their_settings_and_keeps_transcripts(tiny_checkpoint, ctx_factory, home):
+    from stages.eval import EvalConfig, run, settings_hash
+
+    data = materialize(ArithmeticData(generator="arithmetic_calculator", n=3, role="heldout", ops=["*"],
+                                      min_operand=10, max_operand=99), Path("."), home / "data")
+    fields = dict(kind="eval", model="base", data="heldout", rewards=["correct"],
+                  environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 16},
+                  sampling={"max_tokens": 6, "attempts": 2, "seed": 0, "temperature": 1.0})
+    config = EvalConfig(**fields)
+    rewards = {"correct": RewardSpec(fn="exact_answer")}
+    out = run(config, {"model": str(tiny_checkpoint), "data": str(data), "rewards": rewards}, ctx_factory("eval-agent"))
+    metrics = out["metrics"]
+    cases = [json.loads(line) for line in Path(out["failures"]).read_text().splitlines()]
+    assert len(cases) == 3  # the untrained model answers nothing right: every prompt is a failure case
+    # counted by hand from the transcripts the failure cases keep
+    transcripts = [t for case in cases for t in case["transcripts"]]
+    ended = [e for case in cases for e in case["ended"]]
+    assert all(t[0]["content"].startswith("What is") and t[1]["role"] == "assistant" for t in transcripts)
+    answered = [t[-1]["content"] for t, e in zip(transcripts, ended) if e == "answer"]
+    assert metrics["env/budget_hit_rate"] == metrics["truncated_rate"] == pytest.approx(sum(e != "answer" for e in ended) / 6)
+    assert metrics["format_error_rate"] == pytest.approx(sum(not a.strip().lstrip("-").isdigit() for a in answered) / 6)
+    assert metrics["env/turns_mean"] == sum(m["role"] == "assistant" for t in transcripts for m in t) / 6
+    assert metrics["env/tool_calls_mean"] == sum(m["role"] == "tool" for t in transcripts for m in t) / 6
+    hashes = {settings_hash(EvalConfig(**{**fields, "environment": {**fields["environment"], **change}}), data, rewards)
+              for change in ({}, {"max_turns": 3}, {"max_episode_tokens": 17})}
+    hashes.add(settings_hash(EvalConfig(**{**fields, "environment": None}), data, rewards))
+    assert len(hashes) == 4
+
+
+def test_environment_is_refused_on_ppo_and_with_a_difficulty_filter():
+    from pydantic import ValidationError
+
+    from stages.rl import RLStageConfig
+
+    base = dict(kind="rl", policy="base", data="train", rewards=["correct"], environment={"fn": "calculator"})
+    with pytest.raises(ValidationError, match="environment: is supported by algorithm grpo only"):
+        RLStageConfig(algorithm="ppo", **base)
+    with pytest.raises(ValidationError, match="difficulty_filter samples single completions"):
+        RLStageConfig(algorithm="grpo", difficulty_filter={"sampling": {"attempts": 2}}, **base)
+
+
+def test_grpo_trains_in_the_environment(tiny_checkpoint, ctx_factory, home):
+    from stages import rl
+    from stages.rl import RLStageConfig
+
+    data = materialize(ArithmeticData(generator="arithmetic_calculator", n=20, role="train", ops=["*"],
+                                      min_operand=10, max_operand=99), Path("."), home / "data")
+    config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"],
+                           prompts_per_step=2, max_steps=2, backend="hf",
+                           sampling={"attempts": 2, "max_tokens": 6},
+                           environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 12})
+    outputs = rl.run(config, {"policy": str(tiny_checkpoint), "data": str(data),
+                              "rewards": {"correct": RewardSpec(fn="exact_answer")}}, ctx_factory("grpo-agent"))
+    assert outputs["metrics"]["steps"] == 2.0
+    assert Path(outputs["checkpoint"]).is_dir()
