@@ -31,6 +31,15 @@ DEFAULT_PORT = 5000
 MODEL_TRAINING_VIEW = "workflowType=machine_learning"
 
 
+
+# Run in the server's own interpreter before it becomes MLflow's: ask the kernel for SIGTERM when
+# posttrain dies (PR_SET_PDEATHSIG = 1), then exec. (No preexec_fn: unsafe with threads.)
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
 class UiError(Exception):
     """``posttrain ui`` cannot start (no store yet, a busy port): exit status 2."""
 
@@ -100,7 +109,6 @@ class MlflowUiServer:
     def start(self, timeout: float) -> None:
         from flows.home import artifact_root
         from flows.locks import file_lock
-        from flows.prefect_server import _DIE_WITH_PARENT
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-c", _DIE_WITH_PARENT, "-m", "mlflow", "server",

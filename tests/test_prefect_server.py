@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 
 import pytest
@@ -21,7 +22,16 @@ def own_server(home, monkeypatch):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_HOME", str(home / "prefect"))
     configure_environment()
-    yield home
+    if "prefect" not in sys.modules:  # nothing to set aside: no harness can be active
+        yield home
+        stop_server(home)
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # the suite's session-wide test harness (conftest.prefect_server) sets an API URL in this
+    # process's Prefect settings; here the process must look like one with none configured
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        yield home
     stop_server(home)
 
 
