@@ -172,6 +172,9 @@ def ui_command(port: int | None, console) -> int:
                       "(or set POSTTRAIN_HOME to the home that holds your runs)")
     server = MlflowUiServer(home, choose_port(port))
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server as Ctrl-C does
+    # Ctrl-C too, even when this process was started with SIGINT ignored (a non-interactive shell's
+    # background job inherits that, and Python then never raises KeyboardInterrupt)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         server.start(float(os.environ.get("POSTTRAIN_UI_STARTUP_TIMEOUT_SECONDS", "180")))
         _print_addresses(server.address, console)
@@ -189,6 +192,7 @@ def ui_command(port: int | None, console) -> int:
     finally:
         server.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _interrupt(signum, frame):
