@@ -730,23 +730,23 @@ def _vllm_issues(stages: dict, raw: dict) -> list[tuple[tuple, str]]:
     A stage sent to a work pool (``resources.pool``) is checked where it runs: a GPU
     worker has vLLM, this machine need not. ``backend: auto`` never needs it. Whether vLLM
     can serve a particular model (vLLM's CPU kernels take only some head sizes) is known
-    once the checkpoint exists, and checked by the stage.
+    once the checkpoint exists, and checked by the stage. vLLM is looked at (which imports
+    torch, ~1 s) only when some stage here declares ``backend: vllm``.
     """
+    pooled_default = isinstance(raw.get("resources"), dict) and raw["resources"].get("pool")
+    in_process = [name for name, config in stages.items()
+                  if getattr(config, "backend", None) == "vllm"
+                  and not ((own.pool if isinstance(own := getattr(config, "resources", None), Resources)
+                            else pooled_default))]
+    if not in_process:
+        return []
     from stages.generation import vllm_problem
 
     problem = vllm_problem()
     if problem is None:
         return []
-    pooled_default = isinstance(raw.get("resources"), dict) and raw["resources"].get("pool")
-    issues = []
-    for name, config in stages.items():
-        own = getattr(config, "resources", None)
-        if (own.pool if isinstance(own, Resources) else pooled_default):
-            continue
-        if getattr(config, "backend", None) == "vllm":
-            issues.append((("stages", name, "backend"), f"{problem}, and the stage runs in this process (no "
-                           "`resources.pool`): use `backend: auto` or `hf`, or send it to a GPU pool"))
-    return issues
+    return [(("stages", name, "backend"), f"{problem}, and the stage runs in this process (no "
+             "`resources.pool`): use `backend: auto` or `hf`, or send it to a GPU pool") for name in in_process]
 
 
 def find_cycles(edges: dict[str, list[str]]) -> list[list[str]]:
