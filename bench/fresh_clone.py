@@ -108,7 +108,10 @@ def main() -> None:
               f"{subprocess.run(['python3', '--version'], env=env, capture_output=True, text=True).stdout.strip()}")
         print("host tools on PATH: " + ", ".join(f"{t} {'yes' if found else 'no'}" for t, found in seen.items()))
         ok = run_all(commands, clone, env, work / "fresh_clone.log")
-    finally:
+    finally:  # the quickstart left its Prefect API server up for the next run (it would stop itself when idle)
+        if (clone / ".venv" / "bin" / "posttrain").exists():
+            subprocess.run([str(clone / ".venv" / "bin" / "posttrain"), "server", "stop"], cwd=clone, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if args.keep or not ok:
             print(f"kept: {work} (log: {work / 'fresh_clone.log'})")
         else:
