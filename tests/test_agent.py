@@ -107,6 +107,7 @@ def test_unruly_tools_are_contained_and_the_episode_goes_on():
     assert (episode.ended, episode.answer, episode.tool_calls, episode.tool_errors) == ("answer", "done", 5, 4)
 
 
+@pytest.mark.needs_bwrap
 def test_python_tool_runs_in_the_sandbox_with_its_limits():
     spec = EnvironmentSpec(fn="python", kwargs={"timeout_s": 1.0}, max_turns=4)
     environment = build_environment(spec)
