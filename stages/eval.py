@@ -191,6 +191,11 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     from stages.reward_model_scoring import bind_reward_models
 
     bound = bind_reward_models(rewards, inputs)
+    if episodes is not None:  # `environment` rewards: the environment's own score of each episode
+        from stages.environments import build_environment
+        from stages.episodes import environment_scorers
+
+        bound.update(environment_scorers(rewards, build_environment(config.environment), episodes))
     scored = score_completions(rewards, flat_texts, columns, bound)
     by_name = {c.name: c for c in scored.components}
     verdict = by_name[verifier]
