@@ -9,7 +9,8 @@ and most checkpoints have none, and then no call is ever seen); it runs tools in
 trainer's process with no time limit (a hanging tool stalls training) and no cap on what
 they return; it has no end-on-answer rule, no turn count or per-episode token budget of its
 own, and nothing per episode (turns, tool errors, how it ended) for rewards or evaluation.
-So posttrain runs its own loop here, used alike by evaluation and by GRPO, and hands GRPO
+So posttrain runs its own loop here, used alike by evaluation, by PPO (stages/ppo.py takes
+``env_mask`` as its action mask) and by GRPO, and hands GRPO
 the result through TRL's ``rollout_func`` with an ``env_mask``, which TRL 1.16 takes as its
 ``tool_mask``: the loss, the KL term and the importance ratios all multiply by
 ``completion_mask * tool_mask`` (checked in its source, and by tests/test_agent.py).

@@ -52,6 +52,18 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   process would make on the same rollouts. Logged statistics are over the global batch,
   except ``reward/<rm>/corr/<other>`` and the sample tables (rank 0's shard); a reward
   model's ``normalize: running`` keeps running statistics per process.
+- With ``environment:`` a rollout is an agent's episode (stages/episodes.py: the model's turns
+  and the tools' observations, as ids appended turn by turn; ``attempts`` episodes per
+  prompt). The episode's ``env_mask`` is the action mask ``mask_B_T``: observation tokens
+  are attended to as context but weigh nothing in the policy loss, the value loss, the
+  importance ratios, the KL penalty, the advantage whitening and the logged statistics, and
+  get no advantage or return. GAE (stages/rl_math.py ``gae``) steps over them: the last
+  token of a turn bootstraps from the value of the next turn's first token, the state that
+  has read the observation, with one discount, exactly GAE over the model tokens alone; the
+  critic is never trained on an observation position. The rewards score the final answer
+  (an ``environment`` reward: the environment's own score of the episode), added at the
+  episode's last model token; a shortcut (``require_tool``) scores 0. ``env/*`` metrics are
+  logged per step (on several processes, rank 0's shard).
 - With ``lora`` the policy trains LoRA adapters only (PEFT; the optimiser sees nothing
   else) and the KL reference is the policy with its adapters disabled, not a second copy:
   its starting checkpoint, as without lora. The adapters' dropout never acts (the policy
@@ -293,7 +305,8 @@ class Targets:
 def compute_targets(policy, reference, critic, rollout: Rollout, scores_B: torch.Tensor, beta: float,
                     config: RLStageConfig) -> Targets:
     """Old log-probs and entropy of the rollout-time policy (full tempered distribution), per-token
-    reward = -beta * k1 (+ the score at the last token), then GAE and whitening."""
+    reward = -beta * k1 (+ the score at the last action), then GAE and whitening, all over the actions
+    (``mask_B_T``): an episode's observation tokens get none of them."""
     everything = slice(None)
     mask = rollout.mask_B_T
     policy_logits = completion_logits(policy, rollout, everything, config.sampling.temperature)

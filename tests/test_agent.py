@@ -207,11 +207,11 @@ def test_eval_stage_runs_episodes_hashes_their_settings_and_keeps_transcripts(ti
 
     data = materialize(ArithmeticData(generator="arithmetic_calculator", n=3, role="heldout", ops=["*"],
                                       min_operand=10, max_operand=99), Path("."), home / "data")
-    fields = dict(kind="eval", model="base", data="heldout", rewards=["correct"],
+    fields = dict(kind="eval", model="base", data="heldout", rewards=["correct", "environment"],
                   environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 16},
                   sampling={"max_tokens": 6, "attempts": 2, "seed": 0, "temperature": 1.0})
     config = EvalConfig(**fields)
-    rewards = {"correct": RewardSpec(fn="exact_answer")}
+    rewards = {"correct": RewardSpec(fn="exact_answer"), "environment": RewardSpec(fn="environment")}
     out = run(config, {"model": str(tiny_checkpoint), "data": str(data), "rewards": rewards}, ctx_factory("eval-agent"))
     metrics = out["metrics"]
     cases = [json.loads(line) for line in Path(out["failures"]).read_text().splitlines()]
@@ -225,6 +225,7 @@ def test_eval_stage_runs_episodes_hashes_their_settings_and_keeps_transcripts(ti
     assert metrics["format_error_rate"] == pytest.approx(sum(not a.strip().lstrip("-").isdigit() for a in answered) / 6)
     assert metrics["env/turns_mean"] == sum(m["role"] == "assistant" for t in transcripts for m in t) / 6
     assert metrics["env/tool_calls_mean"] == sum(m["role"] == "tool" for t in transcripts for m in t) / 6
+    assert metrics["reward/environment/mean"] == 0.0 and metrics["reward/environment/errors"] == 0.0  # scored, not raised
     hashes = {settings_hash(EvalConfig(**{**fields, "environment": {**fields["environment"], **change}}), data, rewards)
               for change in ({}, {"max_turns": 3}, {"max_episode_tokens": 17})}
     hashes.add(settings_hash(EvalConfig(**{**fields, "environment": None}), data, rewards))
