@@ -46,6 +46,7 @@ import re
 import threading
 import typing
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable
 
 from pydantic import ConfigDict, Field
@@ -205,16 +206,15 @@ class CalculatorEnvironment(Environment):
         given = extract_integer(episode.answer or "")
         if given is None:
             return None
-        from fractions import Fraction
+        results = {_number(r.content) for r in episode.tool_results if r.name == "calculator" and not r.error}
+        return float(Fraction(given) == _number(str(answer)) and Fraction(given) in results)
 
-        def value(text: str) -> Fraction | None:
-            try:
-                return Fraction(text.strip())
-            except (ValueError, ZeroDivisionError):
-                return None
 
-        results = {value(r.content) for r in episode.tool_results if r.name == "calculator" and not r.error}
-        return float(Fraction(given) == value(str(answer)) and Fraction(given) in results)
+def _number(text: str) -> Fraction | None:
+    try:
+        return Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 class PythonEnvironment(Environment):
