@@ -55,9 +55,11 @@ from stages.pretrained import (
     hub_problem,
     locate_gguf,
 )
+from stages.environments import EnvironmentLoadError, has_own_score, load_environment_class
 from stages.registry import STAGE_KINDS
 from stages.rewards import (
     BUILTIN_REWARDS,
+    ENVIRONMENT_FN,
     JUDGE_FN,
     REASONING_GYM_FN,
     REWARD_MODEL_FN,
@@ -777,9 +779,40 @@ def find_cycles(edges: dict[str, list[str]]) -> list[list[str]]:
 
 
 # In the order a user reads the file: names, references, rewards, data, models, resources, graph.
+def _environment_issues(d: _Draft) -> Issues:
+    """A stage's environment loads, and an ``environment`` reward (the environment's own score of an episode)
+    is used only where there are episodes, of an environment that defines a score."""
+    def fn_of(reward_name):
+        spec = d.rewards.get(reward_name) if reward_name in d.raw_rewards else None
+        return spec.fn if spec is not None else reward_name
+
+    issues = [(("reward_checks", r), f"reward {r!r} is an environment's own score of an episode; declare known "
+               "episodes under the stage's `environment: checks:` instead") for r in d.raw_checks if fn_of(r) == ENVIRONMENT_FN]
+    for name, config in d.stages.items():
+        spec = getattr(config, "environment", None)
+        cls = None
+        if spec is not None:
+            try:
+                cls = load_environment_class(spec.fn)
+            except EnvironmentLoadError as error:
+                issues.append((("stages", name, "environment", "fn"), str(error)))
+        for i, reward_name in enumerate(config.reward_names()):
+            if not isinstance(reward_name, str) or fn_of(reward_name) != ENVIRONMENT_FN:
+                continue
+            where = ("stages", name, "rewards", i)
+            if spec is None:
+                issues.append((where, f"reward {reward_name!r} is an environment's own score of an episode; stage "
+                               f"{name!r} declares no `environment:`"))
+            elif cls is not None and not has_own_score(cls):
+                issues.append((where, f"reward {reward_name!r}: environment {spec.fn!r} defines no score of its own "
+                               "(override `score(episode, answer, task)`); use a reward that scores the final answer"))
+    return issues
+
+
 COLLECTORS = (
     _name_issues,
     _reference_issues,
+    _environment_issues,
     _reward_check_issues,
     _reward_fn_issues,
     _judge_issues,

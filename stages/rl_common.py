@@ -99,9 +99,11 @@ class RLStageConfig(ExecutionLimits):
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")
     environment: EnvironmentSpec | None = Field(
-        None, description="GRPO: train on multi-turn episodes in this environment (stages/environments.py): the "
-        "model's turns and the tools' observations, observations never trained on; the rewards score each "
-        "episode's final answer; `sampling.max_tokens` is then the budget of one turn.")
+        None, description="Train on multi-turn episodes in this environment (stages/environments.py): the "
+        "model's turns and the tools' observations, observations never trained on (GRPO: TRL's tool_mask; PPO: "
+        "the action mask of its losses, KL penalty and GAE); the rewards score each episode's final answer, and "
+        "a reward `environment` is the environment's own score of the episode; `sampling.max_tokens` is then "
+        "the budget of one turn.")
     difficulty_filter: DifficultyFilter | None = Field(
         None, description="Before training, sample `attempts` completions of each prompt from the starting "
         "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "
@@ -176,9 +178,6 @@ class RLStageConfig(ExecutionLimits):
         if self.difficulty_filter is not None and self.difficulty_filter.verifier not in (None, *self.rewards):
             raise ValueError(f"difficulty_filter.verifier {self.difficulty_filter.verifier!r} must be one of the "
                              f"stage's rewards {self.rewards}")
-        if self.environment is not None and self.algorithm != "grpo":
-            raise ValueError("environment: is supported by algorithm grpo only; posttrain's PPO samples single "
-                             "completions and has no observation mask (stages/ppo.py); use algorithm: grpo")
         if self.environment is not None and self.difficulty_filter is not None:
             raise ValueError("difficulty_filter samples single completions, not an environment's episodes; "
                              "remove one of environment and difficulty_filter")
