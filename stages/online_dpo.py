@@ -325,7 +325,7 @@ class OnlineDPORun:
         return {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
                 "rewards/chosen": float(chosen.detach().mean()), "rewards/rejected": float(rejected.detach().mean()),
                 "rewards/margin": float(margins.mean()), "rewards/accuracy": float((margins > 0).float().mean()),
-                "logps/chosen": float(logps[:n].mean()), "logps/rejected": float(logps[n:].mean()),
+                "logps/chosen": float(logps[:n].detach().mean()), "logps/rejected": float(logps[n:].detach().mean()),
                 "kl": float((logps - ref_logps).detach().mean()),
                 "reward/chosen": sum(totals[p][c] for p, c, _ in pairs) / n,
                 "reward/rejected": sum(totals[p][r] for p, _, r in pairs) / n,
