@@ -134,3 +134,20 @@ def test_a_step_whose_prompts_all_tie_trains_nothing(tiny_checkpoint, prompts_fi
     before, _ = load_model_and_tokenizer(tiny_checkpoint)
     after, _ = load_model_and_tokenizer(Path(outputs["checkpoint"]))
     assert all(torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
+
+
+def test_online_dpo_with_lora_trains_adapters_against_the_adapters_off_policy(tiny_checkpoint, prompts_file,
+                                                                               ctx_factory):
+    from stages.models import load_model_and_tokenizer
+    from stages.online_dpo import run
+
+    ctx = ctx_factory("online-dpo-lora")
+    inputs = {"model": str(tiny_checkpoint), "data": str(prompts_file),
+              "rewards": {"digits": RewardSpec(fn="test_online_dpo:digit_share")}}
+    outputs = run(config(max_steps=1, lora={"r": 4, "alpha": 8}), inputs, ctx)
+
+    assert (Path(outputs["adapter"]) / "adapter_config.json").exists()
+    assert ctx.metric_history("loss")[0].value == pytest.approx(math.log(2), abs=1e-5)  # reference = adapters off
+    before, _ = load_model_and_tokenizer(tiny_checkpoint)
+    after, _ = load_model_and_tokenizer(Path(outputs["checkpoint"]))
+    assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
