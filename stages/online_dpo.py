@@ -39,7 +39,7 @@ Per step it logs ``loss``; the implicit rewards ``rewards/chosen``, ``rewards/re
 ``rewards/margin``, ``rewards/accuracy`` (as the dpo stage); ``logps/chosen``, ``logps/rejected``;
 the declared reward of the pairs, ``reward/chosen``, ``reward/rejected``, ``reward/pair_margin``;
 of all samples, ``reward/mean`` and ``reward/<name>/mean``; ``pairs``, ``pairs/tie_frac``,
-``kl`` (mean log pi - log pi_ref of the sampled completions, per sequence),
+``kl`` (mean sequence log pi - log pi_ref over the step's chosen and rejected completions),
 ``completion/mean_tokens``, ``completion/truncated_frac``, ``reward/errors``,
 ``tokens_per_second`` (prompt and completion tokens of the step's samples over its wall time);
 sample tables under ``samples/`` every ``sample_every`` steps; ``curves.png`` (reward and KL).
