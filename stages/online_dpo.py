@@ -41,7 +41,8 @@ the declared reward of the pairs, ``reward/chosen``, ``reward/rejected``, ``rewa
 of all samples, ``reward/mean`` and ``reward/<name>/mean``; ``pairs``, ``pairs/tie_frac``,
 ``kl`` (mean sequence log pi - log pi_ref over the step's chosen and rejected completions),
 ``completion/mean_tokens``, ``completion/truncated_frac``, ``reward/errors``,
-``tokens_per_second`` (prompt and completion tokens of the step's samples over its wall time);
+``tokens_per_second`` (prompt and completion tokens of the step's samples over its wall time),
+``engine_weight_syncs`` at the end (vLLM);
 sample tables under ``samples/`` every ``sample_every`` steps; ``curves.png`` (reward and KL).
 The published ``checkpoint`` (with ``lora``, also ``adapter``) is a model any eval stage takes.
 """
@@ -225,6 +226,7 @@ class OnlineDPORun:
     seed: int
     engine: object = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
     reward_errors: int = 0
+    engine_syncs: int = 0
     tied_prompts: int = 0
     pairs_trained: int = 0
 
@@ -260,6 +262,7 @@ class OnlineDPORun:
                                     attempts=s.attempts, seed=self.seed + step)
         if self.engine is not None:
             sync_policy(self.engine, self.policy)  # the policy the last update left (LoRA merged)
+            self.engine_syncs += 1
             return self.engine.generate(prompts, settings)
         return HFGenerateBackend(self.policy, self.tokenizer, len(prompts), keep_logprobs=False).generate(
             prompts, settings)
@@ -378,7 +381,7 @@ def run(config: OnlineDPOStageConfig, inputs: dict, ctx) -> dict:
     metrics = {"steps": float(config.max_steps), "train_seconds": time.perf_counter() - started,
                "pairs_trained": float(state.pairs_trained), "tied_prompts": float(state.tied_prompts),
                "tie_frac": state.tied_prompts / (config.max_steps * config.prompts_per_step),
-               "reward_errors": float(state.reward_errors)}
+               "reward_errors": float(state.reward_errors), "engine_weight_syncs": float(state.engine_syncs)}
     if losses:
         metrics.update({"first_loss": losses[0], "final_loss": losses[-1]})
     ctx.log_metrics(metrics)
