@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 
+from dataclasses import replace
+
 import pytest
 
 import judges
 from conftest import run_cli, write
+from stages.context import StageInputs
 from stages.judge import audit_judges, read_judgement
 from stages.reward_model_scoring import bind_reward_models
 from stages.rewards import RewardSpec, score_completions
@@ -32,7 +35,7 @@ def _batch(tmp_path, judge_fn="judges:scripted", scale="yes_no"):
     completions = ["7", "8", "seven", "6 or 7", "7", "5"]
     prompts = [[{"role": "user", "content": "What is 3+4?"}]] * len(completions)
     columns = {"answer": ["7"] * len(completions), "prompts": prompts}
-    bound = bind_reward_models(rewards, {"judge_cache": str(tmp_path / "judge-cache")})
+    bound = bind_reward_models(rewards, StageInputs(judge_cache=tmp_path / "judge-cache"))
     return rewards, bound, score_completions(rewards, completions, columns, bound), prompts, completions
 
 
@@ -149,7 +152,7 @@ def test_grpo_audits_its_judge_every_n_reward_batches(tiny_checkpoint, ctx_facto
     rewards = {"correct": RewardSpec(fn="exact_answer", weight=0.0),
                "lenient": RewardSpec(fn="judge", judge_fn="judges:lenient", rubric="Reply: {completion}",
                                      audit_every=1)}
-    inputs = {**inputs_for(home, tiny_checkpoint, rewards), "judge_cache": str(home / "judge-cache")}
+    inputs = replace(inputs_for(home, tiny_checkpoint, rewards), judge_cache=home / "judge-cache")
     rl.run(grpo_config(max_steps=2, rewards=["correct", "lenient"]), inputs, ctx)
     ctx.flush()
     history = {name: ctx.metric_history(f"audit/lenient/correct/{name}")
