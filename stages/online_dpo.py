@@ -52,12 +52,11 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from stages.context import ExecutionLimits
+from stages.context import ExecutionLimits, StageInputs
 from stages.data import prompt_messages, read_materialized
 from stages.generation import BackendName, EngineSettings
 from stages.lora import LORA_DESCRIPTION, LoraSpec
@@ -231,7 +230,7 @@ class OnlineDPORun:
     pairs_trained: int = 0
 
     @classmethod
-    def load(cls, config: OnlineDPOStageConfig, inputs: dict, seed: int) -> "OnlineDPORun":
+    def load(cls, config: OnlineDPOStageConfig, inputs: StageInputs, seed: int) -> "OnlineDPORun":
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -239,19 +238,19 @@ class OnlineDPORun:
         from stages.models import load_model_and_tokenizer
         from stages.reward_model_scoring import bind_reward_models
 
-        start = Path(inputs["model"])
-        trust = inputs.get("trust_remote_code", False)
+        start = inputs.model
+        trust = inputs.trust_remote_code
         policy, tokenizer = load_model_and_tokenizer(start, trust_remote_code=trust)
         policy = wrap(policy, config.lora).eval()  # eval mode: no dropout anywhere; with lora only adapters train
         if config.lora:
             reference = AdaptersOff(policy)
         else:
-            reference = AutoModelForCausalLM.from_pretrained(Path(inputs.get("reference") or start),
+            reference = AutoModelForCausalLM.from_pretrained(inputs.reference or start,
                                                              trust_remote_code=trust).eval()
             reference.requires_grad_(False)
         trainable = [p for p in policy.parameters() if p.requires_grad]
         return cls(config, policy, reference, tokenizer, torch.optim.AdamW(trainable, lr=config.lr),
-                   inputs["rewards"], bind_reward_models(inputs["rewards"], inputs), seed)
+                   inputs.rewards, bind_reward_models(inputs.rewards, inputs), seed)
 
     def sample(self, prompts: list[list[dict]], step: int):
         from stages.generation import HFGenerateBackend, SamplingSettings
@@ -355,7 +354,7 @@ def pair_rows(pairs, prompts, groups, totals, batch) -> list[dict]:
     return rows[:SAMPLE_TABLE_ROWS]
 
 
-def run(config: OnlineDPOStageConfig, inputs: dict, ctx) -> dict:
+def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     import torch
 
     from stages.generation import VLLMBackend
@@ -365,11 +364,11 @@ def run(config: OnlineDPOStageConfig, inputs: dict, ctx) -> dict:
 
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
-    records = read_materialized(Path(inputs["data"]))
+    records = read_materialized(inputs.data)
     state = OnlineDPORun.load(config, inputs, seed)
-    backend, why = rollout_backend(config, Path(inputs["model"]))
+    backend, why = rollout_backend(config, inputs.model)
     if backend == "vllm":
-        state.engine = VLLMBackend(Path(inputs["model"]), trust_remote_code=inputs.get("trust_remote_code", False),
+        state.engine = VLLMBackend(inputs.model, trust_remote_code=inputs.trust_remote_code,
                                    engine=config.engine, max_model_len=context_length(
                                        state.tokenizer, [prompt_messages(r) for r in records],
                                        config.sampling.max_tokens))

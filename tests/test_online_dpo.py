@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stages.context import StageInputs
 from stages.online_dpo import OnlineDPOStageConfig
 from stages.rewards import RewardSpec
 
@@ -97,8 +98,8 @@ def test_online_dpo_steps_change_the_policy_and_log_pairs_and_ties(tiny_checkpoi
     from stages.online_dpo import run
 
     ctx = ctx_factory("online-dpo")
-    inputs = {"model": str(tiny_checkpoint), "data": str(prompts_file),
-              "rewards": {"digits": RewardSpec(fn="test_online_dpo:digit_share")}}
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"train": prompts_file},
+                         rewards={"digits": RewardSpec(fn="test_online_dpo:digit_share")})
     outputs = run(config(), inputs, ctx)
 
     before, _ = load_model_and_tokenizer(tiny_checkpoint)
@@ -124,8 +125,8 @@ def test_a_step_whose_prompts_all_tie_trains_nothing(tiny_checkpoint, prompts_fi
     from stages.online_dpo import run
 
     ctx = ctx_factory("online-dpo-ties")
-    inputs = {"model": str(tiny_checkpoint), "data": str(prompts_file),
-              "rewards": {"same": RewardSpec(fn="test_online_dpo:constant")}}
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"train": prompts_file},
+                         rewards={"same": RewardSpec(fn="test_online_dpo:constant")})
     outputs = run(config(max_steps=1, rewards=["same"]), inputs, ctx)
 
     assert [m.value for m in ctx.metric_history("pairs/tie_frac")] == [1.0]
@@ -142,8 +143,8 @@ def test_online_dpo_with_lora_trains_adapters_against_the_adapters_off_policy(ti
     from stages.online_dpo import run
 
     ctx = ctx_factory("online-dpo-lora")
-    inputs = {"model": str(tiny_checkpoint), "data": str(prompts_file),
-              "rewards": {"digits": RewardSpec(fn="test_online_dpo:digit_share")}}
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"train": prompts_file},
+                         rewards={"digits": RewardSpec(fn="test_online_dpo:digit_share")})
     outputs = run(config(max_steps=1, lora={"r": 4, "alpha": 8}), inputs, ctx)
 
     assert (Path(outputs["adapter"]) / "adapter_config.json").exists()

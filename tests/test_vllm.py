@@ -8,6 +8,7 @@ float error, and greedy decodes agree with HF generate.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -235,8 +236,8 @@ def test_online_dpo_samples_its_pairs_through_vllm(vllm_tiny, ctx_factory, home)
         max_steps=2, lr=5e-3, sampling={"attempts": 2, "max_tokens": 4},
         engine={"dtype": "float32", "kv_cache_gib": 0.25})
     ctx = ctx_factory("online-dpo-vllm")
-    inputs = grpo_inputs(home, vllm_tiny, rewards)
-    outputs = online_dpo.run(config, dict(inputs, model=inputs["policy"]), ctx)
+    inputs = dataclasses.replace(grpo_inputs(home, vllm_tiny, rewards), policy=None, model=vllm_tiny)
+    outputs = online_dpo.run(config, inputs, ctx)
     assert ctx.client.get_run(ctx.run_id).data.params["resolved_backend"] == "vllm"
     assert outputs["metrics"]["engine_weight_syncs"] == 2  # the policy's weights, before each step's samples
     assert outputs["metrics"]["pairs_trained"] > 0
