@@ -406,7 +406,7 @@ def _record_shape_problem(kind: str, record: dict) -> str | None:
     if kind == "sft" and not any(m.get("role") == "assistant" for m in messages):
         return "has no assistant turn (`completion`, or a `messages` turn with role assistant), and sft trains " \
                "on the assistant's turns"
-    if kind in ("rl", "eval") and not prompt_messages(record):
+    if kind in ("rl", "online_dpo", "eval") and not prompt_messages(record):
         return "has no prompt (only an assistant turn), and the stage samples replies to the prompt"
     return None
 
