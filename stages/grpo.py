@@ -39,6 +39,7 @@ from pathlib import Path
 
 from stages.data import prompt_messages, read_materialized
 from stages.generation import neutral_generation_config
+from stages.placement import check_devices, place, placement_params
 from stages.rewards import RewardSpec, score_component, with_task_column
 from stages.rollouts import rollout_backend
 
@@ -116,6 +117,8 @@ def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, met
         return scored.scores
 
     reward.__name__ = name
+    if hasattr(fn, "scorer"):  # a reward model: where it lives is logged (stages/placement.py placement_params)
+        reward.scorer = fn.scorer
     return reward
 
 
@@ -337,7 +340,8 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     rewards: dict[str, RewardSpec] = inputs["rewards"]
     budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
     holder: dict = {}  # the trainer's metrics, once it exists: the reward functions log into them
-    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"), ctx)
+    check_devices(config.placement)  # before anything loads
+    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"), ctx, config.placement.reward_model)
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
@@ -361,7 +365,8 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics))
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed, "world_size": args.world_size,
-                    "generation_batch": args.generation_batch_size})
+                    "generation_batch": args.generation_batch_size,
+                    **placement_params(trainer.ref_model, reward_funcs)})
     try:
         with stop_gracefully(trainer, ctx, resumable=False):
             trainer.train()
@@ -410,14 +415,14 @@ def _load_policy(inputs: dict):
     return model, tokenizer, own_generation_config
 
 
-def _reward_funcs(inputs: dict, budget: RewardErrorBudget, trainer_metrics, ctx) -> list:
-    """One TRL reward function per declared reward (reward models and judges bound to their checkpoints),
-    judges audited against the verifiers every ``audit_every`` batches."""
+def _reward_funcs(inputs: dict, budget: RewardErrorBudget, trainer_metrics, ctx, where: str) -> list:
+    """One TRL reward function per declared reward (reward models, placed where ``where`` says, and judges
+    bound to their checkpoints), judges audited against the verifiers every ``audit_every`` batches."""
     from stages.judge import batch_auditor
     from stages.reward_model_scoring import bind_reward_models
 
     rewards: dict[str, RewardSpec] = inputs["rewards"]
-    bound = bind_reward_models(rewards, inputs)
+    bound = bind_reward_models(rewards, inputs, where)
     auditor = batch_auditor(rewards, bound, ctx)
     return [make_reward_func(name, spec, budget, trainer_metrics, bound.get(name), auditor)
             for name, spec in rewards.items()]
@@ -433,10 +438,13 @@ def _final_metrics(history: list[dict], steps: int, reward_errors: int) -> dict[
 
 
 def _prepare(trainer, config, dataset, seed: int) -> None:
-    """Dropout off in the policy and the reference; dynamic sampling's pool of prompts, when declared."""
+    """Dropout off in the policy and the reference, the reference placed (stages/placement.py); dynamic
+    sampling's pool of prompts, when declared."""
     for network in (trainer.model, trainer.ref_model):
         if network is not None:
             turn_off_dropout(network)
+    if trainer.ref_model is not None:
+        trainer.ref_model = place(trainer.ref_model, config.placement.reference, trainer.accelerator.device)
     if config.dynamic_sampling is not None:
         import random
 
