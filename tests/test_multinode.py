@@ -143,14 +143,32 @@ def test_a_two_node_stage_renders_to_an_indexed_job_with_a_rendezvous_on_pod_0(p
     assert names.index("POSTTRAIN_JOB_NAME") < names.index("MASTER_ADDR")  # Kubernetes expands earlier vars only
     assert by_name["MASTER_PORT"]["value"] == "29500"
 
-    # what node 1 launches with that environment: 8 processes in all, machine rank 1, pod 0's rendezvous
+    # what node 1 launches with that environment, as torchrun receives it from accelerate: accelerate's own
+    # argument handling and torchrun's config (what `accelerate launch` does before starting the processes)
     node = NodeRole(rank=1, master_addr="posttrain-stage-x7k2p-0.posttrain-nodes", master_port=29500)
-    command = launch_command(resources, Path("rank.json"), node)
-    flags = dict(zip(command[3::2], command[4::2]))
-    assert flags["--config_file"].endswith("infra/accelerate/fsdp.yaml")
-    assert (flags["--num_machines"], flags["--machine_rank"], flags["--num_processes"]) == ("2", "1", "8")
-    assert (flags["--main_process_ip"], flags["--main_process_port"]) == (node.master_addr, "29500")
-    assert command[-3:] == ["-m", "flows.rank", "rank.json"]
+    config, entry = torchrun_config(launch_command(resources, Path("rank.json"), node))
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 4)
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("static", f"{node.master_addr}:29500")
+    assert config.rdzv_configs["rank"] == 1
+    assert entry[-3:] == ["-m", "flows.rank", "rank.json"]
+
+
+def torchrun_config(command: list[str]):
+    """(torchrun's LaunchConfig, the command each process runs) for an ``accelerate launch`` command line,
+    through accelerate's ``multi_gpu_launcher`` steps short of starting anything."""
+    import torch.distributed.run as torchrun
+    from accelerate.commands.launch import _filter_args, _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    assert command[1:3] == ["-m", "accelerate.commands.launch"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(command[3:]))
+    assert args.use_fsdp  # the strategy's config was read: accelerate runs it through multi_gpu_launcher
+    environment = prepare_multi_gpu_env(args)
+    assert environment["ACCELERATE_USE_FSDP"] == "true"
+    args = _filter_args(args, torchrun.get_args_parser(),
+                        ["--training_script", args.training_script, "--training_script_args", args.training_script_args])
+    config, program, program_args = torchrun.config_from_args(args)
+    return config, [program, *program_args]
 
 
 def test_a_one_node_stage_renders_to_a_one_pod_job(prefect_server):
