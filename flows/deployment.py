@@ -12,7 +12,10 @@
   read the pipeline file), executes it exactly as the orchestrator would, against the same
   MLflow store, and writes the stage run it produced (or reused) onto the pipeline run as
   the tag ``posttrain.dispatched.<stage>``; the orchestrator reads the outputs back from
-  MLflow. Cache hits are decided before anything is sent.
+  MLflow. Cache hits are decided before anything is sent. The job variables sent are the
+  stage's ``gpus`` (per pod) and ``nodes``: a Kubernetes pool's template runs ``nodes`` pods
+  as one indexed Job (``flows/node.py``), and a pool of another type is refused for
+  ``nodes`` > 1 (``require_pool``).
 
 Deployments use module-path entrypoints (``flows.deployment.pipeline_flow``,
 ``flows.deployment.stage_flow``): a worker needs posttrain installed (the GPU worker image
