@@ -226,3 +226,38 @@ def test_several_nodes_need_a_kubernetes_pool(prefect_server):
     with pytest.raises(DeployError, match="a stage on 2 nodes needs a Kubernetes work pool .* work pool "
                                           "'gpu-process' is of type 'process'"):
         require_pool("gpu-process", nodes=2)
+
+
+@pytest.mark.slow
+def test_the_other_nodes_read_the_inputs_from_mlflow_not_from_node_0s_disk(home, prefect_server, tmp_path, monkeypatch):
+    """A rank on node 1 gets node 0's rank file, whose paths are node 0's disk: it resolves the upstream
+    checkpoint from the MLflow store (downloading it into its own home) and builds the datasets itself."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.job import StageJob
+    from flows.rank import rank_inputs
+    from flows.spec import load_pipeline
+
+    text = PIPELINE.format(sft="{processes: 1}", ppo="{processes: 1}", iterate="").replace(
+        "max_steps: 2, batch_size: 8", "max_steps: 1, batch_size: 8")
+    path = write(tmp_path / "nodes.yaml", text)
+    assert run_cli("run", str(path), "--only", "sft") == 0
+    client = MlflowClient()
+    (sft,) = client.search_runs([client.get_experiment_by_name("nodes").experiment_id],
+                                "tags.`posttrain.stage` = 'sft'")
+    (home / "outputs").rename(tmp_path / "node-0-only")  # node 1 does not see node 0's disk
+    loaded = load_pipeline(str(path), [])
+    node_0_paths = {"policy": "/node-0/outputs/sft/checkpoint", "data": "/node-0/cache/data/train"}
+    job = StageJob(pipeline=loaded.spec, pipeline_file=loaded.path, overrides=(), stage="ppo", seed=0,
+                   resources=loaded.spec.resources_for("ppo"), time_limit_seconds=None, experiment_id="1",
+                   parent_run_id="p", upstream_runs={"sft": sft.info.run_id},
+                   upstream_outputs={"sft": {"checkpoint": node_0_paths["policy"]}})
+    described = {"paths": node_0_paths}
+
+    assert {k: rank_inputs(job, described, home)[k] for k in node_0_paths} == node_0_paths  # node 0: as resolved
+    node_1_home = tmp_path / "node-1-home"
+    monkeypatch.setenv("POSTTRAIN_NODE_RANK", "1")
+    inputs = rank_inputs(job, described, node_1_home)
+    policy, data = Path(inputs["policy"]), Path(inputs["data"])
+    assert policy.is_relative_to(node_1_home / "downloads" / sft.info.run_id) and (policy / "config.json").exists()
+    assert data.is_relative_to(node_1_home / "cache" / "data") and data.exists()
