@@ -24,6 +24,7 @@ def main() -> None:
     from flows.home import configure_environment
     from flows.tracking import MlflowStageContext, Tracker
     from stages import sft
+    from stages.context import StageInputs
     from stages.data import ArithmeticData, materialize
     from stages.models import TinyModelSpec, resolve_base_checkpoint
     from stages.sft import SFTStageConfig
@@ -40,7 +41,7 @@ def main() -> None:
         ctx = MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0)
         config = SFTStageConfig(kind="sft", data="train", max_steps=None, epochs=1.0, batch_size=32, lr=3e-3)
         started = time.perf_counter()
-        sft.run(config, {"model": str(checkpoint), "data": str(data)}, ctx)
+        sft.run(config, StageInputs(model=checkpoint, datasets={"data": data}), ctx)
         ctx.flush()
         seconds[n] = time.perf_counter() - started
         print(f"sft, {n:>5} examples, 1 epoch ({n // 32} steps): {seconds[n]:.1f} s "

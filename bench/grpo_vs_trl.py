@@ -103,14 +103,15 @@ def check_same_settings(ours, theirs) -> None:
 
 class Race:
     def __init__(self, home: Path, steps: int):
+        from stages.context import StageInputs
         from stages.rewards import RewardSpec
 
         self.home, self.steps = home, steps
         self.checkpoint = _common.tiny_checkpoint(home, SEED)
         self.data = _common.arithmetic_data(home, 4000)
         self.contexts = _common.StageContexts(home, "bench-grpo")
-        self.inputs = {"policy": str(self.checkpoint), "reference": str(self.checkpoint), "data": str(self.data),
-                       "rewards": {"correct": RewardSpec(fn="exact_answer")}}
+        self.inputs = StageInputs(policy=self.checkpoint, reference=self.checkpoint, datasets={"train": self.data},
+                                  rewards={"correct": RewardSpec(fn="exact_answer")})
         self.end_to_end: dict[str, list[float]] = {"ours": [], "trl": []}
         self.tracking_seconds: list[float] = []  # ours, per run: all MLflow calls (metrics, tables, figure)
         self.log_metrics_seconds: list[float] = []  # ours, per call: the per-step metrics

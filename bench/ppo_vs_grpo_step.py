@@ -64,7 +64,7 @@ class PPOSteps:
 
     PHASES = ("generation", "scoring", "targets", "update")
 
-    def __init__(self, config, inputs: dict, records: list[dict]):
+    def __init__(self, config, inputs, records: list[dict]):
         import torch
 
         from stages import ppo
@@ -122,12 +122,13 @@ def main() -> None:
     from stages import rl, trainer_callbacks
     from stages.data import read_materialized
     from stages.rewards import RewardSpec
+    from stages.context import StageInputs
     from stages.rl import RLStageConfig
 
     checkpoint = _common.tiny_checkpoint(home, SEED)
     data = _common.arithmetic_data(home, SHARED["prompts_per_step"])  # exactly one batch of prompts
-    inputs = {"policy": str(checkpoint), "reference": str(checkpoint), "data": str(data),
-              "rewards": {"correct": RewardSpec(fn="exact_answer")}}
+    inputs = StageInputs(policy=checkpoint, reference=checkpoint, datasets={"train": data},
+                         rewards={"correct": RewardSpec(fn="exact_answer")})
     total_steps = args.steps + WARMUP
     ppo_config = RLStageConfig(**SHARED, algorithm="ppo", max_steps=total_steps, ppo_epochs=args.ppo_epochs,
                                minibatch_size=args.minibatch_size)

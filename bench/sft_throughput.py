@@ -102,6 +102,7 @@ def plain_batches(data: Path, checkpoint: Path, steps: int) -> tuple[list[dict],
 def run_stage(contexts, checkpoint: Path, data: Path, loop: LockstepPlainLoop, steps: int) -> float:
     """The sft stage, packing on, with the plain loop ticking on its progress bar; real tokens per step."""
     from stages import sft
+    from stages.context import StageInputs
 
     ctx = contexts.make("sft-packed")
 
@@ -112,7 +113,7 @@ def run_stage(contexts, checkpoint: Path, data: Path, loop: LockstepPlainLoop, s
     ctx.progress = lockstep_progress  # the stage's tracking callback advances it once per optimizer step
     config = sft.SFTStageConfig(kind="sft", data="train", packing=True, max_steps=steps, batch_size=BATCH_SIZE,
                                 max_length=MAX_LENGTH, lr=LR, assistant_only_loss=True, logging_steps=10)
-    sft.run(config, {"model": str(checkpoint), "data": str(data)}, ctx)
+    sft.run(config, StageInputs(model=checkpoint, datasets={"train": data}), ctx)
     last = ctx.metric_history("num_tokens")[-1]
     return last.value / last.step
 

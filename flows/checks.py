@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from stages.rewards import JUDGE_FN, check_reward_cases, reward_input_key
+from stages.context import StageInputs
+from stages.rewards import JUDGE_FN, check_reward_cases
 
 
 def check_rewards_command(loaded, only: list[str], console) -> int:
@@ -81,13 +82,12 @@ def _bound_judges(loaded, judges: dict) -> dict:
 
     home = ensure_home(configure_environment())
     spec = loaded.spec
-    inputs = {"judge_cache": str(home / "cache" / "judge"),
-              "trust_remote_code": bool(getattr(spec.model, "trust_remote_code", False))}
     from flows.execute import judge_model_inputs
 
-    inputs.update(judge_model_inputs(judges, spec.seed, home, loaded.base_dir))
+    scorers = judge_model_inputs(judges, spec.seed, home, loaded.base_dir)
     for name, reward in judges.items():
         if reward.stage == "base":
-            inputs[reward_input_key(name)] = str(resolve_base_checkpoint(spec.model, spec.seed, home / "cache" / "models",
-                                                                         loaded.base_dir))
+            scorers[name] = resolve_base_checkpoint(spec.model, spec.seed, home / "cache" / "models", loaded.base_dir)
+    inputs = StageInputs(trust_remote_code=bool(getattr(spec.model, "trust_remote_code", False)),
+                         judge_cache=home / "cache" / "judge", scorer_checkpoints=scorers)
     return bind_reward_models(judges, inputs)

@@ -24,12 +24,12 @@ from flows.tags import TAG_DATA_CONTEXT
 SOURCE_TYPE = "local"
 
 
-def stage_datasets(loaded, stage: str, inputs: dict) -> list[dict]:
-    """What the stage reads, one JSON-able dict per dataset (``inputs`` as ``resolve_inputs`` made them)."""
+def stage_datasets(loaded, inputs) -> list[dict]:
+    """What the stage reads, one JSON-able dict per dataset (``inputs``: a ``stages.context.StageInputs``)."""
     spec = loaded.spec
     found = []
-    for i, name in enumerate(spec.stages[stage].dataset_names()):
-        path = Path(inputs["data" if i == 0 else f"data_{name}"]).resolve()
+    for name, path in inputs.datasets.items():
+        path = path.resolve()
         digest, rows = digest_and_rows(path)
         declared = spec.data[name]
         found.append({"name": name, "digest": digest, "source": path.as_uri(), "rows": rows,

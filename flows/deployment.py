@@ -232,7 +232,7 @@ def run_stage_on_pool(job: StageJob, home: Path) -> StageRow:
     run = tracker.get_run(run_id)
     status = "cached" if result.get("status") == "cached" else "ran"
     return StageRow(job.stage, job.kind, status, time.perf_counter() - started, run_id,
-                    headline_metrics(tracker, run_id, job.kind), f"on work pool {pool}", tracker.outputs_of(run))
+                    headline_metrics(run.data.metrics, job.kind), f"on work pool {pool}", tracker.outputs_of(run))
 
 
 @flow(name=STAGE_DEPLOYMENT_FLOW, log_prints=False, validate_parameters=True)

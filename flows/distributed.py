@@ -176,14 +176,15 @@ def fetch_rank_file(node: NodeRole, timeout_s: float = 1800) -> str:
     return store.get(RANK_FILE_KEY).decode("utf-8")
 
 
-def run_distributed(job, ctx, inputs: dict) -> None:
-    """Run the stage of ``job`` on ``world_size`` processes; fills ``ctx.staged`` from rank 0.
+def run_distributed(job, ctx, inputs) -> dict[str, float]:
+    """Run the stage of ``job`` on ``world_size`` processes; fills ``ctx.staged`` from rank 0 and
+    returns the metrics rank 0 reported.
 
     Each rank receives the job itself (``flows/rank.py``), not the pipeline file, and the input
     paths this process resolved: an iterate round's training data is the failure set built here,
     which the job alone would not give back."""
     rank_file = {
-        "job": job.to_json(), "paths": {k: v for k, v in inputs.items() if isinstance(v, str)},
+        "job": job.to_json(), "paths": inputs.paths(),
         "run_id": ctx.run_id, "work_dir": str(ctx.work_dir),
         "resume_dir": str(ctx.resume_dir),
         "seconds_left": (ctx.deadline - time.monotonic()) if ctx.deadline else None,
@@ -215,6 +216,7 @@ def run_distributed(job, ctx, inputs: dict) -> None:
     if code != 0 or "staged" not in result:
         raise_first_failure(ctx.work_dir, resources.world_size(), code, log_path)
     ctx.staged.update(result["staged"])
+    return result.get("metrics", {})
 
 
 def raise_first_failure(work_dir: Path, world: int, code: int, log_path: Path) -> None:

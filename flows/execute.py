@@ -33,11 +33,11 @@ from flows.spec import BASE, LoadedPipeline
 from flows.tags import TAG_ERROR, TAG_FINGERPRINT, TAG_KIND, TAG_SEED, TAG_UPSTREAM
 from flows.terminal import stage_output
 from flows.tracking import MlflowStageContext, Tracker
-from stages.context import StageTimeLimit
+from stages.context import SCORER_PREFIX, StageInputs, StageTimeLimit
 from stages.data import MixtureData, materialize, mixture_report_path
 from stages.models import resolve_base_checkpoint
 from stages.registry import HEADLINE_METRICS, stage_runner
-from stages.rewards import JUDGE_FN, reward_input_key
+from stages.rewards import JUDGE_FN
 
 TIME_LIMIT_GRACE = 30.0
 
@@ -69,46 +69,48 @@ class StageRow:
 # ------------------------------------------------------------------ what a stage reads
 
 
-def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[str, dict], home: Path) -> dict:
+def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[str, dict], home: Path) -> StageInputs:
     """Local paths for everything a stage reads: checkpoints, datasets, reward specs."""
     spec = loaded.spec
     config = spec.stages[stage]
-    # The pipeline's trust in its model's own code (off unless it says so) travels to every stage.
-    inputs: dict = {"base_dir": str(loaded.base_dir),
-                    "trust_remote_code": bool(getattr(spec.model, "trust_remote_code", False))}
-    for field_name, target in stage_references(spec, stage).items():  # reward models' stages included
+    checkpoints, scorers = {}, {}
+    for input_name, target in stage_references(spec, stage).items():  # reward models' stages included
         if target == BASE:
             path = resolve_base_checkpoint(spec.model, spec.seed, home / "cache" / "models", loaded.base_dir)
-        elif field_name == FAILURES_INPUT:  # iterate: the failure set of round r-1's collect step
+        elif input_name == FAILURES_INPUT:  # iterate: the failure set of round r-1's collect step
             path = upstream_outputs[target]["failures"]
         else:
             path = upstream_outputs[target]["checkpoint"]
-        inputs[field_name] = str(path)
-    for i, name in enumerate(config.dataset_names()):
-        path = materialize(spec.data[name], loaded.base_dir, home / "cache" / "data", spec.data)
-        inputs["data" if i == 0 else f"data_{name}"] = str(path)
-    inputs["rewards"] = loaded.rewards_for(config.reward_names())
-    if any(r.fn == JUDGE_FN for r in inputs["rewards"].values()):
-        inputs["judge_cache"] = str(home / "cache" / "judge")  # replies by (judge, rubric, prompt, completion)
-    inputs.update(judge_model_inputs(inputs["rewards"], spec.seed, home, loaded.base_dir))
-    inputs["reward_checks"] = {n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks}
-    return inputs
+        if input_name.startswith(SCORER_PREFIX):
+            scorers[input_name[len(SCORER_PREFIX):]] = Path(path)
+        else:
+            checkpoints[input_name] = Path(path)
+    datasets = {name: materialize(spec.data[name], loaded.base_dir, home / "cache" / "data", spec.data)
+                for name in config.dataset_names()}
+    rewards = loaded.rewards_for(config.reward_names())
+    scorers.update(judge_model_inputs(rewards, spec.seed, home, loaded.base_dir))
+    return StageInputs(
+        trust_remote_code=bool(getattr(spec.model, "trust_remote_code", False)),
+        datasets=datasets, **checkpoints, scorer_checkpoints=scorers, rewards=rewards,
+        # replies by (judge, rubric, prompt, completion)
+        judge_cache=home / "cache" / "judge" if any(r.fn == JUDGE_FN for r in rewards.values()) else None,
+        reward_checks={n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks})
 
 
-def judge_model_inputs(rewards: dict, seed: int, home: Path, base_dir: Path) -> dict[str, str]:
+def judge_model_inputs(rewards: dict, seed: int, home: Path, base_dir: Path) -> dict[str, Path]:
     """The checkpoint of each judge with a model of its own (``model:``: GGUF converted once, hub snapshot, path)."""
-    return {reward_input_key(name): str(resolve_base_checkpoint(r.model, seed, home / "cache" / "models", base_dir))
+    return {name: resolve_base_checkpoint(r.model, seed, home / "cache" / "models", base_dir)
             for name, r in rewards.items() if r.fn == JUDGE_FN and r.model is not None}
 
 
-def log_mixtures(job: StageJob, inputs: dict, recorder: Recorder) -> None:
+def log_mixtures(job: StageJob, inputs: StageInputs, recorder: Recorder) -> None:
     """For each mixture the stage reads: its recipe and realised per-source counts, as params
     (``data.<name>.mixture.<source>.weight`` / ``.count``) and as ``data_mixture_<name>.json``."""
     spec = job.loaded.spec
-    for i, name in enumerate(job.config.dataset_names()):
+    for name, path in inputs.datasets.items():
         if not isinstance(spec.data[name], MixtureData):
             continue
-        report_path = mixture_report_path(Path(inputs["data" if i == 0 else f"data_{name}"]))
+        report_path = mixture_report_path(path)
         report = json.loads(report_path.read_text(encoding="utf-8"))
         params = {}
         for source, probability in report["recipe"].items():
@@ -118,9 +120,10 @@ def log_mixtures(job: StageJob, inputs: dict, recorder: Recorder) -> None:
         recorder.text(json.dumps(report, indent=2, sort_keys=True), f"data_mixture_{name}.json")
 
 
-def run_stage_function(job: StageJob, inputs: dict, ctx) -> None:
-    """The stage kind's ``run(config, inputs, ctx)``: what this process and every rank computes."""
-    stage_runner(job.kind)(job.config, inputs, ctx)
+def run_stage_function(job: StageJob, inputs: StageInputs, ctx) -> dict:
+    """The stage kind's ``run(config, inputs, ctx)``: what this process and every rank computes; returns
+    what it returned (its outputs and ``metrics``)."""
+    return stage_runner(job.kind)(job.config, inputs, ctx) or {}
 
 
 # ------------------------------------------------------------------ lock, cache check, run, publish
@@ -144,7 +147,7 @@ def execute(job: StageJob, tracker: Tracker, console=None) -> StageRow:
                 hit = tracker.find_cached(job.experiment_id, job.stage, job.fingerprint)
                 if hit is not None:
                     return StageRow(job.stage, job.kind, "cached", 0.0, hit.info.run_id,
-                                    headline_metrics(tracker, hit.info.run_id, job.kind),
+                                    headline_metrics(hit.data.metrics, job.kind),
                                     "finished meanwhile by another posttrain run", tracker.outputs_of(hit))
             return _run(job, tracker, console)
     except (StageFailed, KeyboardInterrupt, TrackingUnavailable):
@@ -188,7 +191,7 @@ def _run(job: StageJob, tracker: Tracker, console) -> StageRow:
         with stage_output(job.stage, log_path):  # the terminal's stage line; other output to the log
             ctx = MlflowStageContext(tracker, recorder.run_id, work_dir, job.seed, console, resume_dir=resume_dir,
                                      recorder=recorder)
-            _run_stage(job, tracker, recorder, ctx)
+            metrics = _run_stage(job, tracker, recorder, ctx)
     except KeyboardInterrupt:
         recorder.tags({TAG_ERROR: "interrupted (Ctrl-C); trainer checkpoints so far are kept in "
                                   f"{resume_dir} and the next run of this stage resumes from them"})
@@ -202,10 +205,11 @@ def _run(job: StageJob, tracker: Tracker, console) -> StageRow:
         recorder.artifacts(str(log_path), "logs")
     published = tracker.publish_outputs(recorder, job.pipeline.name, job.stage, ctx.staged)
     record_stage_model(recorder, job.pipeline.name, job.stage, job.config, job.upstream_runs, published)
-    row = StageRow(job.stage, job.kind, "ran", time.perf_counter() - started, recorder.run_id, outputs=published)
+    row = StageRow(job.stage, job.kind, "ran", time.perf_counter() - started, recorder.run_id,
+                   headline_metrics(metrics, job.kind), outputs=published)
     shutil.rmtree(work_dir, ignore_errors=True)
     shutil.rmtree(resume_dir, ignore_errors=True)
-    return _report_row(row, recorder, tracker)
+    return _report_row(row, recorder)
 
 
 def _record_failure(recorder: Recorder, error: BaseException, log_path: Path) -> None:
@@ -227,33 +231,34 @@ def _record_failure(recorder: Recorder, error: BaseException, log_path: Path) ->
         pass
 
 
-def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowStageContext) -> None:
-    """Resolve the inputs, then run the stage here or on ``world_size`` processes, within its time limit."""
+def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowStageContext) -> dict[str, float]:
+    """Resolve the inputs, then run the stage here or on ``world_size`` processes, within its time limit;
+    returns the metrics it reported (``MlflowStageContext.result_metrics``)."""
     inputs = resolve_inputs(job.loaded, job.stage, job.upstream_outputs, tracker.home)
     log_mixtures(job, inputs, recorder)
     inputs = failure_set_inputs(job.loaded, job.stage, inputs, job.upstream_runs, tracker, recorder,
                                 tracker.home)  # iterate
-    recorder.params({f"input.{k}": v for k, v in inputs.items() if k not in ("rewards", "reward_checks")})
-    recorder.datasets(stage_datasets(job.loaded, job.stage, inputs))
+    recorder.params({f"input.{k}": v for k, v in inputs.paths().items()}
+                    | {"input.trust_remote_code": inputs.trust_remote_code})
+    recorder.datasets(stage_datasets(job.loaded, inputs))
     recorder.tags({TAG_SEED: str(job.seed)})
     with time_limit(job.stage, job.time_limit_seconds, ctx):
         if job.resources.world_size() > 1:  # N training processes (flows/distributed.py)
-            run_distributed(job, ctx, inputs)
+            metrics = run_distributed(job, ctx, inputs)
         else:
-            run_stage_function(job, inputs, ctx)
+            metrics = ctx.result_metrics(run_stage_function(job, inputs, ctx))
     ctx.flush()
+    return metrics
 
 
-def _report_row(row: StageRow, recorder: Recorder, tracker: Tracker) -> StageRow:
-    """The row's headline metrics, or, if the store went away meanwhile, what waits to be recorded."""
+def _report_row(row: StageRow, recorder: Recorder) -> StageRow:
+    """The row, saying what waits to be recorded if the store went away meanwhile (and did not come back)."""
     if recorder.offline and not recorder.retry(float(os.environ.get("POSTTRAIN_TRACKING_RETRY_SECONDS", "60"))):
         on_disk = ", ".join(row.outputs.values())
         row.unrecorded = (f"stage {row.stage} finished and its outputs are on disk ({on_disk}), "
                           f"but the MLflow store became unreachable ({recorder.unavailable}); not recorded: "
                           f"{recorder.summary()}. They wait in {recorder.journal_path}; `posttrain sync` "
                           "(or any later `posttrain run`) records them once the store is back")
-        return row
-    row.metrics = headline_metrics(tracker, row.run_id, row.kind)
     return row
 
 
@@ -284,8 +289,8 @@ def time_limit(stage: str, seconds: float | None, ctx):
         signal.signal(signal.SIGALRM, previous)
 
 
-def headline_metrics(tracker, run_id: str, kind: str) -> dict[str, float]:
-    metrics = tracker.get_run(run_id).data.metrics
+def headline_metrics(metrics: dict[str, float], kind: str) -> dict[str, float]:
+    """The metrics of a stage run worth a column in the summary (``HEADLINE_METRICS``)."""
     chosen = {}
     for pattern in HEADLINE_METRICS.get(kind, []):
         if pattern.endswith("*"):

@@ -256,21 +256,20 @@ def build_round_data(loaded, feed: FailureFeed, failures_path: Path, recorded_in
     return RoundData(target, failures_sha256, counts)
 
 
-def failure_set_inputs(loaded, step: str, inputs: dict, upstream_runs: dict[str, str], tracker, recorder,
-                       home: Path) -> dict:
+def failure_set_inputs(loaded, step: str, inputs, upstream_runs: dict[str, str], tracker, recorder, home: Path):
     """For ``train@r``: swap its data for the round's mix and record which failure set it trained on."""
     feed = round_feed(loaded.spec, step)
     if feed is None:
         return inputs
     collect_run = upstream_runs[feed.collect]
     recorded_input = tracker.get_run(collect_run).data.params.get("input.data")
-    built = build_round_data(loaded, feed, Path(inputs[FAILURES_INPUT]), recorded_input, home / "cache" / "data")
+    built = build_round_data(loaded, feed, inputs.failures, recorded_input, home / "cache" / "data")
     recorder.tags({TAG_FAILURE_SET: f"runs:/{collect_run}/{FAILURE_ARTIFACT}",
                    TAG_FAILURE_SET_SHA256: built.failures_sha256})
     recorder.params({"iterate.round": feed.round, "iterate.mix": feed.mix, "iterate.collect": feed.collect,
                      "iterate.failure_set_run_id": collect_run, "iterate.failure_set_artifact": FAILURE_ARTIFACT,
                      **{f"iterate.{name}": value for name, value in built.counts.items()}})
-    return {**inputs, "data": str(built.path)}
+    return inputs.with_data(built.path)
 
 
 # ------------------------------------------------------------------ each round's evaluation side by side

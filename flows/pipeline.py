@@ -106,7 +106,7 @@ class _StageLoop:
         elif decision.action is Action.CACHED:
             run = self.tracker.get_run(decision.cached_run_id)
             self._done(StageRow(decision.stage, kind, "cached", 0.0, decision.cached_run_id,
-                                headline_metrics(self.tracker, decision.cached_run_id, kind), decision.reason),
+                                headline_metrics(run.data.metrics, kind), decision.reason),
                        self.tracker.outputs_of(run))
         else:
             self._execute(bind_upstream(job, self.run_ids, self.outputs, self.upstream[decision.stage]), decision)

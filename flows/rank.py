@@ -22,9 +22,10 @@ from flows.execute import resolve_inputs, run_stage_function
 from flows.home import configure_environment
 from flows.job import StageJob
 from flows.tracking import MlflowStageContext, Tracker
+from stages.context import StageInputs
 
 
-def rank_inputs(job: StageJob, described: dict, home: Path) -> dict:
+def rank_inputs(job: StageJob, described: dict, home: Path) -> StageInputs:
     """The stage's inputs on this rank: rewards and checks rebuilt from the job (they are not JSON),
     every path as the launching process resolved it (an iterate round's failure-set data included).
 
@@ -35,7 +36,7 @@ def rank_inputs(job: StageJob, described: dict, home: Path) -> dict:
         tracker = Tracker(home)
         upstream = {u: tracker.outputs_of(tracker.get_run(run_id)) for u, run_id in job.upstream_runs.items()}
         return resolve_inputs(job.loaded, job.stage, upstream, home)
-    return {**resolve_inputs(job.loaded, job.stage, job.upstream_outputs, home), **described["paths"]}
+    return resolve_inputs(job.loaded, job.stage, job.upstream_outputs, home).with_paths(described["paths"])
 
 
 def main(rank_file: str) -> int:
@@ -54,7 +55,7 @@ def main(rank_file: str) -> int:
             ctx.deadline = deadline
         else:
             ctx = RankContext(work_dir / f"rank{rank}", resume_dir, job.seed, deadline)
-        run_stage_function(job, inputs, ctx)
+        returned = run_stage_function(job, inputs, ctx)
         ctx.flush()
     except BaseException as error:  # each rank says why it stopped; the launcher reports the first to fail
         (work_dir / f"distributed.error.rank{rank}.json").write_text(json.dumps({
@@ -62,7 +63,7 @@ def main(rank_file: str) -> int:
             "error_type": type(error).__name__, "traceback": traceback.format_exc()[-4000:]}))
         raise
     if rank == 0:
-        result_path.write_text(json.dumps({"staged": ctx.staged}))
+        result_path.write_text(json.dumps({"staged": ctx.staged, "metrics": ctx.result_metrics(returned)}))
     return 0
 
 

@@ -12,7 +12,6 @@ numbers, ``--set`` overrides, pydantic's errors turned into issues, and ``load_p
 
 from __future__ import annotations
 
-import re
 import typing
 from pathlib import Path
 from typing import Any

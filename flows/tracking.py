@@ -225,6 +225,7 @@ class MlflowStageContext:
         self.seed = seed
         self.console = console
         self.staged: dict[str, str] = {}
+        self.latest: dict[str, tuple[int, float]] = {}  # metric -> (step, value), as MLflow shows a run's metrics
         self.recorder = recorder or Recorder(tracker.client, run_id, tracker.home)
         self._staging = work_dir / "staging"
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -246,9 +247,21 @@ class MlflowStageContext:
         self.recorder.params(params)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.recorder.metrics({metric_name(k): v for k, v in metrics.items()}, step or 0)
+        named = {metric_name(k): v for k, v in metrics.items()}
+        self.recorder.metrics(named, step or 0)
+        for name, value in named.items():  # MLflow's latest value: the highest step's, then the last logged
+            if name not in self.latest or (step or 0) >= self.latest[name][0]:
+                self.latest[name] = (step or 0, float(value))
         if (line := _terminal_line()) is not None:
             line.metrics_logged(metrics)
+
+    def result_metrics(self, returned: dict | None) -> dict[str, float]:
+        """What the stage reported: every metric's latest logged value, then its ``run()``'s returned
+        ``metrics`` (what a rerun must reproduce) over them."""
+        metrics = {name: value for name, (_, value) in self.latest.items()}
+        returned_metrics = (returned or {}).get("metrics", {})
+        return metrics | {metric_name(k): float(v) for k, v in returned_metrics.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     def metric_history(self, name: str):
         """Every logged value of a metric, after the buffered writes landed."""

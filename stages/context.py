@@ -6,11 +6,11 @@ it a protocol is what lets ``stages/`` stay free of Prefect and of pipeline YAML
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
-
-from typing import Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import ConfigDict, Field
 
@@ -70,6 +70,77 @@ class ExecutionLimits(SpecModel):
         "optimizer step and keeps a resumable checkpoint; any stage is stopped at most 30 s after the limit. "
         "The run is marked FAILED with what it got done.",
     )
+
+
+# The stage fields that name another stage's checkpoint (``references()``), plus ``failures``:
+# the failure set an ``iterate:`` round trains on.
+CHECKPOINT_INPUTS = ("model", "policy", "reference", "critic", "reward_model", "failures")
+SCORER_PREFIX = "rewards."  # ``rewards.<name>``: the checkpoint a reward scores or judges with
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """Everything a stage reads, as local paths and typed specs; built by the orchestrator
+    (``flows.execute.resolve_inputs``) before the stage runs, the same on every rank."""
+
+    trust_remote_code: bool = False  # the pipeline's trust in its model's own code (off unless it says so)
+    datasets: Mapping[str, Path] = field(default_factory=dict)  # what it reads, by declared name, as JSONL
+    model: Path | None = None
+    policy: Path | None = None
+    reference: Path | None = None
+    critic: Path | None = None
+    reward_model: Path | None = None
+    failures: Path | None = None  # iterate: the failure set of the previous round's eval
+    scorer_checkpoints: Mapping[str, Path] = field(default_factory=dict)  # reward -> its reward model's / judge's
+    judge_cache: Path | None = None  # judge replies by (judge, rubric, prompt, completion); None: no cache
+    rewards: Mapping[str, Any] = field(default_factory=dict)  # reward name -> stages.rewards.RewardSpec
+    reward_checks: Mapping[str, list] = field(default_factory=dict)  # reward name -> its known cases
+
+    def __post_init__(self):  # paths as Path, whatever the caller passed
+        for name in _PATH_FIELDS:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
+        object.__setattr__(self, "datasets", {k: Path(v) for k, v in self.datasets.items()})
+        object.__setattr__(self, "scorer_checkpoints", {k: Path(v) for k, v in self.scorer_checkpoints.items()})
+
+    @property
+    def data(self) -> Path | None:
+        """The stage's dataset (its config's first ``dataset_names()``)."""
+        return next(iter(self.datasets.values()), None)
+
+    def with_data(self, path: Path) -> StageInputs:
+        """These inputs reading ``path`` in place of the stage's dataset (a filtered or mixed copy of it)."""
+        if not self.datasets:
+            raise ValueError("the stage reads no dataset to replace")
+        first = next(iter(self.datasets))
+        return replace(self, datasets={**self.datasets, first: Path(path)})
+
+    def scorer_checkpoint(self, reward: str, what: str) -> Path:
+        """The checkpoint reward ``reward`` scores with; ``what`` says with what, for the error."""
+        if reward not in self.scorer_checkpoints:
+            raise ValueError(f"reward {reward!r} {what}, but the stage received no checkpoint for it")
+        return self.scorer_checkpoints[reward]
+
+    def with_paths(self, paths: Mapping[str, str]) -> StageInputs:
+        """These inputs with the paths of ``paths()`` (as another process resolved them) in place."""
+        scorers = {k[len(SCORER_PREFIX):]: Path(v) for k, v in paths.items() if k.startswith(SCORER_PREFIX)}
+        datasets = {k[len("data."):]: Path(v) for k, v in paths.items() if k.startswith("data.")}
+        plain = {k: Path(v) for k, v in paths.items() if k in _PATH_FIELDS}
+        return replace(self, **plain, scorer_checkpoints={**self.scorer_checkpoints, **scorers},
+                       datasets={**self.datasets, **datasets})
+
+    def paths(self) -> dict[str, str]:
+        """Every path, flat (``data``, ``policy``, ``data.<name>``, ``rewards.<reward>``, ...): recorded
+        as the stage run's ``input.*`` params and handed to the ranks of a multi-process stage."""
+        flat = {name: str(getattr(self, name)) for name in _PATH_FIELDS if getattr(self, name) is not None}
+        if self.data is not None:
+            flat["data"] = str(self.data)  # what iterate reads back from a collect run's ``input.data``
+        flat.update({f"data.{name}": str(path) for name, path in self.datasets.items()})
+        flat.update({f"{SCORER_PREFIX}{name}": str(path) for name, path in self.scorer_checkpoints.items()})
+        return flat
+
+
+_PATH_FIELDS = tuple(f.name for f in fields(StageInputs) if f.name in ("judge_cache", *CHECKPOINT_INPUTS))
 
 
 class Progress(Protocol):

@@ -36,6 +36,7 @@ from typing import ClassVar
 
 from pydantic import ConfigDict, Field, model_validator
 
+from stages.context import StageInputs
 from stages.data import prompt_messages, read_materialized
 from stages.generation import BackendName, SamplingSettings, open_backend
 from stages.spec_model import SpecModel
@@ -119,12 +120,12 @@ def verdict(rate: float, min_pass: float, max_pass: float) -> str:
     return "kept"
 
 
-def filter_prompts(config, inputs: dict, ctx) -> Path:
-    """Score ``inputs['data']`` under ``inputs['policy']``, write the kept records, return their file.
+def filter_prompts(config, inputs: StageInputs, ctx) -> Path:
+    """Score ``inputs.data`` under ``inputs.policy``, write the kept records, return their file.
 
     ``config`` is the rl stage's config (its ``difficulty_filter`` set)."""
     spec: DifficultyFilter = config.difficulty_filter
-    records = read_materialized(Path(inputs["data"]))
+    records = read_materialized(inputs.data)
     if spec.max_prompts:
         records = records[: spec.max_prompts]
     prompts = [prompt_messages(r) for r in records]
@@ -164,14 +165,14 @@ def filter_prompts(config, inputs: dict, ctx) -> Path:
     return path
 
 
-def _sample(config, inputs: dict, ctx, prompts: list, sampling, verifier: str):
+def _sample(config, inputs: StageInputs, ctx, prompts: list, sampling, verifier: str):
     """``attempts`` samples of every prompt under the starting policy."""
     spec: DifficultyFilter = config.difficulty_filter
     k = sampling.attempts
     with ctx.progress(f"difficulty filter: {k} attempts x {len(prompts)} prompts", len(prompts)) as bar:
-        backend = open_backend(spec.backend or config.backend, Path(inputs["policy"]),
+        backend = open_backend(spec.backend or config.backend, inputs.policy,
                                progress=bar, keep_logprobs=False, engine=config.engine,
-                               trust_remote_code=inputs.get("trust_remote_code", False),
+                               trust_remote_code=inputs.trust_remote_code,
                                prompt_batch_size=spec.prompt_batch_size)
         try:
             samples = backend.generate(prompts, sampling)
@@ -197,7 +198,7 @@ def _require_enough(config, kept: list[dict], records: list[dict], verdicts: lis
             + ": widen min_pass/max_pass, raise attempts or max_prompts, or start from another policy")
 
 
-def score_attempts(config, inputs: dict, records: list[dict], prompts: list, samples, verifier: str,
+def score_attempts(config, inputs: StageInputs, records: list[dict], prompts: list, samples, verifier: str,
                    threshold: float) -> tuple[list[bool], list[tuple[int, str]]]:
     """(per attempt, prompt-major: whether the verifier calls it correct; the verifier's exceptions).
 
@@ -213,7 +214,7 @@ def score_attempts(config, inputs: dict, records: list[dict], prompts: list, sam
         "answer": [r.get("answer") for r in records for _ in range(k)],
         "prompts": [p for p in prompts for _ in range(k)],
     }, [r.get("task") for r in records for _ in range(k)])
-    specs = {verifier: inputs["rewards"][verifier]}
+    specs = {verifier: inputs.rewards[verifier]}
     scored = score_completions(specs, texts, columns, bind_reward_models(specs, inputs))
     component = scored.components[0]
     errors = component.errors

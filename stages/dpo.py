@@ -35,6 +35,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from stages.context import StageInputs
 from stages.preference_training import PreferenceOptimisationConfig, train_on_preferences  # shared with kto
 from stages.trainer_callbacks import pooling_pair_metrics, schedule_arguments
 
@@ -78,7 +79,7 @@ def build_dpo_config(config: DPOStageConfig, output_dir: Path, seed: int):
     )
 
 
-def run(config: DPOStageConfig, inputs: dict, ctx) -> dict:
+def run(config: DPOStageConfig, inputs: StageInputs, ctx) -> dict:
     from trl import DPOTrainer
 
     args = build_dpo_config(config, ctx.work_dir / "trainer", ctx.seed if config.seed is None else config.seed)

@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from stages.context import ExecutionLimits
+from stages.context import ExecutionLimits, StageInputs
 from stages.data import prompt_messages, read_materialized
 from stages.environments import EnvironmentSpec
 from stages.generation import BackendName, EngineSettings, SamplingSettings, open_backend
@@ -169,10 +169,10 @@ def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, Reward
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def run(config: EvalConfig, inputs: dict, ctx) -> dict:
+def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
     """Sample, score and summarise; returns the failure-case file and the metrics."""
-    rewards: dict[str, RewardSpec] = inputs["rewards"]
-    records = read_materialized(Path(inputs["data"]))
+    rewards: dict[str, RewardSpec] = inputs.rewards
+    records = read_materialized(inputs.data)
     if config.max_prompts:
         records = records[: config.max_prompts]
     prompts = start_messages(config, records)
@@ -208,8 +208,8 @@ def run(config: EvalConfig, inputs: dict, ctx) -> dict:
     picks = None
     if config.select is not None:
         picks, metrics["best_of_n_accuracy"] = select_best_of_n(
-            Path(inputs["reward_model"]), columns["prompts"], flat_texts, correct, k,
-            inputs.get("trust_remote_code", False))
+            inputs.reward_model, columns["prompts"], flat_texts, correct, k,
+            inputs.trust_remote_code)
     metrics.update(_audit(ctx, rewards, scored, bound, columns["prompts"], flat_texts))
     ctx.log_metrics(metrics)
     # timings are logged, not returned: the returned metrics are what a rerun must reproduce
@@ -237,18 +237,18 @@ def _audit(ctx, rewards: dict[str, RewardSpec], scored, bound: dict, prompts: li
     return log_audits(ctx, audit_judges(rewards, scored, judges, prompts, texts)) if judges else {}
 
 
-def _sample(config: EvalConfig, inputs: dict, ctx, records: list[dict], verifier: str):
+def _sample(config: EvalConfig, inputs: StageInputs, ctx, records: list[dict], verifier: str):
     """``attempts`` samples (or episodes, with an environment) per prompt through the engine, its settings hash
     tagged; (samples, seconds, the episodes in prompt-major order or None)."""
     sampling = config.sampling
     prompts = start_messages(config, records)
     with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
-        backend = open_backend(config.backend, Path(inputs["model"]), progress=bar, keep_logprobs=False,
-                               trust_remote_code=inputs.get("trust_remote_code", False),
+        backend = open_backend(config.backend, inputs.model, progress=bar, keep_logprobs=False,
+                               trust_remote_code=inputs.trust_remote_code,
                                prompt_batch_size=config.prompt_batch_size, engine=config.engine)
         try:
             # the hash is known once the backend is: what the engine changes about samples is part of it
-            settings_id = settings_hash(config, Path(inputs["data"]), inputs["rewards"], inputs.get("reward_model"),
+            settings_id = settings_hash(config, inputs.data, inputs.rewards, inputs.reward_model,
                                         backend.identity())
             ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
             ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from stages.context import StageInputs
 from stages.data import prompt_messages, read_materialized
 from stages.generation import neutral_generation_config
 from stages.placement import check_devices, place, placement_params
@@ -290,7 +291,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
     )
 
 
-def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int, backend: str):
+def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: str):
     """posttrain's rollouts for TRL (stages/rollouts.py): an environment's episodes (through vLLM or the
     training model's generate), or vLLM samples when the backend resolved to vLLM, else None (TRL samples
     with generate on the training model)."""
@@ -306,11 +307,11 @@ def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int, backend: 
     budget = sampling.max_tokens if env is None else env.max_episode_tokens + 64  # + 64: the tools' line
     engine = None
     if backend == "vllm":
-        engine = GRPORollouts(Path(inputs["policy"]), tokenizer, group_size=sampling.attempts,
+        engine = GRPORollouts(inputs.policy, tokenizer, group_size=sampling.attempts,
                               temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
                               seed=seed, engine=config.engine,
                               max_model_len=context_length(tokenizer, dataset["prompt"], budget),
-                              trust_remote_code=inputs.get("trust_remote_code", False))
+                              trust_remote_code=inputs.trust_remote_code)
     if env is None:
         return engine
     from stages.environments import build_environment
@@ -325,7 +326,7 @@ def grpo_rollouts(config, inputs: dict, tokenizer, dataset, seed: int, backend: 
     return EpisodeRollouts(runner, tokenizer, settings, engine)
 
 
-def train_grpo(config, inputs: dict, ctx) -> dict:
+def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     from datasets import Dataset
 
     from stages.lora import save_trained
@@ -335,9 +336,9 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     seed = config.seed if config.seed is not None else ctx.seed
     model, tokenizer, own_generation_config = _load_policy(inputs)
 
-    records = read_materialized(Path(inputs["data"]))
+    records = read_materialized(inputs.data)
     dataset = Dataset.from_list(_prompt_rows(config, records))
-    rewards: dict[str, RewardSpec] = inputs["rewards"]
+    rewards: dict[str, RewardSpec] = inputs.rewards
     budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
     holder: dict = {}  # the trainer's metrics, once it exists: the reward functions log into them
     check_devices(config.placement)  # before anything loads
@@ -345,7 +346,7 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
-    backend, why = rollout_backend(config, Path(inputs["policy"]))
+    backend, why = rollout_backend(config, inputs.policy)
     rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why})
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
@@ -379,7 +380,7 @@ def train_grpo(config, inputs: dict, ctx) -> dict:
     metrics = _final_metrics(history, trainer.state.global_step, budget.count)
     ctx.log_metrics(metrics)
 
-    trainer.model.config._name_or_path = str(inputs["policy"])  # was the KL anchor's, for TRL
+    trainer.model.config._name_or_path = str(inputs.policy)  # was the KL anchor's, for TRL
     model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
     outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
@@ -397,15 +398,15 @@ def _prompt_rows(config, records: list[dict]) -> list[dict]:
              "task": json.dumps(r["task"]) if r.get("task") is not None else None} for r in records]
 
 
-def _load_policy(inputs: dict):
+def _load_policy(inputs: StageInputs):
     """(model, tokenizer, the checkpoint's own generation config) of the policy, ready for TRL."""
     from stages.models import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(Path(inputs["policy"]),
-                                                trust_remote_code=inputs.get("trust_remote_code", False))
+    model, tokenizer = load_model_and_tokenizer(inputs.policy,
+                                                trust_remote_code=inputs.trust_remote_code)
     tokenizer.padding_side = "left"
     # TRL builds the KL reference from the policy's `_name_or_path`: point it at the anchor.
-    model.config._name_or_path = str(inputs.get("reference") or inputs["policy"])
+    model.config._name_or_path = str(inputs.reference or inputs.policy)
     # transformers fills what TRL's sampling config leaves unset (min_p, suppress_tokens, ...) from the
     # model's own generation config: sample from a neutral one, keep the checkpoint's for saving.
     own_generation_config = model.generation_config
@@ -415,13 +416,13 @@ def _load_policy(inputs: dict):
     return model, tokenizer, own_generation_config
 
 
-def _reward_funcs(inputs: dict, budget: RewardErrorBudget, trainer_metrics, ctx, where: str) -> list:
+def _reward_funcs(inputs: StageInputs, budget: RewardErrorBudget, trainer_metrics, ctx, where: str) -> list:
     """One TRL reward function per declared reward (reward models, placed where ``where`` says, and judges
     bound to their checkpoints), judges audited against the verifiers every ``audit_every`` batches."""
     from stages.judge import batch_auditor
     from stages.reward_model_scoring import bind_reward_models
 
-    rewards: dict[str, RewardSpec] = inputs["rewards"]
+    rewards: dict[str, RewardSpec] = inputs.rewards
     bound = bind_reward_models(rewards, inputs, where)
     auditor = batch_auditor(rewards, bound, ctx)
     return [make_reward_func(name, spec, budget, trainer_metrics, bound.get(name), auditor)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from stages.context import StageInputs
 from stages.rewards import (
     ComponentScores,
     JUDGE_FN,
@@ -42,7 +43,6 @@ from stages.rewards import (
     RewardSpec,
     ScoredBatch,
     import_dotted,
-    reward_input_key,
 )
 
 JUDGE_PASS = 0.5  # a judge's (scaled) score at or above this is a pass
@@ -154,12 +154,12 @@ def model_identity(checkpoint: Path) -> str:
                                                           for p in files]])
 
 
-def bind_judges(rewards: dict[str, RewardSpec], inputs: dict) -> dict[str, JudgeReward]:
+def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs) -> dict[str, JudgeReward]:
     """The reward function of every ``fn: judge`` reward; ``inputs`` carries each model judge's checkpoint
-    (``rewards.<name>``) and the reply cache's directory (``judge_cache``, none: no cache)."""
+    (``scorer_checkpoints``) and the reply cache's directory (``judge_cache``, None: no cache)."""
     from stages.generation import resolve_backend
 
-    cache_dir = Path(inputs["judge_cache"]) if inputs.get("judge_cache") else None
+    cache_dir = inputs.judge_cache
     bound = {}
     for name, spec in rewards.items():
         if spec.fn != JUDGE_FN:
@@ -167,13 +167,8 @@ def bind_judges(rewards: dict[str, RewardSpec], inputs: dict) -> dict[str, Judge
         if spec.judge_fn is not None:
             ask, identity = import_dotted(spec.judge_fn, "judge_fn"), f"fn:{spec.judge_fn}"
         else:
-            key = reward_input_key(name)
-            if key not in inputs:
-                raise ValueError(f"reward {name!r} is judged by {spec.stage or 'its model'!r}, but the stage received no "
-                                 "checkpoint "
-                                 f"for it (inputs[{key!r}] is missing)")
-            checkpoint = Path(inputs[key])
-            trusted = getattr(spec.model, "trust_remote_code", False) if spec.model else inputs.get("trust_remote_code")
+            checkpoint = inputs.scorer_checkpoint(name, f"is judged by {spec.stage or 'its model'!r}")
+            trusted = getattr(spec.model, "trust_remote_code", False) if spec.model else inputs.trust_remote_code
             ask = ModelJudge(spec, checkpoint, bool(trusted))
             identity = f"{model_identity(checkpoint)} backend {resolve_backend(spec.backend, checkpoint)[0]}"
         key = hashlib.sha256(json.dumps([identity, spec.sampling.model_dump(mode="json")]).encode()).hexdigest()[:20]

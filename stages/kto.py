@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from stages.context import StageInputs
 from stages.preference_training import PreferenceOptimisationConfig, train_on_preferences
 
 
@@ -35,7 +36,7 @@ class KTOStageConfig(PreferenceOptimisationConfig):
         return self
 
 
-def run(config: KTOStageConfig, inputs: dict, ctx) -> dict:
+def run(config: KTOStageConfig, inputs: StageInputs, ctx) -> dict:
     from trl import KTOConfig, KTOTrainer
 
     from stages.trainer_callbacks import device_arguments, schedule_arguments

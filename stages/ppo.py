@@ -68,6 +68,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from stages.context import StageInputs
 from stages.data import prompt_messages, read_materialized
 from stages.data_parallel import (
     all_max,
@@ -421,26 +422,26 @@ class PPORun:
     engine: VLLMBackend | None = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
 
     @classmethod
-    def load(cls, config: RLStageConfig, inputs: dict, seed: int) -> "PPORun":
+    def load(cls, config: RLStageConfig, inputs: StageInputs, seed: int) -> "PPORun":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         check_devices(config.placement)  # before anything loads
-        policy_path = Path(inputs["policy"])
-        trust = inputs.get("trust_remote_code", False)
+        policy_path = inputs.policy
+        trust = inputs.trust_remote_code
         policy, tokenizer = load_model_and_tokenizer(policy_path, trust_remote_code=trust)
         policy = wrap(policy, config.lora)  # with lora: only the adapters require grad
         policy.to(device).eval()
         reference = (AdaptersOff(policy) if config.lora
-                     else place(load_frozen_reference(Path(inputs.get("reference") or policy_path), trust),
+                     else place(load_frozen_reference(Path(inputs.reference or policy_path), trust),
                                 config.placement.reference, device))
-        critic = (ValueModel.from_reward_model(Path(inputs["critic"]), trust) if inputs.get("critic")
+        critic = (ValueModel.from_reward_model(inputs.critic, trust) if inputs.critic
                   else ValueModel.from_policy_checkpoint(policy_path, trust)).to(device).eval()
         trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]
         optimizers = [torch.optim.AdamW(trainable, lr=config.lr),
                       torch.optim.AdamW(critic.parameters(), lr=config.critic_lr or config.lr)]
         kl_control = (FixedKLController(config.kl_beta) if config.kl_target is None
                       else AdaptiveKLController(config.kl_beta, config.kl_target, config.kl_horizon))
-        return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, inputs["rewards"],
-                   seed, device, bind_reward_models(inputs["rewards"], inputs, config.placement.reward_model))
+        return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, inputs.rewards,
+                   seed, device, bind_reward_models(inputs.rewards, inputs, config.placement.reward_model))
 
     def step(self, step: int, batch: list[dict], generator: torch.Generator) -> tuple[dict[str, float], list[dict]]:
         """Sample, score, update on one batch of prompts: the step's metrics and sample rows."""
@@ -480,17 +481,17 @@ class PPORun:
         return save_trained(self.policy, self.tokenizer, ctx)  # stages/lora.py
 
 
-def train_ppo(config: RLStageConfig, inputs: dict, ctx) -> dict:
-    """Run PPO on ``inputs['policy']`` against ``inputs['rewards']``; save the policy."""
+def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
+    """Run PPO on ``inputs.policy`` against ``inputs.rewards``; save the policy."""
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
     join_process_group()  # several processes: each samples and scores its shard (stages/data_parallel.py)
     run = PPORun.load(config, inputs, seed)
     broadcast_parameters(run.policy, run.critic)
-    records = read_materialized(Path(inputs["data"]))
-    backend, why = rollout_backend(config, Path(inputs["policy"]))
+    records = read_materialized(inputs.data)
+    backend, why = rollout_backend(config, inputs.policy)
     if backend == "vllm":
-        run.engine = VLLMBackend(Path(inputs["policy"]), trust_remote_code=inputs.get("trust_remote_code", False),
+        run.engine = VLLMBackend(inputs.policy, trust_remote_code=inputs.trust_remote_code,
                                  engine=config.engine, max_model_len=context_length(
                                      run.tokenizer, [prompt_messages(r) for r in records], config.sampling.max_tokens))
     ctx.log_params({"resolved_backend": backend, "backend_reason": why})

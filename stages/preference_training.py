@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from stages.context import ExecutionLimits
+from stages.context import ExecutionLimits, StageInputs
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 from stages.placement import ReferencePlacement, check_devices, place, placement_params
@@ -94,7 +94,7 @@ METRIC_NAMES = {
 rename_metrics = metric_renamer(METRIC_NAMES)
 
 
-def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConfig, inputs: dict, ctx,
+def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConfig, inputs: StageInputs, ctx,
                          to_dataset=None) -> dict:
     """Run a TRL preference trainer (DPO or KTO) from ``model`` against a frozen ``reference`` (with
     ``lora``: the adapters-off policy); ``to_dataset`` turns records into the trainer's dataset (default:
@@ -108,15 +108,15 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
 
     to_dataset = to_dataset or trl_dataset
     seed = ctx.seed if config.seed is None else config.seed
-    records = read_materialized(Path(inputs["data"]))
-    check_preference_records(records, f"stage data {inputs['data']}")
+    records = read_materialized(inputs.data)
+    check_preference_records(records, f"stage data {inputs.data}")
     train, heldout = split_heldout(records, config.heldout_fraction, seed)
-    trust = inputs.get("trust_remote_code", False)
+    trust = inputs.trust_remote_code
     check_devices(config.placement)  # before anything loads
-    model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]), trust_remote_code=trust)
+    model, tokenizer = load_model_and_tokenizer(inputs.model, trust_remote_code=trust)
     # with lora TRL takes the reference log-probs from the policy with its adapters disabled
     reference = None if config.lora else AutoModelForCausalLM.from_pretrained(
-        Path(inputs.get("reference") or inputs["model"]), trust_remote_code=trust)
+        Path(inputs.reference or inputs.model), trust_remote_code=trust)
 
     trainer = trainer_class(
         model=model, ref_model=reference, args=args, train_dataset=to_dataset(train),

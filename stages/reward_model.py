@@ -29,22 +29,14 @@ learned reward climbs, the policy is exploiting the reward model.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
-from stages.context import ExecutionLimits
+from stages.context import ExecutionLimits, StageInputs
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
-from stages.reward_model_scoring import (  # re-exported: stages.reward_model is where callers look
-    RewardModelReward,
-    RewardModelScorer,
-    bind_reward_models,
-    centre_per_prompt,
-    load_sequence_scorer,
-    reward_model_correlations,
-)
+from stages.reward_model_scoring import load_sequence_scorer
 from stages.trainer_callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments
 
 
@@ -130,7 +122,7 @@ def training_arguments(config: RewardModelStageConfig, ctx, seed: int, evaluate:
     )
 
 
-def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
+def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
     import torch
     from trl import RewardTrainer
 
@@ -139,11 +131,11 @@ def run(config: RewardModelStageConfig, inputs: dict, ctx) -> dict:
     from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
     seed = ctx.seed if config.seed is None else config.seed
-    records = read_materialized(Path(inputs["data"]))
-    check_preference_records(records, f"stage data {inputs['data']}")
+    records = read_materialized(inputs.data)
+    check_preference_records(records, f"stage data {inputs.data}")
     train, heldout = split_heldout(records, config.heldout_fraction, seed)
     torch.manual_seed(seed)  # the new score head
-    model, tokenizer = load_sequence_scorer(Path(inputs["model"]), inputs.get("trust_remote_code", False))
+    model, tokenizer = load_sequence_scorer(inputs.model, inputs.trust_remote_code)
     tokenizer.padding_side = "right"
 
     args = training_arguments(config, ctx, seed, evaluate=bool(heldout))

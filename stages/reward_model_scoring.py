@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.rewards import REWARD_MODEL_FN, RewardSpec, ScoredBatch, reward_input_key
+from stages.context import StageInputs
+from stages.rewards import REWARD_MODEL_FN, RewardSpec, ScoredBatch
 
 
 def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
@@ -100,7 +101,7 @@ def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[fl
     return [score - means[key] for key, score in zip(keys, scores)]
 
 
-def bind_reward_models(rewards: dict[str, RewardSpec], inputs: dict, where: str = "policy") -> dict:
+def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy") -> dict:
     """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once (placed
     where ``where`` says: stages/placement.py), and of every ``fn: judge`` reward (stages/judge.py: its
     judge is loaded only when a reply is not cached)."""
@@ -111,14 +112,9 @@ def bind_reward_models(rewards: dict[str, RewardSpec], inputs: dict, where: str 
     for name, spec in rewards.items():
         if spec.fn != REWARD_MODEL_FN:
             continue
-        key = reward_input_key(name)
-        if key not in inputs:
-            raise ValueError(f"reward {name!r} scores with stage {spec.stage!r}, but the stage received no "
-                             f"checkpoint for it (inputs[{key!r}] is missing)")
-        path = str(inputs[key])
+        path = inputs.scorer_checkpoint(name, f"scores with stage {spec.stage!r}")
         if path not in loaded:
-            loaded[path] = RewardModelScorer(Path(path), spec.batch_size, inputs.get("trust_remote_code", False),
-                                             where)
+            loaded[path] = RewardModelScorer(path, spec.batch_size, inputs.trust_remote_code, where)
         bound[name] = RewardModelReward(loaded[path], spec)
     return {**bound, **bind_judges(rewards, inputs)}
 

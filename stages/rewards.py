@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from stages.context import SCORER_PREFIX
 from stages.models import ModelSpec
 from stages.spec_model import SpecModel
 
@@ -202,7 +203,7 @@ def judge(completions: list[str], **_) -> list[float]:
 
 def reward_input_key(reward_name: str) -> str:
     """The ``inputs`` key under which a stage receives the checkpoint of a reward's reward_model stage."""
-    return f"rewards.{reward_name}"
+    return f"{SCORER_PREFIX}{reward_name}"
 
 
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {

@@ -13,6 +13,7 @@ its KL reference is itself with the adapters disabled, and the stage publishes t
 
 from __future__ import annotations
 
+from stages.context import StageInputs
 from stages.rl_common import RLStageConfig
 
 __all__ = ["RLStageConfig", "RewardCheckFailed", "run", "verify_rewards"]
@@ -22,25 +23,25 @@ class RewardCheckFailed(RuntimeError):
     """A reward failed its declared known cases: training on it would waste the budget."""
 
 
-def verify_rewards(inputs: dict, ctx) -> None:
-    """Run the declared reward cases; refuse to train on any violation (logged as a table)."""
+def verify_rewards(inputs: StageInputs, ctx, environment=None) -> None:
+    """Run the declared reward cases, and ``environment``'s known episodes; refuse to train on any
+    violation (logged as tables)."""
     from stages.reward_model_scoring import bind_reward_models
     from stages.rewards import JUDGE_FN, check_reward_cases
 
-    checked = {n: inputs["rewards"][n] for n in inputs.get("reward_checks", {})}
+    checked = {n: inputs.rewards[n] for n in inputs.reward_checks}
     judges = bind_reward_models({n: s for n, s in checked.items() if s.fn == JUDGE_FN}, inputs)
-    results = [r for name, cases in inputs.get("reward_checks", {}).items()
-               for r in check_reward_cases(name, inputs["rewards"][name], cases, judges.get(name))]
+    results = [r for name, cases in inputs.reward_checks.items()
+               for r in check_reward_cases(name, inputs.rewards[name], cases, judges.get(name))]
     ctx.log_table([{"reward": r.reward, "case": r.case.case, "completion": r.completion_repr, "score": r.score,
                     "parsed": r.parsed, "violations": "; ".join(r.violations)} for r in results],
                   "reward_checks.json")
     lines = [f"{r.reward} [{r.case.case}] {r.case.completion!r}: {'; '.join(r.violations)}"
              for r in results if r.violations]
-    environment = inputs.get("environment")
     if environment is not None and environment.checks:  # known episodes, replayed through the environment
         from stages.episode_checks import check_episode_cases
 
-        episodes = check_episode_cases(environment, inputs["rewards"], environment.checks)
+        episodes = check_episode_cases(environment, inputs.rewards, environment.checks)
         ctx.log_table([{"environment": r.environment, "case": r.case.case, "turns": repr(r.case.turns)[:200],
                         "score": r.score, "ended": r.episode.ended, "tool_errors": r.episode.tool_errors,
                         "violations": "; ".join(r.violations)} for r in episodes], "environment_checks.json")
@@ -50,13 +51,13 @@ def verify_rewards(inputs: dict, ctx) -> None:
         raise RewardCheckFailed(f"{len(lines)} reward check(s) failed, not training:\n" + "\n".join(lines))
 
 
-def run(config: RLStageConfig, inputs: dict, ctx) -> dict:
+def run(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     if config.check_rewards:
-        verify_rewards({**inputs, "environment": config.environment}, ctx)
+        verify_rewards(inputs, ctx, config.environment)
     if config.difficulty_filter is not None:  # train on the prompts the starting policy sometimes solves
         from stages.difficulty import filter_prompts
 
-        inputs = {**inputs, "data": str(filter_prompts(config, inputs, ctx))}
+        inputs = inputs.with_data(filter_prompts(config, inputs, ctx))
     if config.algorithm == "grpo":
         from stages.grpo import train_grpo
 

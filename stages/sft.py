@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from stages.context import ExecutionLimits
+from stages.context import ExecutionLimits, StageInputs
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 
@@ -83,7 +82,7 @@ def rename_metrics(logs: dict) -> dict[str, float]:
     return {("lr" if k == "learning_rate" else k): v for k, v in values.items()}
 
 
-def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
+def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
     from trl import SFTTrainer
 
     from stages.lora import save_trained
@@ -92,10 +91,10 @@ def run(config: SFTStageConfig, inputs: dict, ctx) -> dict:
 
     seed = ctx.seed if config.seed is None else config.seed
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 when launched data-parallel (flows/distributed.py)
-    model, tokenizer = load_model_and_tokenizer(Path(inputs["model"]),
-                                                trust_remote_code=inputs.get("trust_remote_code", False))
+    model, tokenizer = load_model_and_tokenizer(inputs.model,
+                                                trust_remote_code=inputs.trust_remote_code)
     tokenizer.padding_side = "right"
-    records = read_materialized(Path(inputs["data"]))
+    records = read_materialized(inputs.data)
     conversations = [r["messages"] for r in records]
     if config.packing:
         train_dataset, collator, path_args, params = packed_inputs(config, conversations, tokenizer, model)

@@ -14,6 +14,7 @@ from stages.environments import Environment, EnvironmentSpec, build_environment,
 from stages.episodes import EpisodeRunner, episode_metrics, observation_ids, replay
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings
 from stages.rewards import RewardSpec
+from stages.context import StageInputs
 
 CALL = '<tool_call>calculator("47*86")</tool_call>'
 QUESTION = [{"role": "user", "content": "What is 47*86?"}]
@@ -212,7 +213,8 @@ def test_eval_stage_runs_episodes_hashes_their_settings_and_keeps_transcripts(ti
                   sampling={"max_tokens": 6, "attempts": 2, "seed": 0, "temperature": 1.0})
     config = EvalConfig(**fields)
     rewards = {"correct": RewardSpec(fn="exact_answer")}
-    out = run(config, {"model": str(tiny_checkpoint), "data": str(data), "rewards": rewards}, ctx_factory("eval-agent"))
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"data": data}, rewards=rewards)
+    out = run(config, inputs, ctx_factory("eval-agent"))
     metrics = out["metrics"]
     cases = [json.loads(line) for line in Path(out["failures"]).read_text().splitlines()]
     assert len(cases) == 3  # the untrained model answers nothing right: every prompt is a failure case
@@ -253,7 +255,7 @@ def test_grpo_trains_in_the_environment(tiny_checkpoint, ctx_factory, home):
                            prompts_per_step=2, max_steps=2, backend="hf",
                            sampling={"attempts": 2, "max_tokens": 6},
                            environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 12})
-    outputs = rl.run(config, {"policy": str(tiny_checkpoint), "data": str(data),
-                              "rewards": {"correct": RewardSpec(fn="exact_answer")}}, ctx_factory("grpo-agent"))
+    inputs = StageInputs(policy=tiny_checkpoint, datasets={"data": data}, rewards={"correct": RewardSpec(fn="exact_answer")})
+    outputs = rl.run(config, inputs, ctx_factory("grpo-agent"))
     assert outputs["metrics"]["steps"] == 2.0
     assert Path(outputs["checkpoint"]).is_dir()

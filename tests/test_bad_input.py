@@ -20,6 +20,7 @@ import pytest
 
 from conftest import run_cli
 from test_spec import VALID
+from stages.context import StageInputs
 
 # VALID is test_spec's pipeline: line 10 is the sft stage, line 11 eval_sft; appended stages start at line 12
 
@@ -585,7 +586,7 @@ def test_an_sft_stage_that_diverges_fails_and_says_which_value(tiny_checkpoint, 
                             lr_schedule="constant", save_steps=None)
     ctx = ctx_factory("sft-diverges")
     with pytest.raises(TrainingDiverged, match="training diverged: (the final loss is|parameter .* holds)"):
-        sft.run(config, {"model": str(tiny_checkpoint), "data": str(path)}, ctx)
+        sft.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": path}), ctx)
     assert not (ctx.work_dir / "staging" / "checkpoint").exists()
 
 

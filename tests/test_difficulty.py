@@ -13,6 +13,7 @@ from stages.data import read_materialized
 from stages.difficulty import DifficultyFilterEmpty, filter_prompts
 from stages.rewards import RewardSpec
 from stages.rl import RLStageConfig
+from stages.context import StageInputs
 
 SEEN: list[list[str]] = []  # the answers every call of `by_answer` scored, call by call
 
@@ -49,8 +50,8 @@ def rl_config(**overrides) -> RLStageConfig:
 
 
 def stage_inputs(checkpoint, data: Path, rewards=None) -> dict:
-    return {"policy": str(checkpoint), "data": str(data), "reward_checks": {},
-            "rewards": rewards or {"verdict": RewardSpec(fn="test_difficulty:by_answer")}}
+    return StageInputs(policy=checkpoint, datasets={"data": data},
+                       rewards=rewards or {"verdict": RewardSpec(fn="test_difficulty:by_answer")})
 
 
 def logged_metrics(ctx) -> dict[str, float]:

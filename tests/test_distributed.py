@@ -107,6 +107,7 @@ def _ppo_update(rank: int, world: int, port: int, shared: str) -> None:
 
     import torch
 
+    from stages.context import StageInputs
     from stages.data_parallel import join_process_group, shard
     from stages.ppo import PPORun, build_rollout, compute_targets, ppo_update
     from stages.rl_common import RLStageConfig
@@ -118,7 +119,7 @@ def _ppo_update(rank: int, world: int, port: int, shared: str) -> None:
     config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["r"],
                            sampling={"attempts": 2}, prompts_per_step=4, minibatch_size=8, ppo_epochs=2, kl_beta=0.1)
     torch.manual_seed(0)
-    run = PPORun.load(config, {"policy": fixed["checkpoint"], "rewards": {}}, seed=0)
+    run = PPORun.load(config, StageInputs(policy=fixed["checkpoint"]), seed=0)
     prompt_ids, groups = shard(fixed["prompt_ids"], world, rank), shard(fixed["groups"], world, rank)
     rollout = build_rollout(prompt_ids, groups, run.tokenizer.pad_token_id)
     scores = torch.tensor(shard(fixed["scores"], world, rank))

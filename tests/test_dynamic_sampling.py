@@ -12,6 +12,7 @@ import torch
 from conftest import run_cli, write
 from stages.rewards import RewardSpec
 from stages.rl import RLStageConfig
+from stages.context import StageInputs
 
 
 def by_answer(completions, answer, **_):
@@ -35,8 +36,8 @@ def run_grpo(tiny_checkpoint, ctx, data: Path, max_rounds: int):
     config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["verdict"],
                            sampling={"attempts": 4, "max_tokens": 3}, prompts_per_step=2, max_steps=3,
                            dynamic_sampling={"max_rounds": max_rounds})
-    inputs = {"policy": str(tiny_checkpoint), "data": str(data), "reward_checks": {},
-              "rewards": {"verdict": RewardSpec(fn="test_dynamic_sampling:by_answer")}}
+    inputs = StageInputs(policy=tiny_checkpoint, datasets={"train": data},
+                         rewards={"verdict": RewardSpec(fn="test_dynamic_sampling:by_answer")})
     rl.run(config, inputs, ctx)
     return {name: [p.value for p in ctx.metric_history(name)]
             for name in ("reward/zero_variance_group_frac", "dynamic/kept_zero_variance_frac", "dynamic/rounds")}

@@ -12,6 +12,7 @@ from conftest import QUICKSTART, run_cli
 from stages.data import ArithmeticData, materialize
 from stages.rewards import RewardCase, RewardSpec
 from stages.rl import RewardCheckFailed, RLStageConfig
+from stages.context import StageInputs
 
 RL_METRICS = ["reward/mean", "reward/correct/mean", "reward/zero_variance_group_frac", "kl", "entropy",
               "clip_frac", "ratio/mean", "completion/mean_tokens", "completion/truncated_frac"]
@@ -25,8 +26,8 @@ def grpo_config(**overrides) -> RLStageConfig:
 
 def inputs_for(home, checkpoint, rewards=None, checks=None):
     data = materialize(ArithmeticData(generator="arithmetic", n=40, role="train"), Path("."), home / "data")
-    return {"policy": str(checkpoint), "data": str(data),
-            "rewards": rewards or {"correct": RewardSpec(fn="exact_answer")}, "reward_checks": checks or {}}
+    return StageInputs(policy=checkpoint, datasets={"train": data},
+                       rewards=rewards or {"correct": RewardSpec(fn="exact_answer")}, reward_checks=checks or {})
 
 
 def test_grpo_stage_trains_and_logs_the_design_metrics(tiny_checkpoint, ctx_factory, home):

@@ -13,6 +13,7 @@ from conftest import run_cli, write
 from stages.judge import audit_judges, read_judgement
 from stages.reward_model_scoring import bind_reward_models
 from stages.rewards import RewardSpec, score_completions
+from dataclasses import replace
 
 RUBRIC = "Question: {prompt}\nReference: {answer}\nIs the reply correct? Answer yes or no.\nReply: {completion}"
 
@@ -149,7 +150,7 @@ def test_grpo_audits_its_judge_every_n_reward_batches(tiny_checkpoint, ctx_facto
     rewards = {"correct": RewardSpec(fn="exact_answer", weight=0.0),
                "lenient": RewardSpec(fn="judge", judge_fn="judges:lenient", rubric="Reply: {completion}",
                                      audit_every=1)}
-    inputs = {**inputs_for(home, tiny_checkpoint, rewards), "judge_cache": str(home / "judge-cache")}
+    inputs = replace(inputs_for(home, tiny_checkpoint, rewards), judge_cache=home / "judge-cache")
     rl.run(grpo_config(max_steps=2, rewards=["correct", "lenient"]), inputs, ctx)
     ctx.flush()
     history = {name: ctx.metric_history(f"audit/lenient/correct/{name}")

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from conftest import torch_threads
 from stages.data import ArithmeticData, ArithmeticPreferenceData, materialize
 from stages.rewards import RewardSpec
+from stages.context import StageInputs
 
 LORA = {"r": 4, "alpha": 8}
 SCALE = LORA["alpha"] / LORA["r"]
@@ -99,7 +100,7 @@ def test_sft_with_lora_publishes_merged_checkpoint_and_adapter(tiny_checkpoint, 
     ctx = ctx_factory("sft-lora")
     config = sft.SFTStageConfig(kind="sft", data="train", max_steps=2, batch_size=4, lr=1e-2, save_steps=None,
                                 lora=LORA)
-    outputs = sft.run(config, {"model": str(tiny_checkpoint), "data": prompts_file(home)}, ctx)
+    outputs = sft.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": prompts_file(home)}), ctx)
     assert_base_plus_low_rank_delta(tiny_checkpoint, outputs, load_causal_lm)
 
     # the orchestrator publishes both dirs and logs both as artifacts of the stage's run
@@ -117,7 +118,7 @@ def test_reward_model_with_lora_trains_the_score_head_in_full(tiny_checkpoint, c
 
     config = reward_model.RewardModelStageConfig(kind="reward_model", data="prefs", max_steps=2, batch_size=4,
                                                  lr=1e-2, heldout_fraction=0.0, lora=LORA)
-    outputs = reward_model.run(config, {"model": str(tiny_checkpoint), "data": preferences_file(home)},
+    outputs = reward_model.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": preferences_file(home)}),
                                ctx_factory("rm-lora"))
     assert_base_plus_low_rank_delta(tiny_checkpoint, outputs, load_reward_model, head="score")
 
@@ -129,7 +130,7 @@ def test_preference_optimisation_with_lora(kind, tiny_checkpoint, ctx_factory, h
     module, config_class = {"dpo": (dpo, dpo.DPOStageConfig), "kto": (kto, kto.KTOStageConfig)}[kind]
     config = config_class(kind=kind, model="base", data="prefs", max_steps=2, batch_size=4, lr=1e-2,
                           heldout_fraction=0.0, lora=LORA)
-    outputs = module.run(config, {"model": str(tiny_checkpoint), "data": preferences_file(home)},
+    outputs = module.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": preferences_file(home)}),
                          ctx_factory(f"{kind}-lora"))
     assert_base_plus_low_rank_delta(tiny_checkpoint, outputs, load_causal_lm)
     with pytest.raises(ValueError, match="with lora the reference"):
@@ -145,8 +146,8 @@ def rl_config(algorithm: str, **overrides):
 
 
 def rl_inputs(home, checkpoint):
-    return {"policy": str(checkpoint), "data": prompts_file(home),
-            "rewards": {"score": RewardSpec(fn="test_lora:code_point_sum")}, "reward_checks": {}}
+    return StageInputs(policy=checkpoint, datasets={"data": prompts_file(home)},
+                       rewards={"score": RewardSpec(fn="test_lora:code_point_sum")})
 
 
 def test_grpo_with_lora_publishes_merged_checkpoint_and_adapter(tiny_checkpoint, ctx_factory, home):

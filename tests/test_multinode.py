@@ -247,17 +247,18 @@ def test_the_other_nodes_read_the_inputs_from_mlflow_not_from_node_0s_disk(home,
                                 "tags.`posttrain.stage` = 'sft'")
     (home / "outputs").rename(tmp_path / "node-0-only")  # node 1 does not see node 0's disk
     loaded = load_pipeline(str(path), [])
-    node_0_paths = {"policy": "/node-0/outputs/sft/checkpoint", "data": "/node-0/cache/data/train"}
+    node_0_paths = {"policy": "/node-0/outputs/sft/checkpoint", "data.train": "/node-0/cache/data/train"}
     job = StageJob(pipeline=loaded.spec, pipeline_file=loaded.path, overrides=(), stage="ppo", seed=0,
                    resources=loaded.spec.resources_for("ppo"), time_limit_seconds=None, experiment_id="1",
                    parent_run_id="p", upstream_runs={"sft": sft.info.run_id},
                    upstream_outputs={"sft": {"checkpoint": node_0_paths["policy"]}})
     described = {"paths": node_0_paths}
 
-    assert {k: rank_inputs(job, described, home)[k] for k in node_0_paths} == node_0_paths  # node 0: as resolved
+    on_node_0 = rank_inputs(job, described, home)
+    assert (str(on_node_0.policy), str(on_node_0.data)) == (node_0_paths["policy"], node_0_paths["data.train"])
     node_1_home = tmp_path / "node-1-home"
     monkeypatch.setenv("POSTTRAIN_NODE_RANK", "1")
     inputs = rank_inputs(job, described, node_1_home)
-    policy, data = Path(inputs["policy"]), Path(inputs["data"])
+    policy, data = inputs.policy, inputs.data
     assert policy.is_relative_to(node_1_home / "downloads" / sft.info.run_id) and (policy / "config.json").exists()
     assert data.is_relative_to(node_1_home / "cache" / "data") and data.exists()

@@ -146,7 +146,7 @@ def test_ranks_train_on_the_data_the_launching_process_resolved(tmp_path, monkey
     job = bind_upstream(stage_jobs(loaded, decisions, "1", "parent")[step], {u: f"run-{u}" for u in outputs},
                         outputs, upstream_of(loaded.spec)[step])
     declared = resolve_inputs(job.loaded, job.stage, job.upstream_outputs, tmp_path)
-    launched = {**declared, "data": str(tmp_path / "round-data.jsonl")}  # what failure_set_inputs returns
-    on_rank = rank_inputs(job, {"paths": {k: v for k, v in launched.items() if isinstance(v, str)}}, tmp_path)
-    assert on_rank["data"] == launched["data"] != declared["data"]
-    assert on_rank["rewards"].keys() == declared["rewards"].keys()
+    launched = declared.with_data(tmp_path / "round-data.jsonl")  # what failure_set_inputs returns
+    on_rank = rank_inputs(job, {"paths": launched.paths()}, tmp_path)
+    assert on_rank.data == launched.data != declared.data
+    assert on_rank.rewards.keys() == declared.rewards.keys()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import run_cli, write
+from stages.context import StageInputs
 from test_reward_model import preference_file
 
 PIPELINE = """\
@@ -62,10 +63,11 @@ def test_a_device_the_machine_lacks_is_refused_before_anything_loads(tiny_checkp
     config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["r"], prompts_per_step=4,
                            sampling={"attempts": 2}, minibatch_size=8, placement={"reference": "cuda:3"})
     with pytest.raises(ValueError, match=r"placement.reference: cuda:3 does not exist on this machine \(no GPU\)"):
-        PPORun.load(config, {"policy": "/nonexistent", "rewards": {}}, seed=0)  # refused before the path is read
+        PPORun.load(config, StageInputs(policy="/nonexistent"), seed=0)  # refused before the path is read
     config = dpo.DPOStageConfig(kind="dpo", model="base", data="prefs", placement={"reference": "cuda:0"})
     with pytest.raises(ValueError, match="placement.reference: cuda:0 does not exist"):
-        dpo.run(config, {"model": str(tiny_checkpoint), "data": str(preference_file(home, n=16))}, ctx_factory("dpo"))
+        dpo.run(config, StageInputs(model=tiny_checkpoint, datasets={"prefs": preference_file(home, n=16)}),
+                ctx_factory("dpo"))
 
 
 def test_a_placed_reference_and_reward_model_compute_what_they_compute_on_the_policy_device(tiny_checkpoint):
@@ -109,7 +111,7 @@ def test_dpo_with_its_reference_offloaded_trains_as_without(tiny_checkpoint, ctx
         config = dpo.DPOStageConfig(kind="dpo", model="base", data="prefs", max_steps=2, batch_size=8,
                                     logging_steps=1, placement={"reference": where})
         ctx = ctx_factory(f"dpo-{where}")
-        results[where] = dpo.run(config, {"model": str(tiny_checkpoint), "data": str(data)}, ctx)["metrics"]
+        results[where] = dpo.run(config, StageInputs(model=tiny_checkpoint, datasets={"prefs": data}), ctx)["metrics"]
         params[where] = MlflowClient().get_run(ctx.run_id).data.params["reference_device"]
     assert params == {"policy": "cpu", "offload": "meta"}
     for key in ("first_loss", "train_loss"):

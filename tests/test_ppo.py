@@ -10,6 +10,7 @@ import torch
 
 from stages.rewards import RewardSpec
 from stages.rl import RLStageConfig
+from stages.context import StageInputs
 
 STEP_METRICS = ["reward/mean", "reward/digits/mean", "reward/errors", "kl", "entropy", "clip_frac", "ratio/mean",
                 "completion/mean_tokens", "completion/truncated_frac", "value_loss", "policy_loss", "kl_beta",
@@ -54,8 +55,8 @@ def ppo_config(**overrides) -> RLStageConfig:
 
 
 def run_inputs(checkpoint, data, rewards=None):
-    return {"policy": str(checkpoint), "data": str(data),
-            "rewards": rewards or {"digits": RewardSpec(fn="test_ppo:digit_share")}}
+    return StageInputs(policy=checkpoint, datasets={"data": data},
+                       rewards=rewards or {"digits": RewardSpec(fn="test_ppo:digit_share")})
 
 
 def test_ppo_smoke_changes_policy_logs_every_metric_and_saves(tiny_checkpoint, prompts_file, ctx_factory):

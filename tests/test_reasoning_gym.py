@@ -20,6 +20,7 @@ from stages.data import ReasoningGymData, data_key, load_records, materialize, r
 from stages.failures import failure_training_records
 from stages.reasoning_gym_tasks import DEFAULT_INSTRUCTIONS, demonstration, last_boxed
 from stages.rewards import RewardError, RewardSpec, score_completions, with_task_column
+from stages.context import StageInputs
 
 ONE_DIGIT_SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 TASKS = {"chain_sum": ONE_DIGIT_SUMS, "basic_arithmetic": {}, "leg_counting": {}}
@@ -263,7 +264,8 @@ def test_eval_stage_scores_a_reasoning_gym_dataset(tiny_checkpoint, ctx_factory,
     config = EvalConfig(kind="eval", model="base", data="heldout", rewards=["rg"],
                         sampling={"temperature": 1.0, "max_tokens": 4, "attempts": 2, "seed": 1})
     ctx = ctx_factory("eval-gym")
-    outputs = eval_stage.run(config, {"model": str(tiny_checkpoint), "data": str(data_path), "rewards": REWARD}, ctx)
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"data": data_path}, rewards=REWARD)
+    outputs = eval_stage.run(config, inputs, ctx)
     ctx.flush()
     logged = ctx.client.get_run(ctx.run_id).data.metrics
     assert {"pass_at_1", "pass_at_2", "reward/rg/mean", "format_error_rate"} <= set(logged)

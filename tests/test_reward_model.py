@@ -12,6 +12,8 @@ import torch
 from conftest import torch_threads
 from stages.data import ArithmeticData, ArithmeticPreferenceData, materialize, read_materialized
 from stages.rewards import RewardSpec
+from dataclasses import replace
+from stages.context import StageInputs
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +38,7 @@ def train_reward_model(tiny_checkpoint, ctx, data, **overrides):
     fields = {"kind": "reward_model", "data": "prefs", "max_steps": 40, "batch_size": 16, "lr": 1e-2,
               "eval_every": 20, "logging_steps": 10, "heldout_fraction": 0.15}
     config = reward_model.RewardModelStageConfig(**{**fields, **overrides})
-    return config, reward_model.run(config, {"model": str(tiny_checkpoint), "data": str(data)}, ctx)
+    return config, reward_model.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": data}), ctx)
 
 
 def test_reward_model_training_raises_heldout_accuracy(tiny_checkpoint, ctx_factory, home):
@@ -104,8 +106,8 @@ def test_the_reward_model_as_ppo_reward_and_critic(tiny_checkpoint, ctx_factory,
                            critic="rm", sampling={"attempts": 4, "max_tokens": 6}, prompts_per_step=4, max_steps=2,
                            minibatch_size=8, lr=1e-3)
     ctx = ctx_factory("ppo-rm")
-    result = train_ppo(config, {"policy": str(tiny_checkpoint), "data": str(prompts_file), "rewards": rewards,
-                                "critic": rm_path, "rewards.rm": rm_path}, ctx)
+    result = train_ppo(config, StageInputs(policy=tiny_checkpoint, datasets={"train": prompts_file}, rewards=rewards,
+                                           critic=rm_path, scorer_checkpoints={"rm": rm_path}), ctx)
     # trained on the reward model alone: the weight-0 reward is logged, and so is its correlation
     assert [m.step for m in ctx.metric_history("reward/rm/corr/digits")] == [1, 2]
     assert all(-1.0 <= m.value <= 1.0 for m in ctx.metric_history("reward/rm/corr/digits"))
@@ -124,15 +126,15 @@ def test_eval_reports_best_of_n_and_hashes_the_selector(tiny_checkpoint, ctx_fac
     heldout = materialize(ArithmeticData(generator="arithmetic", n=6, seed=9, role="heldout"), Path("."),
                           home / "data")
     sampling = {"temperature": 1.0, "max_tokens": 4, "attempts": 4, "seed": 1}
-    inputs = {"model": str(tiny_checkpoint), "data": str(heldout),
-              "rewards": {"correct": RewardSpec(fn="exact_answer")}}
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"heldout": heldout},
+                         rewards={"correct": RewardSpec(fn="exact_answer")})
     plain_ctx = ctx_factory("eval")
     plain = eval_stage.run(EvalConfig(kind="eval", model="base", data="heldout", rewards=["correct"],
                                       sampling=sampling), inputs, plain_ctx)
     ctx = ctx_factory("eval-best-of-n")
     config = EvalConfig(kind="eval", model="base", data="heldout", rewards=["correct"], sampling=sampling,
                         select="reward_model", reward_model="rm")
-    selected = eval_stage.run(config, {**inputs, "reward_model": outputs["checkpoint"]}, ctx)
+    selected = eval_stage.run(config, replace(inputs, reward_model=Path(outputs["checkpoint"])), ctx)
     assert 0.0 <= selected["metrics"]["best_of_n_accuracy"] <= 1.0
     assert selected["metrics"]["pass_at_1"] == plain["metrics"]["pass_at_1"]  # same samples, same pass@k
     assert "best_of_n_accuracy" not in plain["metrics"]
@@ -150,7 +152,7 @@ def test_dpo_moves_implicit_rewards_apart_and_its_loss_is_the_dpo_loss(tiny_chec
     ctx = ctx_factory("dpo")
     config = dpo.DPOStageConfig(kind="dpo", model="base", data="prefs", max_steps=20, batch_size=16, lr=3e-3,
                                 beta=0.1, logging_steps=5)
-    outputs = dpo.run(config, {"model": str(tiny_checkpoint), "data": str(data)}, ctx)
+    outputs = dpo.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": data}), ctx)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "loss"):
         assert [m.step for m in ctx.metric_history(name)] == [5, 10, 15, 20], name
     margins = [m.value for m in ctx.metric_history("rewards/margin")]
@@ -207,7 +209,7 @@ def test_kto_trains_on_unpaired_replies_from_the_same_pairs(tiny_checkpoint, ctx
     ctx = ctx_factory("kto")
     config = kto.KTOStageConfig(kind="kto", model="base", data="prefs", max_steps=10, batch_size=8, lr=3e-3,
                                 logging_steps=5)
-    outputs = kto.run(config, {"model": str(tiny_checkpoint), "data": str(data)}, ctx)
+    outputs = kto.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": data}), ctx)
     for name in ("rewards/chosen", "rewards/rejected", "kl", "loss"):
         assert [m.step for m in ctx.metric_history(name)] == [5, 10], name
     assert outputs["metrics"]["heldout_reward_margin"] > 0  # desirable replies gained on undesirable ones
@@ -242,7 +244,7 @@ def test_dpo_heldout_pairwise_accuracy_is_pooled_over_pairs_not_batches(tiny_che
     for batch in (8, 80):
         config = dpo.DPOStageConfig(kind="dpo", model="base", data="prefs", max_steps=1, batch_size=batch, lr=1e-9,
                                     heldout_fraction=0.5)
-        outputs = dpo.run(config, {"model": str(tiny_checkpoint), "reference": str(other), "data": str(data)},
+        outputs = dpo.run(config, StageInputs(model=tiny_checkpoint, reference=other, datasets={"data": data}),
                           ctx_factory(f"dpo-pool-{batch}"))
         accuracies.append(outputs["metrics"]["heldout_pairwise_accuracy"])
     assert accuracies[0] == pytest.approx(accuracies[1], abs=1e-6)  # float32 means

@@ -23,6 +23,7 @@ import yaml
 from conftest import run_cli
 from test_bad_input import GRPO, TINY_MODEL, VALID, assert_nothing_left, make_checkpoint
 from test_sandbox import processes_with_marker
+from stages.context import StageInputs
 
 # ---------------------------------------------------------------- YAML is loaded safely
 
@@ -132,7 +133,7 @@ def test_checkpoint_code_is_refused_without_trust_remote_code(custom_checkpoint,
     from flows.spec import load_pipeline
 
     loaded = load_pipeline(pipeline)
-    assert resolve_inputs(loaded, "sft", {}, home)["trust_remote_code"] is True
+    assert resolve_inputs(loaded, "sft", {}, home).trust_remote_code is True
 
 
 def test_trusted_checkpoint_code_does_run_offline(custom_checkpoint, tmp_path):
@@ -164,7 +165,7 @@ def test_published_checkpoints_are_safetensors_never_pickles(tiny_checkpoint, ct
     data = materialize(ArithmeticData(generator="arithmetic", n=40, role="train"), Path("."), home / "data")
     ctx = ctx_factory("sft")
     config = SFTStageConfig(kind="sft", data="train", max_steps=2, batch_size=8, logging_steps=1)
-    outputs = sft.run(config, {"model": str(tiny_checkpoint), "data": str(data)}, ctx)
+    outputs = sft.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": data}), ctx)
     published = ctx.tracker.publish_outputs(ctx.recorder, "stage-tests", "sft", ctx.staged)
     checkpoint = Path(published["checkpoint"])
     assert checkpoint != Path(outputs["checkpoint"]) and checkpoint.is_dir()
@@ -242,7 +243,8 @@ def test_eval_stage_fails_rather_than_scoring_zero_without_bubblewrap(no_bwrap, 
     data = materialize(FileData(path="code.jsonl", role="heldout"), home, home / "data")
     config = EvalConfig(kind="eval", model="base", data="heldout", rewards=["tests"],
                         sampling={"attempts": 2, "max_tokens": 4})
-    inputs = {"model": str(tiny_checkpoint), "data": str(data), "rewards": {"tests": RewardSpec(fn="code_tests")}}
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"heldout": data},
+                         rewards={"tests": RewardSpec(fn="code_tests")})
     with pytest.raises(RewardError, match="refuses to run model-written code"):
         eval_stage.run(config, inputs, ctx_factory("eval"))
 

@@ -16,6 +16,7 @@ from stages.packing import (
     tokenize_conversations,
 )
 from stages.sft import SFTStageConfig
+from stages.context import StageInputs
 
 MAX_LENGTH = 128
 
@@ -200,7 +201,7 @@ def test_sft_stage_with_packing_trains_and_logs_real_token_counts(checkpoint, ct
     ctx = ctx_factory("sft-packed")
     config = SFTStageConfig(kind="sft", data="train", packing=True, max_steps=60, batch_size=8, max_length=MAX_LENGTH,
                             lr=5e-3, logging_steps=10)
-    outputs = sft.run(config, {"model": str(checkpoint), "data": str(data)}, ctx)
+    outputs = sft.run(config, StageInputs(model=checkpoint, datasets={"data": data}), ctx)
     metrics = outputs["metrics"]
     assert metrics["steps"] == 60
     assert metrics["final_loss"] < 0.6 * metrics["first_loss"]

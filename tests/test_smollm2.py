@@ -23,6 +23,7 @@ from stages.data import ReasoningGymData, materialize, read_materialized
 from stages.models import GGUFModelSpec
 from stages.rewards import RewardSpec
 from test_lora import LORA, assert_base_plus_low_rank_delta, load_causal_lm
+from stages.context import StageInputs
 
 pytestmark = pytest.mark.slow
 
@@ -117,8 +118,8 @@ def test_eval_on_a_handful_of_reasoning_gym_prompts(smollm2, ctx_factory, home):
     ctx = ctx_factory("eval-smollm2")
     config = EvalConfig(kind="eval", model="base", data="heldout", rewards=["correct"],
                         sampling={"temperature": 0.7, "max_tokens": 24, "attempts": 2, "seed": 1})
-    inputs = {"model": str(smollm2), "data": str(reasoning_gym_file(home, 4, 1_000_000, "heldout")),
-              "rewards": {"correct": RewardSpec(fn="reasoning_gym")}}
+    inputs = StageInputs(model=smollm2, datasets={"heldout": reasoning_gym_file(home, 4, 1_000_000, "heldout")},
+                         rewards={"correct": RewardSpec(fn="reasoning_gym")})
     outputs = eval_stage.run(config, inputs, ctx)
     metrics = outputs["metrics"]
     assert 0.0 <= metrics["pass_at_1"] <= metrics["pass_at_2"] <= 1.0
@@ -143,6 +144,6 @@ def test_a_few_lora_sft_steps_change_the_adapter_and_nothing_else(smollm2, ctx_f
     assert read_materialized(data)[0]["messages"][-1]["content"].startswith("<answer>")
     config = SFTStageConfig(kind="sft", data="train", max_steps=3, batch_size=4, lr=1e-3, max_length=128,
                             logging_steps=1, save_steps=None, lora=LORA)
-    outputs = sft.run(config, {"model": str(smollm2), "data": str(data)}, ctx_factory("sft-smollm2-lora"))
+    outputs = sft.run(config, StageInputs(model=smollm2, datasets={"data": data}), ctx_factory("sft-smollm2-lora"))
     assert outputs["metrics"]["steps"] == 3
     assert_base_plus_low_rank_delta(smollm2, outputs, load_causal_lm)

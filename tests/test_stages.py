@@ -12,6 +12,7 @@ from stages.data import ArithmeticData, materialize, read_materialized
 from stages.eval import EvalConfig
 from stages.rewards import RewardSpec
 from stages.sft import SFTStageConfig
+from stages.context import StageInputs
 
 
 def arithmetic_file(home, n, seed=0, role="train"):
@@ -66,7 +67,7 @@ def test_sft_changes_weights_and_lowers_loss(tiny_checkpoint, ctx_factory, home)
 
     ctx = ctx_factory("sft")
     config = SFTStageConfig(kind="sft", data="train", max_steps=40, batch_size=16, lr=5e-3, logging_steps=5)
-    outputs = sft.run(config, {"model": str(tiny_checkpoint), "data": str(arithmetic_file(home, 300))}, ctx)
+    outputs = sft.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": arithmetic_file(home, 300)}), ctx)
     metrics = outputs["metrics"]
     assert metrics["steps"] == 40
     assert metrics["final_loss"] < 0.6 * metrics["first_loss"]
@@ -86,8 +87,8 @@ def test_eval_reports_pass_at_k_failures_and_settings(tiny_checkpoint, ctx_facto
     ctx = ctx_factory("eval")
     config = EvalConfig(kind="eval", model="base", data="heldout", rewards=["correct"],
                         sampling={"temperature": 1.0, "max_tokens": 4, "attempts": 4, "seed": 1})
-    inputs = {"model": str(tiny_checkpoint), "data": str(arithmetic_file(home, 12, seed=9, role="heldout")),
-              "rewards": {"correct": RewardSpec(fn="exact_answer")}}
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"heldout": arithmetic_file(home, 12, seed=9, role="heldout")},
+                         rewards={"correct": RewardSpec(fn="exact_answer")})
     outputs = eval_stage.run(config, inputs, ctx)
     metrics = outputs["metrics"]
     assert set(metrics) >= {"pass_at_1", "pass_at_2", "pass_at_4", "reward_mean", "format_error_rate",
@@ -110,7 +111,7 @@ def test_sft_with_lora_publishes_a_merged_plain_checkpoint(tiny_checkpoint, ctx_
 
     config = SFTStageConfig(kind="sft", data="train", max_steps=10, batch_size=8, lr=1e-2,
                             lora={"r": 4, "alpha": 8})
-    outputs = sft.run(config, {"model": str(tiny_checkpoint), "data": str(arithmetic_file(home, 80))},
+    outputs = sft.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": arithmetic_file(home, 80)}),
                       ctx_factory("sft-lora"))
     checkpoint = Path(outputs["checkpoint"])
     assert not (checkpoint / "adapter_config.json").exists()  # merged, not an adapter dir

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from browser import Browser, chromium_path
 from conftest import ROOT, run_cli, write
+from stages.context import StageInputs
 
 PIPELINE = """\
 name: looking
@@ -189,7 +190,7 @@ def test_dataset_inputs_wait_in_the_journal_while_the_store_is_unreachable(home,
     run_id = tracker.start_stage_run(experiment, tracker.start_pipeline_run(experiment, "looking", {}), "eval_sft", {})
     recorder = Recorder(tracker.client, run_id, home)
     recorder.unavailable = "ConnectionError: simulated outage"  # what the first failed write sets
-    recorder.datasets(stage_datasets(loaded, "eval_sft", {"data": str(heldout)}))
+    recorder.datasets(stage_datasets(loaded, StageInputs(datasets={"heldout": heldout})))
     assert pending_runs(home) == [run_id] and not tracker.get_run(run_id).inputs.dataset_inputs
     assert recorder.summary() == "1 dataset input batches"
 

