@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 
+from dataclasses import replace
+
 import pytest
 
 import judges
 from conftest import run_cli, write
+from stages.context import StageInputs
 from stages.judge import audit_judges, read_judgement
 from stages.reward_model_scoring import bind_reward_models
 from stages.rewards import RewardSpec, score_completions
-from dataclasses import replace
 
 RUBRIC = "Question: {prompt}\nReference: {answer}\nIs the reply correct? Answer yes or no.\nReply: {completion}"
 
@@ -33,7 +35,7 @@ def _batch(tmp_path, judge_fn="judges:scripted", scale="yes_no"):
     completions = ["7", "8", "seven", "6 or 7", "7", "5"]
     prompts = [[{"role": "user", "content": "What is 3+4?"}]] * len(completions)
     columns = {"answer": ["7"] * len(completions), "prompts": prompts}
-    bound = bind_reward_models(rewards, {"judge_cache": str(tmp_path / "judge-cache")})
+    bound = bind_reward_models(rewards, StageInputs(judge_cache=tmp_path / "judge-cache"))
     return rewards, bound, score_completions(rewards, completions, columns, bound), prompts, completions
 
 
