@@ -41,6 +41,7 @@ from stages.context import StageInputs
 from stages.data import prompt_messages, read_materialized
 from stages.generation import neutral_generation_config
 from stages.episodes import environment_scorers
+from stages.placement import check_devices, place, placement_params
 from stages.rewards import ENVIRONMENT_FN, RewardSpec, score_component, with_task_column
 from stages.rollouts import rollout_backend
 
@@ -124,6 +125,8 @@ def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, met
         return scored.scores
 
     reward.__name__ = name
+    if hasattr(fn, "scorer"):  # a reward model: where it lives is logged (stages/placement.py placement_params)
+        reward.scorer = fn.scorer
     return reward
 
 
@@ -338,6 +341,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
     seed = config.seed if config.seed is not None else ctx.seed
+    check_devices(config.placement)  # before anything loads
     model, tokenizer, own_generation_config = _load_policy(inputs)
 
     records = read_materialized(inputs.data)
@@ -347,7 +351,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     holder: dict = {}  # the trainer's metrics, once it exists: the reward functions log into them
     backend, why = rollout_backend(config, inputs.policy)
     rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend)
-    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"), ctx,
+    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"), ctx, config.placement.reward_model,
                                  rollouts.runner.environment if config.environment is not None else None)
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
@@ -370,7 +374,8 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics))
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed, "world_size": args.world_size,
-                    "generation_batch": args.generation_batch_size})
+                    "generation_batch": args.generation_batch_size,
+                    **placement_params(trainer.ref_model, reward_funcs)})
     try:
         with stop_gracefully(trainer, ctx, resumable=False):
             trainer.train()
@@ -419,14 +424,15 @@ def _load_policy(inputs: StageInputs):
     return model, tokenizer, own_generation_config
 
 
-def _reward_funcs(inputs: StageInputs, budget: RewardErrorBudget, trainer_metrics, ctx, environment=None) -> list:
-    """One TRL reward function per declared reward (reward models and judges bound to their checkpoints),
-    judges audited against the verifiers every ``audit_every`` batches."""
+def _reward_funcs(inputs: StageInputs, budget: RewardErrorBudget, trainer_metrics, ctx, where: str,
+                  environment=None) -> list:
+    """One TRL reward function per declared reward (reward models, placed where ``where`` says, and judges
+    bound to their checkpoints), judges audited against the verifiers every ``audit_every`` batches."""
     from stages.judge import batch_auditor
     from stages.reward_model_scoring import bind_reward_models
 
     rewards: dict[str, RewardSpec] = inputs.rewards
-    bound = bind_reward_models(rewards, inputs)
+    bound = bind_reward_models(rewards, inputs, where)
     auditor = batch_auditor(rewards, bound, ctx)
     return [make_reward_func(name, spec, budget, trainer_metrics, bound.get(name), auditor, environment)
             for name, spec in rewards.items()]
@@ -442,10 +448,13 @@ def _final_metrics(history: list[dict], steps: int, reward_errors: int) -> dict[
 
 
 def _prepare(trainer, config, dataset, seed: int) -> None:
-    """Dropout off in the policy and the reference; dynamic sampling's pool of prompts, when declared."""
+    """Dropout off in the policy and the reference, the reference placed (stages/placement.py); dynamic
+    sampling's pool of prompts, when declared."""
     for network in (trainer.model, trainer.ref_model):
         if network is not None:
             turn_off_dropout(network)
+    if trainer.ref_model is not None:
+        trainer.ref_model = place(trainer.ref_model, config.placement.reference, trainer.accelerator.device)
     if config.dynamic_sampling is not None:
         import random
 

@@ -99,6 +99,7 @@ from stages.episodes import EpisodeRunner, environment_scorers, episode_metrics,
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend, prompt_token_ids
 from stages.lora import save_trained, wrap
 from stages.models import load_model_and_tokenizer
+from stages.placement import check_devices, place, placement_params
 from stages.reward_model_scoring import bind_reward_models, reward_model_correlations
 from stages.rewards import RewardSpec, ScoredBatch, score_completions, with_task_column
 from stages.rl_common import RLStageConfig, log_curves
@@ -468,13 +469,15 @@ class PPORun:
     @classmethod
     def load(cls, config: RLStageConfig, inputs: StageInputs, seed: int) -> "PPORun":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        check_devices(config.placement)  # before anything loads
         policy_path = inputs.policy
         trust = inputs.trust_remote_code
         policy, tokenizer = load_model_and_tokenizer(policy_path, trust_remote_code=trust)
         policy = wrap(policy, config.lora)  # with lora: only the adapters require grad
         policy.to(device).eval()
         reference = (AdaptersOff(policy) if config.lora
-                     else load_frozen_reference(Path(inputs.reference or policy_path), trust).to(device))
+                     else place(load_frozen_reference(Path(inputs.reference or policy_path), trust),
+                                config.placement.reference, device))
         critic = (ValueModel.from_reward_model(inputs.critic, trust) if inputs.critic
                   else ValueModel.from_policy_checkpoint(policy_path, trust)).to(device).eval()
         trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]
@@ -488,7 +491,8 @@ class PPORun:
             environment.check()
             episodes = EpisodeRunner(environment, config.environment, tokenizer)
         return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, inputs.rewards,
-                   seed, device, bind_reward_models(inputs.rewards, inputs), episodes=episodes)
+                   seed, device, bind_reward_models(inputs.rewards, inputs, config.placement.reward_model),
+                   episodes=episodes)
 
     def step(self, step: int, batch: list[dict], generator: torch.Generator) -> tuple[dict[str, float], list[dict]]:
         """Sample, score, update on one batch of prompts: the step's metrics and sample rows."""
@@ -563,7 +567,8 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     batches = (shard(batch) for batch in prompt_batches(records, config.prompts_per_step, seed))
     generator = torch.Generator().manual_seed(seed)  # minibatch order
     ctx.log_params({"resolved_seed": seed, "prompts": len(records), "world_size": joined_world(),
-                    "rollout_sequences": config.prompts_per_step * config.sampling.attempts})
+                    "rollout_sequences": config.prompts_per_step * config.sampling.attempts,
+                    **placement_params(run.reference, run.reward_fns.values())})
 
     history, metrics, started = [], {}, time.perf_counter()
     try:

@@ -16,6 +16,7 @@ from stages.difficulty import DifficultyFilter
 from stages.environments import EnvironmentSpec
 from stages.generation import BackendName, EngineSettings
 from stages.lora import LORA_DESCRIPTION, LoraSpec
+from stages.placement import Placement
 from stages.spec_model import SpecModel
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
@@ -98,6 +99,9 @@ class RLStageConfig(ExecutionLimits):
     lora: LoraSpec | None = Field(
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")
+    placement: Placement = Field(default_factory=Placement, description="Where the frozen KL reference and the "
+                                 "reward models of `fn: reward_model` rewards live (stages/placement.py): on the "
+                                 "policy's device (default), `cpu`, `cuda:N`, or `offload`.")
     environment: EnvironmentSpec | None = Field(
         None, description="Train on multi-turn episodes in this environment (stages/environments.py): the "
         "model's turns and the tools' observations, observations never trained on (GRPO: TRL's tool_mask; PPO: "
@@ -161,6 +165,16 @@ class RLStageConfig(ExecutionLimits):
                 "with its own Adam optimiser, and Adam is invariant to a constant weight on its loss; remove "
                 "vf_coef, and set critic_lr to change how fast the critic learns")
         return data
+
+    @model_validator(mode="after")
+    def _placement(self):
+        if self.placement.reference != "policy":
+            if self.lora is not None:
+                raise ValueError("with lora the KL reference is the policy itself with its adapters off: "
+                                 "placement.reference must be left at `policy`")
+            if self.algorithm == "grpo" and self.kl_beta == 0:
+                raise ValueError("kl_beta 0 loads no KL reference: remove placement.reference")
+        return self
 
     @model_validator(mode="after")
     def _algorithm_fields(self):
