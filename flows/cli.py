@@ -259,10 +259,10 @@ def _deploy(loaded, args, console) -> int:
     from flows.deployment import DeployError, deploy_pipeline, require_pool  # Prefect reads the URL on import
 
     try:
-        for stage in loaded.spec.stages:  # the pools its stages name must exist too
-            pool = loaded.spec.resources_for(stage).pool
-            if pool:
-                require_pool(pool)
+        for stage in loaded.spec.stages:  # the pools its stages name must exist too (Kubernetes for several nodes)
+            resources = loaded.spec.resources_for(stage)
+            if resources.pool:
+                require_pool(resources.pool, resources.nodes)
         name = deploy_pipeline(loaded.path, loaded.overrides, args.name or loaded.spec.name, args.cron, args.pool,
                                args.timezone)
     except DeployError as error:
@@ -393,21 +393,21 @@ def _check_pools(loaded, decisions) -> None:
 
     from flows.lineage import Action, PlanError
 
-    pools = {d.stage: loaded.spec.resources_for(d.stage).pool for d in decisions if d.action is Action.RUN}
-    pools = {stage: pool for stage, pool in pools.items() if pool}
-    if not pools:
+    pooled = {d.stage: loaded.spec.resources_for(d.stage) for d in decisions if d.action is Action.RUN}
+    pooled = {stage: resources for stage, resources in pooled.items() if resources.pool}
+    if not pooled:
         return
     if not os.environ.get("PREFECT_API_URL"):
-        stage, pool = next(iter(pools.items()))
-        raise PlanError(f"stage {stage!r} runs on work pool {pool!r}, which needs a Prefect server with workers: "
-                        "set PREFECT_API_URL (see README, Scaling out)")
+        stage, resources = next(iter(pooled.items()))
+        raise PlanError(f"stage {stage!r} runs on work pool {resources.pool!r}, which needs a Prefect server with "
+                        "workers: set PREFECT_API_URL (see README, Scaling out)")
     from flows.deployment import DeployError, require_pool
 
-    for pool in set(pools.values()):
+    for stage, resources in pooled.items():
         try:
-            require_pool(pool)
+            require_pool(resources.pool, resources.nodes)
         except DeployError as error:
-            raise PlanError(str(error)) from None
+            raise PlanError(f"stage {stage!r}: {error}") from None
 
 
 if __name__ == "__main__":

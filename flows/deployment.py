@@ -12,7 +12,10 @@
   read the pipeline file), executes it exactly as the orchestrator would, against the same
   MLflow store, and writes the stage run it produced (or reused) onto the pipeline run as
   the tag ``posttrain.dispatched.<stage>``; the orchestrator reads the outputs back from
-  MLflow. Cache hits are decided before anything is sent.
+  MLflow. Cache hits are decided before anything is sent. The job variables sent are the
+  stage's ``gpus`` (per pod) and ``nodes``: a Kubernetes pool's template runs ``nodes`` pods
+  as one indexed Job (``flows/node.py``), and a pool of another type is refused for
+  ``nodes`` > 1 (``require_pool``).
 
 Deployments use module-path entrypoints (``flows.deployment.pipeline_flow``,
 ``flows.deployment.stage_flow``): a worker needs posttrain installed (the GPU worker image
@@ -132,19 +135,37 @@ def _job_env() -> dict[str, str]:
     return env
 
 
-def require_pool(pool: str) -> None:
+def require_pool(pool: str, nodes: int = 1) -> None:
+    """The work pool exists, and is a Kubernetes pool if a stage sent to it runs on ``nodes`` > 1 machines."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
-            client.read_work_pool(pool)
+            work_pool = client.read_work_pool(pool)
         except ObjectNotFound:
             names = [p.name for p in client.read_work_pools()]
             raise DeployError(
                 f"work pool {pool!r} does not exist (pools: {', '.join(names) or 'none'}); create it with "
                 f"`prefect work-pool create {pool} --type process` (or from infra/ for Kubernetes)"
             ) from None
+    if nodes > 1 and work_pool.type != "kubernetes":
+        raise DeployError(
+            f"a stage on {nodes} nodes needs a Kubernetes work pool (an indexed Job of {nodes} pods); work pool "
+            f"{pool!r} is of type {work_pool.type!r}, whose workers start one process on one machine: create it "
+            "with `prefect work-pool create NAME --type kubernetes --base-job-template "
+            "infra/prefect/gpu-k8s-job-template.json`"
+        )
+
+
+def stage_job_variables(resources) -> dict | None:
+    """The job variables a stage sends its pool: GPUs per pod, and pods (nodes) of the indexed Job."""
+    variables = {}
+    if resources.gpus:
+        variables["gpus"] = resources.gpus
+    if resources.nodes > 1:
+        variables["nodes"] = resources.nodes
+    return variables or None
 
 
 def deploy_pipeline(pipeline_file: Path, overrides: list[str], name: str, cron: str | None, pool: str,
@@ -197,7 +218,7 @@ def run_stage_on_pool(job: StageJob, home: Path) -> StageRow:
         name,
         parameters={"job": replace(job, upstream_outputs=None).to_json()},  # the worker reads them from MLflow
         idempotency_key=f"{job.parent_run_id}:{job.stage}",
-        job_variables={"gpus": job.resources.gpus} if job.resources.gpus else None,
+        job_variables=stage_job_variables(job.resources),
         timeout=None, poll_interval=1, as_subflow=True,
         flow_run_name=f"{job.pipeline.name}:{job.stage}",
     )

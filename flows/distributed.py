@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,8 @@ def world_issues(config, resources, runs_here: bool) -> list[str]:
     if config.kind not in TRAINING_KINDS:
         return [f"more than one process or GPU is for training stages ({', '.join(TRAINING_KINDS)}); "
                 f"{config.kind} runs on one"]
-    issues = []
-    if resources.strategy != "ddp" and resources.gpus <= 1:
+    issues = node_issues(config, resources)
+    if resources.strategy != "ddp" and resources.gpus * resources.nodes <= 1:
         issues.append(f"strategy {resources.strategy} needs GPUs (`gpus: N`): on CPU processes the trainers "
                       "fall back to DDP without a word (seen with transformers' fsdp on gloo), so only `ddp` is "
                       "accepted there")
@@ -58,6 +59,26 @@ def world_issues(config, resources, runs_here: bool) -> list[str]:
     return issues
 
 
+def node_issues(config, resources) -> list[str]:
+    """Why ``resources.nodes`` machines cannot train ``config`` together (empty when they can, or for one node).
+
+    Whether the pool is a Kubernetes pool is known only to the Prefect server: ``posttrain run``
+    and ``posttrain deploy`` check it there (``flows.deployment.require_pool``)."""
+    if resources.nodes <= 1:
+        return []
+    issues = []
+    if not resources.pool:
+        issues.append(f"nodes: {resources.nodes} needs a Kubernetes work pool (`pool:`, created from "
+                      "infra/prefect/gpu-k8s-job-template.json): without one the stage runs on this machine alone")
+    if resources.gpus == 0:
+        issues.append("several nodes train on GPUs: set `gpus: M` (per node); CPU processes across machines "
+                      "(gloo over the network) are slower than one machine's and are refused")
+    if resources.processes > 1:
+        issues.append("`processes` counts CPU processes on one machine; on several nodes the processes are the "
+                      "`gpus` of each node")
+    return issues
+
+
 def _rl_world_issues(config, resources) -> list[str]:
     world = resources.world_size()
     issues = []
@@ -70,7 +91,7 @@ def _rl_world_issues(config, resources) -> list[str]:
             issues.append(f"ppo shards each step's prompts and each minibatch over the processes: prompts_per_step "
                           f"({config.prompts_per_step}) and minibatch_size ({config.minibatch_size}) must divide "
                           f"evenly over {world}")
-        if resources.gpus > 1 or resources.strategy != "ddp":
+        if resources.gpus > 1 or resources.nodes > 1 or resources.strategy != "ddp":
             issues.append("ppo trains on several CPU processes (`processes: N`, DDP) only: its own loop has no "
                           "FSDP/ZeRO-3 sharding and was not run on several GPUs")
     for field, value, why in (
@@ -89,14 +110,70 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_command(resources, spec_path: Path) -> list[str]:
+@dataclass(frozen=True)
+class NodeRole:
+    """This machine's place in a multi-node stage, from the environment the pool's indexed Job gives each
+    pod (infra/prefect/gpu-k8s-job-template.json): its completion index, and pod 0's address and port."""
+
+    rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls) -> "NodeRole":
+        missing = [key for key in ("POSTTRAIN_NODE_RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(key)]
+        if missing:
+            raise RuntimeError("a stage on several nodes runs in its work pool's indexed Job (the Kubernetes job "
+                               f"template in infra/prefect/), which sets {', '.join(missing)}; unset here")
+        return cls(int(os.environ["POSTTRAIN_NODE_RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+
+    @property
+    def store_port(self) -> int:
+        """Where node 0 hands the other nodes the stage's rank file (next to torchrun's rendezvous port)."""
+        return self.master_port + 1
+
+
+RANK_FILE_KEY = "posttrain/rank-file"
+
+
+def launch_command(resources, spec_path: Path, node: NodeRole | None = None) -> list[str]:
+    """The launcher of this machine's training processes; ``node``: its role in a multi-node stage."""
     entry = ["-m", "flows.rank", str(spec_path)]
+    if node is not None:  # GPUs on every node (validated); accelerate passes these on to torchrun
+        config = ACCELERATE_CONFIGS / f"{resources.strategy}.yaml"
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                "--num_machines", str(resources.nodes), "--machine_rank", str(node.rank),
+                "--num_processes", str(resources.world_size()), "--main_process_ip", node.master_addr,
+                "--main_process_port", str(node.master_port), *entry]
     if resources.gpus > 1:
         config = ACCELERATE_CONFIGS / f"{resources.strategy}.yaml"
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                 "--num_processes", str(resources.world_size()), "--main_process_port", str(_free_port()), *entry]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(resources.world_size()),
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *entry]
+
+
+def serve_rank_file(node: NodeRole, text: str, timeout_s: float = 1800):
+    """Node 0: hold the rank file in a TCP store the other nodes read (``flows/node.py``); keep the
+    returned store alive while training."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("0.0.0.0", node.store_port, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=timeout_s))
+    store.set(RANK_FILE_KEY, text)
+    return store
+
+
+def fetch_rank_file(node: NodeRole, timeout_s: float = 1800) -> str:
+    """Nodes 1..N-1: the rank file node 0 serves, waiting for it (node 0 first opens the stage's run)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(node.master_addr, node.store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return store.get(RANK_FILE_KEY).decode("utf-8")
 
 
 def run_distributed(job, ctx, inputs) -> dict[str, float]:
@@ -115,13 +192,15 @@ def run_distributed(job, ctx, inputs) -> dict[str, float]:
     resources = job.resources
     spec_path = ctx.work_dir / "distributed.json"
     spec_path.write_text(json.dumps(rank_file), encoding="utf-8")
+    node = NodeRole.from_env() if resources.nodes > 1 else None
+    store = serve_rank_file(node, spec_path.read_text(encoding="utf-8")) if node else None  # noqa: F841 (kept open)
     result_path = ctx.work_dir / "distributed.result.json"
     log_path = ctx.work_dir / "distributed.log"
     for stale in [result_path, *ctx.work_dir.glob("distributed.error.rank*.json")]:
         stale.unlink(missing_ok=True)
     ctx.flush()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(launch_command(resources, spec_path), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(launch_command(resources, spec_path, node), stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     try:
         code = proc.wait()

@@ -27,7 +27,15 @@ from stages.context import StageInputs
 
 def rank_inputs(job: StageJob, described: dict, home: Path) -> StageInputs:
     """The stage's inputs on this rank: rewards and checks rebuilt from the job (they are not JSON),
-    every path as the launching process resolved it (an iterate round's failure-set data included)."""
+    every path as the launching process resolved it (an iterate round's failure-set data included).
+
+    On the other nodes of a multi-node stage (``flows/node.py``) those paths are node 0's disk: each
+    node resolves the upstream outputs from MLflow (downloading them) and the datasets itself, as a
+    pool worker does (``flows.deployment.stage_flow``)."""
+    if int(os.environ.get("POSTTRAIN_NODE_RANK", "0")) > 0:
+        tracker = Tracker(home)
+        upstream = {u: tracker.outputs_of(tracker.get_run(run_id)) for u, run_id in job.upstream_runs.items()}
+        return resolve_inputs(job.loaded, job.stage, upstream, home)
     return resolve_inputs(job.loaded, job.stage, job.upstream_outputs, home).with_paths(described["paths"])
 
 

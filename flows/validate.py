@@ -55,9 +55,11 @@ from stages.pretrained import (
     hub_problem,
     locate_gguf,
 )
+from stages.environments import EnvironmentLoadError, has_own_score, load_environment_class
 from stages.registry import STAGE_KINDS
 from stages.rewards import (
     BUILTIN_REWARDS,
+    ENVIRONMENT_FN,
     JUDGE_FN,
     REASONING_GYM_FN,
     REWARD_MODEL_FN,
@@ -335,20 +337,68 @@ def _resource_issues(d: _Draft) -> Issues:
     from flows.distributed import world_issues
 
     issues = []
+    iterated = d.raw["iterate"].get("train") if isinstance(d.raw.get("iterate"), dict) else None
     for name, config in d.stages.items():
-        resources = getattr(config, "resources", None)
-        if not isinstance(resources, Resources):
-            raw_default = d.raw.get("resources")
-            try:
-                resources = Resources.model_validate(raw_default) if isinstance(raw_default, dict) else None
-            except ValidationError:
-                resources = None
+        resources = _stage_resources(d, config)
         if resources is None or resources.world_size() <= 1:
             continue
         where = ("stages", name, "resources") if getattr(config, "resources", None) else ("resources",)
-        for problem in world_issues(config, resources, runs_here=resources.pool is None):
-            issues.append((where, f"stage {name!r} ({config.kind}) on {resources.world_size()} processes: {problem}"))
+        problems = world_issues(config, resources, runs_here=resources.pool is None)
+        if resources.nodes > 1 and name == iterated:
+            problems.append("the stage `iterate` retrains is refused on several nodes: its later rounds train on "
+                            "a failure set built on node 0's disk, which the other nodes do not see")
+        for problem in problems:
+            issues.append((where, f"stage {name!r} ({config.kind}) on {_layout(resources)}: {problem}"))
     return issues
+
+
+def _stage_resources(d: _Draft, config) -> Resources | None:
+    """The stage's own resources, else the pipeline's default (None where neither validated)."""
+    resources = getattr(config, "resources", None)
+    if not isinstance(resources, Resources):
+        raw_default = d.raw.get("resources")
+        try:
+            resources = Resources.model_validate(raw_default) if isinstance(raw_default, dict) else None
+        except ValidationError:
+            resources = None
+    return resources
+
+
+def _placement_issues(d: _Draft) -> Issues:
+    """``placement:`` (stages/placement.py): a reward-model placement needs a reward model to place; a
+    sharded strategy shards the reference itself; a stage that runs here needs the devices it names."""
+    from stages.placement import device_problem
+
+    issues = []
+    for name, config in d.stages.items():
+        placement = getattr(config, "placement", None)
+        if placement is None:
+            continue
+        where = ("stages", name, "placement")
+        resources = _stage_resources(d, config) or Resources()
+        chosen = {field: value for field, value in placement.model_dump().items() if value != "policy"}
+        if "reward_model" in chosen and not any(
+                getattr(d.rewards.get(r), "fn", None) == "reward_model" for r in config.reward_names()):
+            issues.append((where + ("reward_model",), f"stage {name!r} places its reward models, but none of its "
+                           "rewards is `fn: reward_model`: remove placement.reward_model"))
+        if chosen and resources.strategy != "ddp":
+            issues.append((where, f"stage {name!r}: strategy {resources.strategy} shards the frozen models with the "
+                           "policy; placement applies to ddp (and one process) only"))
+        if resources.pool is None and any(value.startswith("cuda:") for value in chosen.values()):
+            import torch
+
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            for field, value in chosen.items():
+                if (problem := device_problem(value, count)) is not None:
+                    issues.append((where + (field,), f"stage {name!r} runs on this machine (no `resources.pool`): "
+                                   f"placement.{field}: {problem}"))
+    return issues
+
+
+def _layout(resources: Resources) -> str:
+    if resources.nodes > 1:
+        return f"{resources.nodes} nodes x {resources.per_node()} processes"
+    return f"{resources.world_size()} processes"
 
 
 def _graph_issues(d: _Draft) -> Issues:
@@ -404,7 +454,7 @@ def _record_shape_problem(kind: str, record: dict) -> str | None:
     if kind == "sft" and not any(m.get("role") == "assistant" for m in messages):
         return "has no assistant turn (`completion`, or a `messages` turn with role assistant), and sft trains " \
                "on the assistant's turns"
-    if kind in ("rl", "eval") and not prompt_messages(record):
+    if kind in ("rl", "online_dpo", "eval") and not prompt_messages(record):
         return "has no prompt (only an assistant turn), and the stage samples replies to the prompt"
     return None
 
@@ -777,9 +827,40 @@ def find_cycles(edges: dict[str, list[str]]) -> list[list[str]]:
 
 
 # In the order a user reads the file: names, references, rewards, data, models, resources, graph.
+def _environment_issues(d: _Draft) -> Issues:
+    """A stage's environment loads, and an ``environment`` reward (the environment's own score of an episode)
+    is used only where there are episodes, of an environment that defines a score."""
+    def fn_of(reward_name):
+        spec = d.rewards.get(reward_name) if reward_name in d.raw_rewards else None
+        return spec.fn if spec is not None else reward_name
+
+    issues = [(("reward_checks", r), f"reward {r!r} is an environment's own score of an episode; declare known "
+               "episodes under the stage's `environment: checks:` instead") for r in d.raw_checks if fn_of(r) == ENVIRONMENT_FN]
+    for name, config in d.stages.items():
+        spec = getattr(config, "environment", None)
+        cls = None
+        if spec is not None:
+            try:
+                cls = load_environment_class(spec.fn)
+            except EnvironmentLoadError as error:
+                issues.append((("stages", name, "environment", "fn"), str(error)))
+        for i, reward_name in enumerate(config.reward_names()):
+            if not isinstance(reward_name, str) or fn_of(reward_name) != ENVIRONMENT_FN:
+                continue
+            where = ("stages", name, "rewards", i)
+            if spec is None:
+                issues.append((where, f"reward {reward_name!r} is an environment's own score of an episode; stage "
+                               f"{name!r} declares no `environment:`"))
+            elif cls is not None and not has_own_score(cls):
+                issues.append((where, f"reward {reward_name!r}: environment {spec.fn!r} defines no score of its own "
+                               "(override `score(episode, answer, task)`); use a reward that scores the final answer"))
+    return issues
+
+
 COLLECTORS = (
     _name_issues,
     _reference_issues,
+    _environment_issues,
     _reward_check_issues,
     _reward_fn_issues,
     _judge_issues,
@@ -791,6 +872,7 @@ COLLECTORS = (
     lambda d: _reward_model_issues(d.stages, d.rewards, d.data, d.raw_stages, d.raw_rewards, d.raw_checks),
     lambda d: _reasoning_gym_issues(d.stages, d.rewards, d.data, d.raw_rewards, d.raw_checks),
     _resource_issues,
+    _placement_issues,
     lambda d: _vllm_issues(d.stages, d.raw),
     _graph_issues,
 )

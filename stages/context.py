@@ -19,7 +19,7 @@ from stages.spec_model import SpecModel
 # Config fields that change how a stage executes, never what it computes: left out of the
 # fingerprint, so raising a time limit or checkpointing more often keeps the cache (and the
 # resume state, which is keyed by fingerprint).
-EXECUTION_FIELDS = frozenset({"save_steps", "time_limit_minutes", "resources"})
+EXECUTION_FIELDS = frozenset({"save_steps", "time_limit_minutes", "resources", "placement"})
 
 
 class StageTimeLimit(Exception):
@@ -36,8 +36,9 @@ class Resources(SpecModel):
         None, description="Prefect work pool that runs this stage (through the `posttrain-stage/<pool>` "
         "deployment, with run_deployment); unset: in the orchestrating process.",
     )
-    gpus: int = Field(0, ge=0, le=64, description="GPUs the stage needs; passed to the pool's job template "
-                      "as the `gpus` job variable, and with more than one, one training process per GPU.")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs the stage needs (per node with `nodes`); passed to the "
+                      "pool's job template as the `gpus` job variable, and with more than one, one training "
+                      "process per GPU.")
     processes: int = Field(1, ge=1, le=64, description="Training processes (data parallel) for sft, reward_model, "
                            "dpo, kto and rl stages. On CPU: N gloo processes through torchrun; on GPUs: "
                            "`accelerate launch` with `strategy`. Batch sizes stay global (split over the processes).")
@@ -45,8 +46,16 @@ class Resources(SpecModel):
         "ddp", description="How several GPUs train: infra/accelerate/<strategy>.yaml (DDP, FSDP, or DeepSpeed "
         "ZeRO-3 with the `gpu` extra). CPU processes train with DDP only.")
 
-    def world_size(self) -> int:
+    nodes: int = Field(1, ge=1, le=64, description="Machines training this stage together (multi-node): more "
+                       "than 1 needs a Kubernetes work pool (`pool`) and `gpus` per node; the pool's job template "
+                       "runs it as an indexed Job of `nodes` pods joined by torchrun's rendezvous on pod 0.")
+
+    def per_node(self) -> int:
+        """Training processes on each node."""
         return max(self.processes, self.gpus, 1)
+
+    def world_size(self) -> int:
+        return self.nodes * self.per_node()
 
 
 class ExecutionLimits(SpecModel):

@@ -26,9 +26,12 @@ left running: Python cannot kill a thread; the ``python`` tool's code runs in a 
 process that is killed). Results are cut to ``max_observation_chars``.
 
 The episode's reward is the stage's ``rewards`` applied to its final answer (an episode
-that ends on a budget has no answer: unparsed, scored 0, counted apart). With
-``require_tool: true`` an episode that answers without one successful tool call is a
-shortcut and scores 0 on every reward.
+that ends on a budget has no answer: unparsed, scored 0, counted apart). A reward whose
+``fn`` is ``environment`` (``rewards: [environment]``) is instead the environment's own
+score of the whole episode, ``Environment.score(episode, answer, task)``; the calculator's
+is 1 for the reference answer read off one of its own results. With ``require_tool:
+true`` an episode that answers without one successful tool call is a shortcut and scores 0
+on every reward.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import re
 import threading
 import typing
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable
 
 from pydantic import ConfigDict, Field
@@ -128,6 +132,17 @@ class Environment:
     def check(self) -> None:
         """Raise if the environment cannot run here (before any episode is sampled)."""
 
+    def score(self, episode, answer: str | None, task: dict | None) -> float | None:
+        """The environment's own score of a finished episode (stages/episodes.py ``Episode``: its ``answer``,
+        ``messages``, ``tool_results``, ``ended``), given the record's reference ``answer`` and generated
+        ``task``; None when the episode cannot be scored (no answer to read): 0, counted as unparsed. A
+        stage uses it as a reward by listing ``environment`` among its rewards. Override to define one."""
+        raise NotImplementedError(f"{type(self).__name__} defines no score of its own")
+
+
+def has_own_score(cls: type[Environment]) -> bool:
+    return cls.score is not Environment.score
+
 
 # ---------------------------------------------------------------- built-ins
 
@@ -178,6 +193,28 @@ class CalculatorEnvironment(Environment):
             return str(evaluate_arithmetic(expression))
 
         return {"calculator": calculator}
+
+    def score(self, episode, answer: str | None, task: dict | None) -> float | None:
+        """1 when the final answer is the reference answer read off the calculator: its integer (the whole
+        answer, as ``exact_answer`` strict reads it) equals the reference and the result of one of the
+        episode's successful calculator calls; 0 otherwise, so a right answer never computed with the tool
+        (from memory, or a call on other numbers) scores 0. None when the episode gave no integer answer."""
+        from stages.rewards import extract_integer
+
+        if answer is None:
+            raise ValueError("the calculator's score needs the record's reference answer")
+        given = extract_integer(episode.answer or "")
+        if given is None:
+            return None
+        results = {_number(r.content) for r in episode.tool_results if r.name == "calculator" and not r.error}
+        return float(Fraction(given) == _number(str(answer)) and Fraction(given) in results)
+
+
+def _number(text: str) -> Fraction | None:
+    try:
+        return Fraction(text.strip())
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 class PythonEnvironment(Environment):

@@ -2,8 +2,8 @@
 
 A case scripts the model's turns; they are replayed through the environment with its tools
 running for real (stages/episodes.py ``replay``), and the episode is scored as training
-would score it: the stage's rewards on the final answer, 0 for a shortcut where the tool is
-required. Successful, failing, malformed (a tool call that does not parse) and shortcut
+would score it: the stage's rewards on the final answer (an ``environment`` reward: the
+environment's own score of the episode), 0 for a shortcut where the tool is required. Successful, failing, malformed (a tool call that does not parse) and shortcut
 episodes (answering without the tool, calling it with the question's text) are each
 checked against the score range, the way it ended and the tool errors it must show.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.environments import EnvironmentSpec, EpisodeCase, build_environment
-from stages.episodes import Episode, replay, shortcut
+from stages.episodes import Episode, environment_scorers, replay, shortcut
 from stages.rewards import RewardSpec, score_component
 
 
@@ -49,8 +49,9 @@ def check_episode_cases(spec: EnvironmentSpec, rewards: dict[str, RewardSpec],
         episode = replay(environment, spec, [{"role": "user", "content": case.prompt}], case.turns)
         columns = {"answer": [case.answer], "prompts": [episode.messages[:1]]}
         total, errors = 0.0, []
+        bound = environment_scorers(rewards, environment, [episode])  # `environment`: its own score
         for name, reward in rewards.items():
-            scored = score_component(name, reward, [episode.answer or ""], columns)
+            scored = score_component(name, reward, [episode.answer or ""], columns, bound.get(name))
             total += reward.weight * scored.scores[0]
             errors += [message for _, message in scored.errors]
         if shortcut(episode, spec):

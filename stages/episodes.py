@@ -9,7 +9,8 @@ and most checkpoints have none, and then no call is ever seen); it runs tools in
 trainer's process with no time limit (a hanging tool stalls training) and no cap on what
 they return; it has no end-on-answer rule, no turn count or per-episode token budget of its
 own, and nothing per episode (turns, tool errors, how it ended) for rewards or evaluation.
-So posttrain runs its own loop here, used alike by evaluation and by GRPO, and hands GRPO
+So posttrain runs its own loop here, used alike by evaluation, by PPO (stages/ppo.py takes
+``env_mask`` as its action mask) and by GRPO, and hands GRPO
 the result through TRL's ``rollout_func`` with an ``env_mask``, which TRL 1.16 takes as its
 ``tool_mask``: the loss, the KL term and the importance ratios all multiply by
 ``completion_mask * tool_mask`` (checked in its source, and by tests/test_agent.py).
@@ -29,11 +30,13 @@ from dataclasses import dataclass, field
 from stages.environments import (
     Environment,
     EnvironmentSpec,
+    ToolResult,
     execute_tool_call,
     parse_tool_calls,
     tool_schemas,
 )
 from stages.generation import SamplingSettings
+from stages.rewards import ENVIRONMENT_FN, RewardOutput, RewardSpec, ScoredBatch
 
 ENDED_ANSWER, ENDED_TURNS, ENDED_TOKENS = "answer", "max_turns", "token_budget"
 
@@ -52,6 +55,7 @@ class Episode:
     tool_errors: int = 0
     ended: str = ""  # answer, max_turns or token_budget
     answer: str | None = None  # the final turn's text when the episode ended with an answer
+    tool_results: list[ToolResult] = field(default_factory=list)  # every call's result, in order
 
     @property
     def budget_hit(self) -> bool:
@@ -154,6 +158,7 @@ def advance(episode: Episode, text: str, truncated: bool, last_turn: bool, tools
         return None
     results = [execute_tool_call(call, tools, spec.tool_timeout_s, spec.max_observation_chars) for call in calls]
     episode.tool_calls += len(results)
+    episode.tool_results += results
     episode.tool_errors += sum(r.error for r in results)
     tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
     episode.messages += tool_messages
@@ -176,6 +181,39 @@ def replay(environment: Environment, spec: EnvironmentSpec, messages: list[dict]
 def shortcut(episode: Episode, spec: EnvironmentSpec) -> bool:
     """An answer given without one successful tool call where the environment requires the tool."""
     return spec.require_tool and episode.ended == ENDED_ANSWER and not episode.used_tool
+
+
+def environment_scorers(rewards: dict[str, RewardSpec], environment: Environment,
+                        episodes: list[Episode]) -> dict:
+    """Bound scorers (``score_completions``' ``fns``) for the rewards whose fn is ``environment``: the
+    environment's own score of each episode, in the order of ``episodes`` (a score that raises is a counted
+    reward error, scored 0; None is unparsed, scored 0)."""
+
+    def scorer(completions, answer=None, task=None, **_):
+        answers, tasks = answer or [None] * len(episodes), task or [None] * len(episodes)
+        if len(completions) != len(episodes):
+            raise RuntimeError(f"{len(completions)} completions for {len(episodes)} episodes")
+        scores, parsed, errors = [], [], []
+        for i, episode in enumerate(episodes):
+            try:
+                value = environment.score(episode, answers[i], tasks[i])
+            except Exception as error:  # the environment's failure is the reward's: counted, never silent
+                errors.append((i, f"{type(error).__name__}: {error}"))
+                value = None
+            scores.append(0.0 if value is None else float(value))
+            parsed.append(value is not None)
+        return RewardOutput(scores, parsed, errors)
+
+    return {name: scorer for name, spec in rewards.items() if spec.fn == ENVIRONMENT_FN}
+
+
+def zero_shortcuts(scored: ScoredBatch, episodes: list[Episode], spec: EnvironmentSpec) -> ScoredBatch:
+    """``scored`` with every reward of a shortcut episode (``require_tool``) set to 0."""
+    keep = [not shortcut(e, spec) for e in episodes]
+    for component in scored.components:
+        component.scores = [s if k else 0.0 for s, k in zip(component.scores, keep)]
+    scored.total = [t if k else 0.0 for t, k in zip(scored.total, keep)]
+    return scored
 
 
 def episode_metrics(episodes: list[Episode], spec: EnvironmentSpec) -> dict[str, float]:

@@ -188,9 +188,7 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
         "answer": [a for a in answers for _ in range(k)],
         "prompts": [p for p in prompts for _ in range(k)],
     }, [r.get("task") for r in records for _ in range(k)])
-    from stages.reward_model_scoring import bind_reward_models
-
-    bound = bind_reward_models(rewards, inputs)
+    bound = _bound_scorers(config, inputs, episodes)
     scored = score_completions(rewards, flat_texts, columns, bound)
     by_name = {c.name: c for c in scored.components}
     verdict = by_name[verifier]
@@ -226,6 +224,20 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
             error_rows = [{"completion": flat_texts[i], "error": message} for i, message in component.errors[:50]]
             ctx.log_table(error_rows, f"reward_errors_{component.name}.json")
     return {"failures": str(failures_path), "metrics": metrics}
+
+
+def _bound_scorers(config: EvalConfig, inputs: StageInputs, episodes) -> dict:
+    """Reward models and judges bound to their checkpoints, and, for an agent's episodes, ``environment``
+    rewards bound to them (the environment's own score of each episode)."""
+    from stages.reward_model_scoring import bind_reward_models
+
+    bound = bind_reward_models(inputs.rewards, inputs)
+    if episodes is not None:
+        from stages.environments import build_environment
+        from stages.episodes import environment_scorers
+
+        bound.update(environment_scorers(inputs.rewards, build_environment(config.environment), episodes))
+    return bound
 
 
 def _audit(ctx, rewards: dict[str, RewardSpec], scored, bound: dict, prompts: list, texts: list[str]) -> dict:

@@ -40,7 +40,9 @@ from pathlib import Path
 from stages.context import StageInputs
 from stages.data import prompt_messages, read_materialized
 from stages.generation import neutral_generation_config
-from stages.rewards import RewardSpec, score_component, with_task_column
+from stages.episodes import environment_scorers
+from stages.placement import check_devices, place, placement_params
+from stages.rewards import ENVIRONMENT_FN, RewardSpec, score_component, with_task_column
 from stages.rollouts import rollout_backend
 
 # TRL's metric names -> the names every rl stage logs (stages/rl.py lists them)
@@ -94,17 +96,23 @@ class RewardErrorBudget:
             )
 
 
-def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, metrics_sink, fn=None, auditor=None):
+def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, metrics_sink, fn=None, auditor=None,
+                     environment=None):
     """A TRL reward function (``prompts, completions, **columns``) around one of our rewards
-    (``fn``: a bound reward-model scorer or judge; ``auditor``: stages/judge.py's ``BatchAuditor``)."""
+    (``fn``: a bound reward-model scorer or judge; ``auditor``: stages/judge.py's ``BatchAuditor``;
+    ``environment``: the stage's environment, whose own score an ``environment`` reward is)."""
 
-    def reward(prompts, completions, completion_ids=None, episode_answer=None, episode_rewardable=None, **columns):
+    def reward(prompts, completions, completion_ids=None, episode_answer=None, episode_rewardable=None,
+               episode=None, **columns):
         # an environment's episodes (stages/rollouts.py EpisodeRollouts): the final answer is scored, not the
         # transcript, and a shortcut episode scores 0
         texts = episode_answer or [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         tasks = [json.loads(t) if t else None for t in columns.get("task") or [None] * len(texts)]  # JSON for Arrow
+        scorer = fn
+        if spec.fn == ENVIRONMENT_FN and episode is not None:
+            scorer = environment_scorers({name: spec}, environment, episode)[name]
         scored = score_component(name, spec, texts, with_task_column(
-            {"answer": columns.get("answer"), "prompts": prompts}, tasks), fn)
+            {"answer": columns.get("answer"), "prompts": prompts}, tasks), scorer)
         budget.record(name, scored.errors, texts)
         if auditor is not None:
             auditor.record(scored, prompts, texts)
@@ -117,6 +125,8 @@ def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, met
         return scored.scores
 
     reward.__name__ = name
+    if hasattr(fn, "scorer"):  # a reward model: where it lives is logged (stages/placement.py placement_params)
+        reward.scorer = fn.scorer
     return reward
 
 
@@ -331,6 +341,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
     seed = config.seed if config.seed is not None else ctx.seed
+    check_devices(config.placement)  # before anything loads
     model, tokenizer, own_generation_config = _load_policy(inputs)
 
     records = read_materialized(inputs.data)
@@ -338,12 +349,13 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     rewards: dict[str, RewardSpec] = inputs.rewards
     budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
     holder: dict = {}  # the trainer's metrics, once it exists: the reward functions log into them
-    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"), ctx)
+    backend, why = rollout_backend(config, inputs.policy)
+    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend)
+    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"), ctx, config.placement.reward_model,
+                                 rollouts.runner.environment if config.environment is not None else None)
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
-    backend, why = rollout_backend(config, inputs.policy)
-    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why})
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer, rollout_func=rollouts,
@@ -362,7 +374,8 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics))
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed, "world_size": args.world_size,
-                    "generation_batch": args.generation_batch_size})
+                    "generation_batch": args.generation_batch_size,
+                    **placement_params(trainer.ref_model, reward_funcs)})
     try:
         with stop_gracefully(trainer, ctx, resumable=False):
             trainer.train()
@@ -411,16 +424,17 @@ def _load_policy(inputs: StageInputs):
     return model, tokenizer, own_generation_config
 
 
-def _reward_funcs(inputs: StageInputs, budget: RewardErrorBudget, trainer_metrics, ctx) -> list:
-    """One TRL reward function per declared reward (reward models and judges bound to their checkpoints),
-    judges audited against the verifiers every ``audit_every`` batches."""
+def _reward_funcs(inputs: StageInputs, budget: RewardErrorBudget, trainer_metrics, ctx, where: str,
+                  environment=None) -> list:
+    """One TRL reward function per declared reward (reward models, placed where ``where`` says, and judges
+    bound to their checkpoints), judges audited against the verifiers every ``audit_every`` batches."""
     from stages.judge import batch_auditor
     from stages.reward_model_scoring import bind_reward_models
 
     rewards: dict[str, RewardSpec] = inputs.rewards
-    bound = bind_reward_models(rewards, inputs)
+    bound = bind_reward_models(rewards, inputs, where)
     auditor = batch_auditor(rewards, bound, ctx)
-    return [make_reward_func(name, spec, budget, trainer_metrics, bound.get(name), auditor)
+    return [make_reward_func(name, spec, budget, trainer_metrics, bound.get(name), auditor, environment)
             for name, spec in rewards.items()]
 
 
@@ -434,10 +448,13 @@ def _final_metrics(history: list[dict], steps: int, reward_errors: int) -> dict[
 
 
 def _prepare(trainer, config, dataset, seed: int) -> None:
-    """Dropout off in the policy and the reference; dynamic sampling's pool of prompts, when declared."""
+    """Dropout off in the policy and the reference, the reference placed (stages/placement.py); dynamic
+    sampling's pool of prompts, when declared."""
     for network in (trainer.model, trainer.ref_model):
         if network is not None:
             turn_off_dropout(network)
+    if trainer.ref_model is not None:
+        trainer.ref_model = place(trainer.ref_model, config.placement.reference, trainer.accelerator.device)
     if config.dynamic_sampling is not None:
         import random
 

@@ -52,6 +52,18 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   process would make on the same rollouts. Logged statistics are over the global batch,
   except ``reward/<rm>/corr/<other>`` and the sample tables (rank 0's shard); a reward
   model's ``normalize: running`` keeps running statistics per process.
+- With ``environment:`` a rollout is an agent's episode (stages/episodes.py: the model's turns
+  and the tools' observations, as ids appended turn by turn; ``attempts`` episodes per
+  prompt). The episode's ``env_mask`` is the action mask ``mask_B_T``: observation tokens
+  are attended to as context but weigh nothing in the policy loss, the value loss, the
+  importance ratios, the KL penalty, the advantage whitening and the logged statistics, and
+  get no advantage or return. GAE (stages/rl_math.py ``gae``) steps over them: the last
+  token of a turn bootstraps from the value of the next turn's first token, the state that
+  has read the observation, with one discount, exactly GAE over the model tokens alone; the
+  critic is never trained on an observation position. The rewards score the final answer
+  (an ``environment`` reward: the environment's own score of the episode), added at the
+  episode's last model token; a shortcut (``require_tool``) scores 0. ``env/*`` metrics are
+  logged per step (on several processes, rank 0's shard).
 - With ``lora`` the policy trains LoRA adapters only (PEFT; the optimiser sees nothing
   else) and the KL reference is the policy with its adapters disabled, not a second copy:
   its starting checkpoint, as without lora. The adapters' dropout never acts (the policy
@@ -82,9 +94,12 @@ from stages.data_parallel import (
     sum_gradients,
     world_size,
 )
+from stages.environments import build_environment
+from stages.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend, prompt_token_ids
 from stages.lora import save_trained, wrap
 from stages.models import load_model_and_tokenizer
+from stages.placement import check_devices, place, placement_params
 from stages.reward_model_scoring import bind_reward_models, reward_model_correlations
 from stages.rewards import RewardSpec, ScoredBatch, score_completions, with_task_column
 from stages.rl_common import RLStageConfig, log_curves
@@ -174,6 +189,8 @@ class Rollout:
 
     Every completion starts at column P, so the logits at columns P-1 .. P+T-2 predict the
     completion tokens. Built from recorded token ids only, never from decoded text.
+    ``mask_B_T`` is 1 on the policy's own tokens (its actions) only: 0 on padding and on an
+    environment's observation tokens, which the attention mask keeps as context.
     """
 
     input_ids_B_L: torch.Tensor
@@ -198,20 +215,38 @@ class Rollout:
 def build_rollout(prompt_ids: list[list[int]], groups: list[list[Sample]], pad_id: int) -> Rollout:
     """(prompt ids + sampled ids) per sample, padded into one batch."""
     flat = [(i, s) for i, group in enumerate(groups) for s in group]
-    width_P = max(len(ids) for ids in prompt_ids)
-    width_T = max(len(s.token_ids) for _, s in flat)
-    n_rows = len(flat)
+    rows = [(prompt_ids[i], s.token_ids, s.logprobs, [1] * len(s.token_ids)) for i, s in flat]
+    return pad_rollout(rows, [s for _, s in flat], [i for i, _ in flat], pad_id)
+
+
+def build_episode_rollout(episodes, prompt_index: list[int], tokenizer) -> Rollout:
+    """An environment's episodes (stages/episodes.py) as one batch: each episode's ids as appended turn by
+    turn, its ``env_mask`` (1: sampled by the policy, 0: an observation) as the action mask."""
+    rows = [(e.prompt_ids, e.completion_ids, e.logprobs, e.env_mask) for e in episodes]
+    samples = [Sample(text=tokenizer.decode(e.completion_ids, skip_special_tokens=True), token_ids=e.completion_ids,
+                      logprobs=e.logprobs, truncated=e.budget_hit) for e in episodes]
+    return pad_rollout(rows, samples, prompt_index, tokenizer.pad_token_id)
+
+
+def pad_rollout(rows: list[tuple[list[int], list[int], list[float], list[int]]], samples: list[Sample],
+                prompt_index: list[int], pad_id: int) -> Rollout:
+    """(prompt ids, completion ids, their sampled log-probs, their action mask) per row, padded into one batch;
+    every completion token, action or observation, is attended to."""
+    width_P = max(len(prompt) for prompt, *_ in rows)
+    width_T = max(len(completion) for _, completion, *_ in rows)
+    n_rows = len(rows)
     input_ids = torch.full((n_rows, width_P + width_T), pad_id, dtype=torch.long)
     attention = torch.zeros((n_rows, width_P + width_T), dtype=torch.long)
     logprobs = torch.zeros((n_rows, width_T))
-    for row, (i, sample) in enumerate(flat):
-        prompt, n_new = prompt_ids[i], len(sample.token_ids)
+    actions = torch.zeros((n_rows, width_T))
+    for row, (prompt, completion, sampled, action) in enumerate(rows):
+        n_new = len(completion)
         input_ids[row, width_P - len(prompt) : width_P] = torch.tensor(prompt)
-        input_ids[row, width_P : width_P + n_new] = torch.tensor(sample.token_ids)
+        input_ids[row, width_P : width_P + n_new] = torch.tensor(completion, dtype=torch.long)
         attention[row, width_P - len(prompt) : width_P + n_new] = 1
-        logprobs[row, :n_new] = torch.tensor(sample.logprobs)
-    return Rollout(input_ids, attention, input_ids[:, width_P:], attention[:, width_P:].float(), logprobs,
-                   [s for _, s in flat], [i for i, _ in flat])
+        logprobs[row, :n_new] = torch.tensor(sampled, dtype=torch.float)
+        actions[row, :n_new] = torch.tensor(action, dtype=torch.float)
+    return Rollout(input_ids, attention, input_ids[:, width_P:], actions, logprobs, samples, prompt_index)
 
 
 def completion_logits(model: nn.Module, rollout: Rollout, rows, temperature: float) -> torch.Tensor:
@@ -272,7 +307,8 @@ class Targets:
 def compute_targets(policy, reference, critic, rollout: Rollout, scores_B: torch.Tensor, beta: float,
                     config: RLStageConfig) -> Targets:
     """Old log-probs and entropy of the rollout-time policy (full tempered distribution), per-token
-    reward = -beta * k1 (+ the score at the last token), then GAE and whitening."""
+    reward = -beta * k1 (+ the score at the last action), then GAE and whitening, all over the actions
+    (``mask_B_T``): an episode's observation tokens get none of them."""
     everything = slice(None)
     mask = rollout.mask_B_T
     policy_logits = completion_logits(policy, rollout, everything, config.sampling.temperature)
@@ -284,7 +320,7 @@ def compute_targets(policy, reference, critic, rollout: Rollout, scores_B: torch
     values = completion_values(critic, rollout, everything) * mask
     k1, _, k3 = kl_estimators(old_logprobs, ref_logprobs)
     rewards = -beta * k1 * mask
-    last_B = mask.sum(-1).long() - 1
+    last_B = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # the last action (an episode's answer turn ends in one)
     rewards[torch.arange(len(last_B)), last_B] += scores_B.to(rewards)
     advantages, returns = gae(rewards, values, mask, config.gamma, config.lam)
     if config.whiten_advantages:
@@ -303,6 +339,20 @@ def whiten_over_processes(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8
 
 
 # ---------------------------------------------------------------- the update
+
+
+def minibatch_losses(policy, critic, rollout: Rollout, targets: Targets, rows, config: RLStageConfig):
+    """(policy loss, value loss, clip fraction, mean ratio, value clip fraction) of the rows ``rows``: token
+    means over the rows' actions (``mask_B_T``), an environment's observation tokens weighing nothing."""
+    mask = rollout.mask_B_T[rows]
+    logits = completion_logits(policy, rollout, rows, config.sampling.temperature)
+    logprobs = token_logprobs(logits, rollout.completion_ids_B_T[rows])
+    values = completion_values(critic, rollout, rows)
+    policy_loss, clip_frac, ratio_mean = ppo_policy_loss(
+        logprobs, targets.old_logprobs[rows], targets.advantages[rows], mask, config.clip_epsilon)
+    value_loss, value_clip_frac = ppo_value_loss(
+        values, targets.old_values[rows], targets.returns[rows], mask, config.cliprange_value)
+    return policy_loss, value_loss, clip_frac, ratio_mean, value_clip_frac
 
 
 def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, config: RLStageConfig,
@@ -327,13 +377,8 @@ def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, c
         for start in range(0, n_rows, minibatch):
             rows = order[start : start + minibatch]
             mask = rollout.mask_B_T[rows]
-            logits = completion_logits(policy, rollout, rows, config.sampling.temperature)
-            logprobs = token_logprobs(logits, rollout.completion_ids_B_T[rows])
-            values = completion_values(critic, rollout, rows)
-            policy_loss, clip_frac, ratio_mean = ppo_policy_loss(
-                logprobs, targets.old_logprobs[rows], targets.advantages[rows], mask, config.clip_epsilon)
-            value_loss, value_clip_frac = ppo_value_loss(
-                values, targets.old_values[rows], targets.returns[rows], mask, config.cliprange_value)
+            policy_loss, value_loss, clip_frac, ratio_mean, value_clip_frac = minibatch_losses(
+                policy, critic, rollout, targets, rows, config)
             share = 1.0 if world == 1 else mask.sum() / all_sum(mask.sum()).clamp(min=1.0)  # of the tokens
             policy_loss, value_loss = policy_loss * share, value_loss * share
             clip_frac, ratio_mean, value_clip_frac = clip_frac * share, ratio_mean * share, value_clip_frac * share
@@ -419,17 +464,20 @@ class PPORun:
     reward_fns: dict  # bound reward-model scorers by reward name
     reward_errors: int = 0
     engine: VLLMBackend | None = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
+    episodes: EpisodeRunner | None = None  # the stage's environment, when it declares one
 
     @classmethod
     def load(cls, config: RLStageConfig, inputs: StageInputs, seed: int) -> "PPORun":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        check_devices(config.placement)  # before anything loads
         policy_path = inputs.policy
         trust = inputs.trust_remote_code
         policy, tokenizer = load_model_and_tokenizer(policy_path, trust_remote_code=trust)
         policy = wrap(policy, config.lora)  # with lora: only the adapters require grad
         policy.to(device).eval()
         reference = (AdaptersOff(policy) if config.lora
-                     else load_frozen_reference(Path(inputs.reference or policy_path), trust).to(device))
+                     else place(load_frozen_reference(Path(inputs.reference or policy_path), trust),
+                                config.placement.reference, device))
         critic = (ValueModel.from_reward_model(inputs.critic, trust) if inputs.critic
                   else ValueModel.from_policy_checkpoint(policy_path, trust)).to(device).eval()
         trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]
@@ -437,13 +485,18 @@ class PPORun:
                       torch.optim.AdamW(critic.parameters(), lr=config.critic_lr or config.lr)]
         kl_control = (FixedKLController(config.kl_beta) if config.kl_target is None
                       else AdaptiveKLController(config.kl_beta, config.kl_target, config.kl_horizon))
+        episodes = None
+        if config.environment is not None:
+            environment = build_environment(config.environment)
+            environment.check()
+            episodes = EpisodeRunner(environment, config.environment, tokenizer)
         return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, inputs.rewards,
-                   seed, device, bind_reward_models(inputs.rewards, inputs))
+                   seed, device, bind_reward_models(inputs.rewards, inputs, config.placement.reward_model),
+                   episodes=episodes)
 
     def step(self, step: int, batch: list[dict], generator: torch.Generator) -> tuple[dict[str, float], list[dict]]:
         """Sample, score, update on one batch of prompts: the step's metrics and sample rows."""
         config = self.config
-        prompts = [prompt_messages(r) for r in batch]
         answers = [r.get("answer") for r in batch]
         # each process samples its shard of the prompts with its own seed (rank 0's is the one-process seed)
         settings = SamplingSettings(temperature=config.sampling.temperature, top_p=config.sampling.top_p,
@@ -451,17 +504,23 @@ class PPORun:
                                     max_tokens=config.sampling.max_tokens, attempts=config.sampling.attempts)
         if self.engine is not None:
             sync_policy(self.engine, self.policy)  # the policy the last update left, merged LoRA included
-            groups = self.engine.generate(prompts, settings)
+        backend = self.engine or HFGenerateBackend(self.policy, self.tokenizer, len(batch) * settings.attempts)
+        if self.episodes is None:
+            prompts = [prompt_messages(r) for r in batch]
+            rollout = build_rollout(prompt_token_ids(self.tokenizer, prompts), backend.generate(prompts, settings),
+                                    self.tokenizer.pad_token_id)
+            texts, episodes = [s.text for s in rollout.samples], None
         else:
-            groups = HFGenerateBackend(self.policy, self.tokenizer, len(prompts)).generate(prompts, settings)
-        rollout = build_rollout(prompt_token_ids(self.tokenizer, prompts), groups, self.tokenizer.pad_token_id)
+            prompts = [self.episodes.environment.start(r) for r in batch]
+            starts = [(i, p) for i, p in enumerate(prompts) for _ in range(settings.attempts)]
+            episodes = self.episodes.run(backend, [p for _, p in starts], settings)
+            rollout = build_episode_rollout(episodes, [i for i, _ in starts], self.tokenizer)
+            texts = [e.answer or "" for e in episodes]  # the final answer is scored, not the transcript
         rollout = rollout.to(self.device)
-        texts = [s.text for s in rollout.samples]
         columns = with_task_column({"answer": [answers[i] for i in rollout.prompt_index],
                                     "prompts": [prompts[i] for i in rollout.prompt_index]},
                                    [batch[i].get("task") for i in rollout.prompt_index])
-        scored = score_completions(self.rewards, texts, columns, self.reward_fns)
-        self.reward_errors = check_reward_errors(scored, texts, self.reward_errors, config)
+        scored = self.score(texts, columns, episodes)
 
         beta = self.kl_control.value
         targets = compute_targets(self.policy, self.reference, self.critic, rollout, torch.tensor(scored.total),
@@ -469,9 +528,20 @@ class PPORun:
         update = ppo_update(self.policy, self.critic, self.optimizers, rollout, targets, config, generator)
         metrics = {**rollout_metrics(rollout, scored, targets, config.sampling.attempts), **update,
                    **reward_model_correlations(scored, self.rewards),
+                   **(episode_metrics(episodes, config.environment) if episodes is not None else {}),
                    "kl_beta": beta, "reward/errors": float(self.reward_errors)}
         self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts) * world_size())
         return metrics, sample_rows(rollout, prompts, answers, scored)
+
+    def score(self, texts: list[str], columns: dict, episodes) -> ScoredBatch:
+        """The rewards of the completions, or of the episodes' final answers (the environment's own score
+        bound to the episodes where a reward is ``environment``; a shortcut episode scores 0 on every reward)."""
+        fns = dict(self.reward_fns)
+        if episodes is not None:
+            fns.update(environment_scorers(self.rewards, self.episodes.environment, episodes))
+        scored = score_completions(self.rewards, texts, columns, fns)
+        self.reward_errors = check_reward_errors(scored, texts, self.reward_errors, self.config)
+        return scored if episodes is None else zero_shortcuts(scored, episodes, self.config.environment)
 
     def save(self, ctx) -> dict[str, str]:
         """The policy as the stage's ``checkpoint`` (and, with lora, ``adapter``) outputs."""
@@ -488,14 +558,17 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     records = read_materialized(inputs.data)
     backend, why = rollout_backend(config, inputs.policy)
     if backend == "vllm":
+        env = config.environment  # an episode's budget after its prompt, + 64: the tools' line in the prompt
+        budget = config.sampling.max_tokens if env is None else env.max_episode_tokens + 64
         run.engine = VLLMBackend(inputs.policy, trust_remote_code=inputs.trust_remote_code,
                                  engine=config.engine, max_model_len=context_length(
-                                     run.tokenizer, [prompt_messages(r) for r in records], config.sampling.max_tokens))
+                                     run.tokenizer, [prompt_messages(r) for r in records], budget))
     ctx.log_params({"resolved_backend": backend, "backend_reason": why})
     batches = (shard(batch) for batch in prompt_batches(records, config.prompts_per_step, seed))
     generator = torch.Generator().manual_seed(seed)  # minibatch order
     ctx.log_params({"resolved_seed": seed, "prompts": len(records), "world_size": joined_world(),
-                    "rollout_sequences": config.prompts_per_step * config.sampling.attempts})
+                    "rollout_sequences": config.prompts_per_step * config.sampling.attempts,
+                    **placement_params(run.reference, run.reward_fns.values())})
 
     history, metrics, started = [], {}, time.perf_counter()
     try:

@@ -6,6 +6,8 @@
   pi_ref(y|x)) with sequence log-probs summed over completion tokens; the loss is
   -log sigmoid(r_chosen - r_rejected) (TRL ``DPOTrainer``'s ``sigmoid`` loss).
 - Best-of-N: per prompt, the attempt a scorer ranks highest (the first on ties).
+- Online DPO's pairs: per prompt, its best and worst scored samples; a prompt whose samples all
+  score the same is a tie and gives no pair.
 - Running normalisation of reward-model scores and the Pearson correlation of two scores,
   the first sign of reward hacking when a learned reward drifts from a verifier.
 """
@@ -97,3 +99,20 @@ class RunningMeanStd:
         self.update(values)
         scale = max(self.std, self.epsilon)
         return [(v - self.mean) / scale for v in values]
+
+
+def best_worst_pairs(scores_P_K: list[list[float]]) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """Online DPO's pairs from K scored samples of each of P prompts: ``([(prompt, chosen, rejected)],
+    [tied prompts])``. Chosen is the highest-scoring sample (the first on ties), rejected the lowest (the
+    last on ties); a prompt whose samples all score the same carries no preference and is skipped."""
+    pairs, ties = [], []
+    for p, row in enumerate(scores_P_K):
+        if len(row) < 2:
+            raise ValueError(f"prompt {p} has {len(row)} scored sample(s); a pair needs at least 2")
+        best = max(range(len(row)), key=lambda k: (row[k], -k))
+        worst = min(range(len(row)), key=lambda k: (row[k], -k))
+        if row[best] == row[worst]:
+            ties.append(p)
+        else:
+            pairs.append((p, best, worst))
+    return pairs, ties

@@ -14,6 +14,7 @@ from pydantic import ConfigDict, Field, model_validator
 from stages.context import ExecutionLimits, StageInputs
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
+from stages.placement import ReferencePlacement, check_devices, place, placement_params
 from stages.trainer_callbacks import metric_renamer
 
 
@@ -29,6 +30,9 @@ class PreferenceOptimisationConfig(ExecutionLimits):
     reference: str | None = Field(
         None, description="Stage whose checkpoint is the frozen reference; default the policy's starting checkpoint "
         "(the only one allowed with `lora`).")
+    placement: ReferencePlacement = Field(
+        default_factory=ReferencePlacement, description="Where the frozen reference lives (stages/placement.py): "
+        "on the policy's device (default), `cpu`, `cuda:N`, or `offload`.")
     data: str = Field(description="Preference pairs (name under `data:`); must not be `heldout`.")
     beta: float = Field(0.1, gt=0.0, description="Strength of the implicit KL anchor to the reference "
                         "(higher keeps the policy closer).")
@@ -51,6 +55,9 @@ class PreferenceOptimisationConfig(ExecutionLimits):
         if self.lora is not None and self.reference not in (None, self.model):
             raise ValueError(f"with lora the reference is the policy's own starting weights (adapters off); "
                              f"reference {self.reference!r} must be left out or equal model {self.model!r}")
+        if self.lora is not None and self.placement.reference != "policy":
+            raise ValueError("with lora the reference is the policy itself with its adapters off: "
+                             "placement.reference must be left at `policy`")
         return self
 
     def references(self) -> dict[str, str]:
@@ -105,6 +112,7 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     check_preference_records(records, f"stage data {inputs.data}")
     train, heldout = split_heldout(records, config.heldout_fraction, seed)
     trust = inputs.trust_remote_code
+    check_devices(config.placement)  # before anything loads
     model, tokenizer = load_model_and_tokenizer(inputs.model, trust_remote_code=trust)
     # with lora TRL takes the reference log-probs from the policy with its adapters disabled
     reference = None if config.lora else AutoModelForCausalLM.from_pretrained(
@@ -117,8 +125,11 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
         callbacks=[tracking_callback(ctx, rename_metrics, f"{config.kind}: {config.max_steps} steps")],
     )
     quiet_trainer(trainer)
+    if trainer.ref_model is not None:  # TRL put it on the policy's device: now where the stage says
+        trainer.ref_model = place(trainer.ref_model, config.placement.reference, trainer.accelerator.device)
     ctx.log_params({"pairs": len(records), "train_pairs": len(train), "heldout_pairs": len(heldout),
-                    "resolved_seed": seed, "world_size": args.world_size})  # the process group's
+                    "resolved_seed": seed, "world_size": args.world_size,  # the process group's
+                    **placement_params(trainer.ref_model)})
 
     started = time.perf_counter()
     with stop_gracefully(trainer, ctx, resumable=False):

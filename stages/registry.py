@@ -8,6 +8,7 @@ import os
 from stages.dpo import DPOStageConfig
 from stages.eval import EvalConfig
 from stages.kto import KTOStageConfig
+from stages.online_dpo import OnlineDPOStageConfig
 from stages.reward_model import RewardModelStageConfig
 from stages.rl_common import RLStageConfig
 from stages.sft import SFTStageConfig
@@ -18,6 +19,7 @@ STAGE_KINDS = {
     "rl": RLStageConfig,
     "dpo": DPOStageConfig,
     "kto": KTOStageConfig,
+    "online_dpo": OnlineDPOStageConfig,
     "eval": EvalConfig,
 }
 
@@ -28,6 +30,7 @@ HEADLINE_METRICS = {
     "reward_model": ["heldout_pairwise_accuracy", "heldout_reward_margin", "steps"],
     "dpo": ["heldout_pairwise_accuracy", "rewards/margin", "steps"],
     "kto": ["heldout_reward_margin", "rewards/margin", "kl", "steps"],
+    "online_dpo": ["reward/mean", "rewards/margin", "tie_frac", "steps"],
     "eval": ["pass_at_1", "pass_at_*", "best_of_n_accuracy", "reward_mean", "format_error_rate", "truncated_rate"],
 }
 

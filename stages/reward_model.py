@@ -36,7 +36,14 @@ from pydantic import ConfigDict, Field
 from stages.context import ExecutionLimits, StageInputs
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
-from stages.reward_model_scoring import load_sequence_scorer
+from stages.reward_model_scoring import (  # re-exported: stages.reward_model is where callers look
+    RewardModelReward,
+    RewardModelScorer,
+    bind_reward_models,
+    centre_per_prompt,
+    load_sequence_scorer,
+    reward_model_correlations,
+)
 from stages.trainer_callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments
 
 

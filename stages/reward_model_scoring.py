@@ -33,12 +33,15 @@ def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
 class RewardModelScorer:
     """Batched scores of (prompt, completion) pairs by a trained reward model."""
 
-    def __init__(self, path: Path, batch_size: int = 64, trust_remote_code: bool = False):
+    def __init__(self, path: Path, batch_size: int = 64, trust_remote_code: bool = False, where: str = "policy"):
+        """``where``: its placement (stages/placement.py); the scores come back on the CPU wherever it runs."""
         import torch
 
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        from stages.placement import place
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where its inputs are made
         self.model, self.tokenizer = load_sequence_scorer(path, trust_remote_code)
-        self.model.to(self.device).eval()
+        self.model = place(self.model.eval().requires_grad_(False), where, self.device)
         self.batch_size = batch_size
 
     def raw_scores(self, prompts: list[list[dict]], completions: list[str]) -> list[float]:
@@ -98,9 +101,10 @@ def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[fl
     return [score - means[key] for key, score in zip(keys, scores)]
 
 
-def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs) -> dict:
-    """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once, and of
-    every ``fn: judge`` reward (stages/judge.py: its judge is loaded only when a reply is not cached)."""
+def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy") -> dict:
+    """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once (placed
+    where ``where`` says: stages/placement.py), and of every ``fn: judge`` reward (stages/judge.py: its
+    judge is loaded only when a reply is not cached)."""
     from stages.judge import bind_judges
 
     loaded: dict[str, RewardModelScorer] = {}
@@ -110,7 +114,7 @@ def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs) -> d
             continue
         path = inputs.scorer_checkpoint(name, f"scores with stage {spec.stage!r}")
         if path not in loaded:
-            loaded[path] = RewardModelScorer(path, spec.batch_size, inputs.trust_remote_code)
+            loaded[path] = RewardModelScorer(path, spec.batch_size, inputs.trust_remote_code, where)
         bound[name] = RewardModelReward(loaded[path], spec)
     return {**bound, **bind_judges(rewards, inputs)}
 

@@ -30,6 +30,7 @@ from stages.spec_model import SpecModel
 REWARD_MODEL_FN = "reward_model"  # the built-in that scores with a trained reward_model stage
 REASONING_GYM_FN = "reasoning_gym"  # the built-in that scores reasoning_gym data with the task's score_answer
 JUDGE_FN = "judge"  # the built-in that asks a generative model (or a judge function) to score against a rubric
+ENVIRONMENT_FN = "environment"  # the built-in that is an environment's own score of an episode (stages/environments.py)
 JUDGE_SCALE = re.compile(r"(-?\d+)-(-?\d+)")  # a judge's numeric scale, e.g. 1-10
 
 
@@ -201,6 +202,13 @@ def judge(completions: list[str], **_) -> list[float]:
                       "be called on its own")
 
 
+def environment(completions: list[str], **_) -> list[float]:
+    """The environment's own score of an episode (stages/environments.py ``Environment.score``); a stage with
+    ``environment:`` binds it to its episodes (stages/episodes.py ``environment_scorers``)."""
+    raise RewardError("the environment reward is an environment's own score of an episode, bound by a stage with "
+                      "`environment:` to its episodes; it cannot score a lone completion (e.g. in `reward_checks:`)")
+
+
 def reward_input_key(reward_name: str) -> str:
     """The ``inputs`` key under which a stage receives the checkpoint of a reward's reward_model stage."""
     return f"{SCORER_PREFIX}{reward_name}"
@@ -210,6 +218,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "exact_answer": exact_answer,
     REWARD_MODEL_FN: reward_model,
     JUDGE_FN: judge,
+    ENVIRONMENT_FN: environment,
     "math_answer": _lazy("stages.rewards_math:math_answer"),
     "code_tests": _lazy("stages.rewards_code:code_tests"),
     REASONING_GYM_FN: _lazy("stages.reasoning_gym_tasks:reasoning_gym_answer"),

@@ -16,6 +16,7 @@ from stages.difficulty import DifficultyFilter
 from stages.environments import EnvironmentSpec
 from stages.generation import BackendName, EngineSettings
 from stages.lora import LORA_DESCRIPTION, LoraSpec
+from stages.placement import Placement
 from stages.spec_model import SpecModel
 
 # Fields that mean something for one algorithm only; setting one for the other is an error.
@@ -98,10 +99,15 @@ class RLStageConfig(ExecutionLimits):
     lora: LoraSpec | None = Field(
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")
+    placement: Placement = Field(default_factory=Placement, description="Where the frozen KL reference and the "
+                                 "reward models of `fn: reward_model` rewards live (stages/placement.py): on the "
+                                 "policy's device (default), `cpu`, `cuda:N`, or `offload`.")
     environment: EnvironmentSpec | None = Field(
-        None, description="GRPO: train on multi-turn episodes in this environment (stages/environments.py): the "
-        "model's turns and the tools' observations, observations never trained on; the rewards score each "
-        "episode's final answer; `sampling.max_tokens` is then the budget of one turn.")
+        None, description="Train on multi-turn episodes in this environment (stages/environments.py): the "
+        "model's turns and the tools' observations, observations never trained on (GRPO: TRL's tool_mask; PPO: "
+        "the action mask of its losses, KL penalty and GAE); the rewards score each episode's final answer, and "
+        "a reward `environment` is the environment's own score of the episode; `sampling.max_tokens` is then "
+        "the budget of one turn.")
     difficulty_filter: DifficultyFilter | None = Field(
         None, description="Before training, sample `attempts` completions of each prompt from the starting "
         "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "
@@ -161,6 +167,16 @@ class RLStageConfig(ExecutionLimits):
         return data
 
     @model_validator(mode="after")
+    def _placement(self):
+        if self.placement.reference != "policy":
+            if self.lora is not None:
+                raise ValueError("with lora the KL reference is the policy itself with its adapters off: "
+                                 "placement.reference must be left at `policy`")
+            if self.algorithm == "grpo" and self.kl_beta == 0:
+                raise ValueError("kl_beta 0 loads no KL reference: remove placement.reference")
+        return self
+
+    @model_validator(mode="after")
     def _algorithm_fields(self):
         defaults = type(self).model_fields
         wrong = PPO_ONLY if self.algorithm == "grpo" else GRPO_ONLY
@@ -176,9 +192,6 @@ class RLStageConfig(ExecutionLimits):
         if self.difficulty_filter is not None and self.difficulty_filter.verifier not in (None, *self.rewards):
             raise ValueError(f"difficulty_filter.verifier {self.difficulty_filter.verifier!r} must be one of the "
                              f"stage's rewards {self.rewards}")
-        if self.environment is not None and self.algorithm != "grpo":
-            raise ValueError("environment: is supported by algorithm grpo only; posttrain's PPO samples single "
-                             "completions and has no observation mask (stages/ppo.py); use algorithm: grpo")
         if self.environment is not None and self.difficulty_filter is not None:
             raise ValueError("difficulty_filter samples single completions, not an environment's episodes; "
                              "remove one of environment and difficulty_filter")

@@ -90,23 +90,34 @@ def kl_estimators(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> tuple[t
 def gae(
     rewards_B_T: torch.Tensor, values_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016) on right-padded sequences.
+    """Generalised advantage estimation (Schulman et al. 2016) over the positions where ``mask`` is 1.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, where the
-    value after a sequence's last real token is 0 (the episode ends there). Returns
-    (advantages_B_T, returns_B_T = advantages + values), both 0 on padding.
+    delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next, where "next" is
+    the next masked-in position of the row, and the value after a row's last one is 0 (the
+    episode ends there). Masked-out positions are skipped, not steps: padding after the end,
+    and, in an agent's episode, the environment's observation tokens between two model turns.
+    There the last token of a turn bootstraps from the value of the next turn's first token
+    (a state that has read the observation), discounted once: the observation is the
+    environment's transition, not actions of the policy, so it gets no advantage, no return
+    and no discount of its own. On a row whose mask is contiguous this is the textbook
+    recursion; on any row it equals GAE over the masked-in positions alone, the others
+    dropped (tests/test_rl_math.py, tests/test_agent.py). Returns (advantages_B_T, returns_B_T
+    = advantages + values), both 0 where the mask is 0.
     """
+    keep_B_T = mask_B_T.bool()
     mask_B_T = mask_B_T.to(values_B_T.dtype)
     values_B_T = values_B_T * mask_B_T
     rewards_B_T = rewards_B_T * mask_B_T
     n_tokens = rewards_B_T.shape[1]
-    running_B = torch.zeros_like(values_B_T[:, 0])
+    running_B = torch.zeros_like(values_B_T[:, 0])  # A at the next masked-in position
+    next_value_B = torch.zeros_like(running_B)  # V at the next masked-in position (0 past the end)
     advantages = [None] * n_tokens
     for t in reversed(range(n_tokens)):
-        next_value_B = values_B_T[:, t + 1] if t + 1 < n_tokens else torch.zeros_like(running_B)
         delta_B = rewards_B_T[:, t] + gamma * next_value_B - values_B_T[:, t]
-        running_B = (delta_B + gamma * lam * running_B) * mask_B_T[:, t]
-        advantages[t] = running_B
+        here_B = delta_B + gamma * lam * running_B
+        running_B = torch.where(keep_B_T[:, t], here_B, running_B)
+        next_value_B = torch.where(keep_B_T[:, t], values_B_T[:, t], next_value_B)
+        advantages[t] = here_B * mask_B_T[:, t]
     advantages_B_T = torch.stack(advantages, dim=1)
     return advantages_B_T, (advantages_B_T + values_B_T) * mask_B_T
 

@@ -130,8 +130,8 @@ class GRPORollouts:
 class EpisodeRollouts:
     """TRL ``rollout_func`` for an rl stage with an ``environment``: one episode per prompt TRL hands over
     (stages/episodes.py), returned with ``env_mask`` (TRL's ``tool_mask``: observation tokens carry no loss,
-    KL or ratio) and, per episode, its final answer and whether it may be rewarded (the reward functions read
-    both, stages/grpo.py), and the episode metrics logged into the trainer's.
+    KL or ratio) and, per episode, its final answer, whether it may be rewarded and the episode itself (the
+    reward functions read them, stages/grpo.py), and the episode metrics logged into the trainer's.
 
     The turns are sampled by posttrain's vLLM engine (``engine``, synced after each update) or else by
     transformers' generate on the training model itself (on-policy by construction); a call's draws are
@@ -172,4 +172,5 @@ class EpisodeRollouts:
                 "logprobs": [e.logprobs for e in episodes],
                 "env_mask": [e.env_mask for e in episodes],
                 "episode_answer": [e.answer if e.answer is not None else "" for e in episodes],
-                "episode_rewardable": [not shortcut(e, self.runner.spec) for e in episodes]}
+                "episode_rewardable": [not shortcut(e, self.runner.spec) for e in episodes],
+                "episode": episodes}  # what an `environment` reward scores (the environment's own score)

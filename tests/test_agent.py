@@ -209,11 +209,11 @@ def test_eval_stage_runs_episodes_hashes_their_settings_and_keeps_transcripts(ti
 
     data = materialize(ArithmeticData(generator="arithmetic_calculator", n=3, role="heldout", ops=["*"],
                                       min_operand=10, max_operand=99), Path("."), home / "data")
-    fields = dict(kind="eval", model="base", data="heldout", rewards=["correct"],
+    fields = dict(kind="eval", model="base", data="heldout", rewards=["correct", "environment"],
                   environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 16},
                   sampling={"max_tokens": 6, "attempts": 2, "seed": 0, "temperature": 1.0})
     config = EvalConfig(**fields)
-    rewards = {"correct": RewardSpec(fn="exact_answer")}
+    rewards = {"correct": RewardSpec(fn="exact_answer"), "environment": RewardSpec(fn="environment")}
     inputs = StageInputs(model=tiny_checkpoint, datasets={"data": data}, rewards=rewards)
     out = run(config, inputs, ctx_factory("eval-agent"))
     metrics = out["metrics"]
@@ -228,22 +228,116 @@ def test_eval_stage_runs_episodes_hashes_their_settings_and_keeps_transcripts(ti
     assert metrics["format_error_rate"] == pytest.approx(sum(not a.strip().lstrip("-").isdigit() for a in answered) / 6)
     assert metrics["env/turns_mean"] == sum(m["role"] == "assistant" for t in transcripts for m in t) / 6
     assert metrics["env/tool_calls_mean"] == sum(m["role"] == "tool" for t in transcripts for m in t) / 6
+    assert metrics["reward/environment/mean"] == 0.0 and metrics["reward/environment/errors"] == 0.0  # scored, not raised
     hashes = {settings_hash(EvalConfig(**{**fields, "environment": {**fields["environment"], **change}}), data, rewards)
               for change in ({}, {"max_turns": 3}, {"max_episode_tokens": 17})}
     hashes.add(settings_hash(EvalConfig(**{**fields, "environment": None}), data, rewards))
     assert len(hashes) == 4
 
 
-def test_environment_is_refused_on_ppo_and_with_a_difficulty_filter():
+def test_environment_is_refused_with_a_difficulty_filter():
     from pydantic import ValidationError
 
     from stages.rl import RLStageConfig
 
     base = dict(kind="rl", policy="base", data="train", rewards=["correct"], environment={"fn": "calculator"})
-    with pytest.raises(ValidationError, match="environment: is supported by algorithm grpo only"):
-        RLStageConfig(algorithm="ppo", **base)
+    assert RLStageConfig(algorithm="ppo", **base).environment.fn == "calculator"
     with pytest.raises(ValidationError, match="difficulty_filter samples single completions"):
         RLStageConfig(algorithm="grpo", difficulty_filter={"sampling": {"attempts": 2}}, **base)
+
+
+def test_ppo_loss_kl_and_gae_ignore_observation_tokens(tiny_checkpoint):
+    """Two episodes built by hand (a call, the calculator's observation, an answer) through posttrain's PPO:
+    its targets and losses equal a computation over the model tokens alone, each episode run unpadded through
+    the networks and its observation positions then dropped; anything put at observation positions leaves the
+    losses as they were, and counting observations as actions changes them."""
+    from stages.episodes import Episode
+    from stages.models import load_model_and_tokenizer
+    from stages.ppo import ValueModel, build_episode_rollout, compute_targets, load_frozen_reference, minibatch_losses
+    from stages.rl import RLStageConfig
+
+    torch.manual_seed(0)
+    policy, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
+    reference = load_frozen_reference(tiny_checkpoint)
+    critic = ValueModel.from_policy_checkpoint(tiny_checkpoint)
+    with torch.no_grad():
+        for p in reference.parameters():  # a reference the policy has moved away from: the KL is not 0
+            p.add_(0.05 * torch.randn_like(p))
+        torch.nn.init.normal_(critic.head.weight, std=0.5)
+    policy.eval(), critic.eval()
+    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["correct"], kl_beta=0.3,
+                           gamma=0.9, lam=0.8, clip_epsilon=0.1, environment={"fn": "calculator"})
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompt, eos = ids("<|user|>6*7?<|end|><|assistant|>"), [tokenizer.eos_token_id]
+    episodes = []
+    for call, answer in (('calculator("6*7")', "42"), ('calculator("6*70")', "4200")):
+        turn, obs, final = ids(call) + eos, ids("<|tool|>42<|end|><|assistant|>"), ids(answer) + eos
+        episodes.append(Episode(prompt, [], turn + obs + final, [-1.0] * (len(turn) + len(obs) + len(final)),
+                                [1] * len(turn) + [0] * len(obs) + [1] * len(final)))
+    rollout = build_episode_rollout(episodes, [0, 0], tokenizer)
+    assert rollout.mask_B_T.tolist()[0] == episodes[0].env_mask + [0] * (rollout.mask_B_T.shape[1] - len(episodes[0].env_mask))
+    scores = torch.tensor([1.0, -0.5])
+    targets = compute_targets(policy, reference, critic, rollout, scores, 0.3, config)
+    with torch.no_grad():  # the policy moves on: ratios off 1, some clipped
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    rows = torch.arange(2)
+    policy_loss, value_loss, _, ratio_mean, _ = minibatch_losses(policy, critic, rollout, targets, rows, config)
+
+    # by hand: each episode alone (no padding), then only its model tokens kept
+    old_policy = load_frozen_reference(tiny_checkpoint)
+    hand = {k: [] for k in ("old", "ref", "new", "value", "old_value", "advantage", "return")}
+    for episode, score in zip(episodes, scores.tolist()):
+        full = torch.tensor([episode.prompt_ids + episode.completion_ids])
+        keep = [len(prompt) - 1 + t for t, m in enumerate(episode.env_mask) if m]  # positions predicting model tokens
+        kept_ids = torch.tensor([episode.completion_ids[t] for t, m in enumerate(episode.env_mask) if m])
+        with torch.no_grad():
+            logps = {name: torch.log_softmax(net(full).logits[0, keep].float(), -1)[torch.arange(len(keep)), kept_ids]
+                     for name, net in (("old", old_policy), ("ref", reference))}
+            old_values = critic(full, torch.ones_like(full), torch.arange(full.shape[1])[None])[0, keep]
+        logps["new"] = torch.log_softmax(policy(full).logits[0, keep].float(), -1)[torch.arange(len(keep)), kept_ids]
+        values = critic(full, torch.ones_like(full), torch.arange(full.shape[1])[None])[0, keep]
+        rewards = -0.3 * (logps["old"] - logps["ref"])
+        rewards[-1] += score
+        advantages, running, next_value = [0.0] * len(keep), 0.0, 0.0
+        for t in reversed(range(len(keep))):  # GAE over the model tokens, as if the observation were not there
+            running = rewards[t].item() + 0.9 * next_value - old_values[t].item() + 0.9 * 0.8 * running
+            advantages[t], next_value = running, old_values[t].item()
+        for key, value in (("old", logps["old"]), ("ref", logps["ref"]), ("new", logps["new"]), ("value", values),
+                           ("old_value", old_values), ("advantage", torch.tensor(advantages)),
+                           ("return", torch.tensor(advantages) + old_values)):
+            hand[key].append(value)
+    cat = {k: torch.cat(v) for k, v in hand.items()}
+    whitened = (cat["advantage"] - cat["advantage"].mean()) / torch.sqrt(cat["advantage"].var(unbiased=False) + 1e-8)
+    ratio = torch.exp(cat["new"] - cat["old"])
+    expected_policy = torch.maximum(-whitened * ratio, -whitened * ratio.clamp(0.9, 1.1)).mean()
+    clipped_values = cat["old_value"] + (cat["value"] - cat["old_value"]).clamp(-0.2, 0.2)
+    expected_value = 0.5 * torch.maximum((cat["value"] - cat["return"]) ** 2, (clipped_values - cat["return"]) ** 2).mean()
+
+    actions = rollout.mask_B_T.bool()
+    assert torch.allclose(targets.k1[actions], cat["old"] - cat["ref"], atol=1e-5)  # the KL penalty's terms
+    assert torch.allclose(targets.advantages[actions], whitened, atol=1e-4)
+    assert torch.allclose(targets.returns[actions], cat["return"], atol=1e-5)
+    for name in ("old_logprobs", "advantages", "returns", "k1", "k3", "entropy"):
+        assert not getattr(targets, name)[~actions].any(), name  # observations: no log-prob, reward or advantage
+    assert policy_loss.item() == pytest.approx(expected_policy.item(), rel=1e-4, abs=1e-6)
+    assert value_loss.item() == pytest.approx(expected_value.item(), rel=1e-4, abs=1e-6)
+    assert ratio_mean.item() == pytest.approx(ratio.mean().item(), rel=1e-5)
+
+    # garbage at observation positions changes nothing; observations counted as actions change the losses
+    import dataclasses
+
+    observations = (rollout.attention_mask_B_L[:, -rollout.mask_B_T.shape[1]:].bool() & ~actions)
+    garbage = dataclasses.replace(targets, **{name: getattr(targets, name).masked_fill(observations, 7.0) for name in
+                                              ("old_logprobs", "old_values", "advantages", "returns")})
+    again = minibatch_losses(policy, critic, rollout, garbage, rows, config)
+    assert (again[0].item(), again[1].item()) == (policy_loss.item(), value_loss.item())
+    rollout.mask_B_T = rollout.attention_mask_B_L[:, -rollout.mask_B_T.shape[1]:].float()
+    counted = minibatch_losses(policy, critic, rollout, garbage, rows, config)
+    assert counted[0].item() != pytest.approx(policy_loss.item()) and counted[1].item() != pytest.approx(value_loss.item())
 
 
 def test_grpo_trains_in_the_environment(tiny_checkpoint, ctx_factory, home):
@@ -252,11 +346,88 @@ def test_grpo_trains_in_the_environment(tiny_checkpoint, ctx_factory, home):
 
     data = materialize(ArithmeticData(generator="arithmetic_calculator", n=20, role="train", ops=["*"],
                                       min_operand=10, max_operand=99), Path("."), home / "data")
-    config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"],
-                           prompts_per_step=2, max_steps=2, backend="hf",
+    config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train",
+                           rewards=["correct", "environment"], prompts_per_step=2, max_steps=2, backend="hf",
                            sampling={"attempts": 2, "max_tokens": 6},
                            environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 12})
-    inputs = StageInputs(policy=tiny_checkpoint, datasets={"data": data}, rewards={"correct": RewardSpec(fn="exact_answer")})
-    outputs = rl.run(config, inputs, ctx_factory("grpo-agent"))
+    rewards = {"correct": RewardSpec(fn="exact_answer"), "environment": RewardSpec(fn="environment", weight=0.5)}
+    ctx = ctx_factory("grpo-agent")
+    outputs = rl.run(config, StageInputs(policy=tiny_checkpoint, datasets={"data": data}, rewards=rewards), ctx)
     assert outputs["metrics"]["steps"] == 2.0
     assert Path(outputs["checkpoint"]).is_dir()
+    # the environment's own score was a reward of every step (scored on the episodes TRL handed the reward)
+    history = ctx.client.get_metric_history(ctx.run_id, "reward/environment/unparsed_frac")
+    assert len(history) == 2
+
+
+def test_ppo_trains_in_the_environment_on_its_own_score(tiny_checkpoint, ctx_factory, home):
+    from stages import rl
+    from stages.rl import RLStageConfig
+
+    data = materialize(ArithmeticData(generator="arithmetic_calculator", n=20, role="train", ops=["*"],
+                                      min_operand=10, max_operand=99), Path("."), home / "data")
+    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["environment", "correct"],
+                           prompts_per_step=2, max_steps=2, backend="hf", minibatch_size=2, ppo_epochs=1,
+                           sampling={"attempts": 2, "max_tokens": 6},
+                           environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 12})
+    rewards = {"environment": RewardSpec(fn="environment"), "correct": RewardSpec(fn="exact_answer")}
+    outputs = rl.run(config, StageInputs(policy=tiny_checkpoint, datasets={"data": data}, rewards=rewards),
+                     ctx_factory("ppo-agent"))
+    metrics = outputs["metrics"]
+    assert metrics["steps"] == 2.0 and Path(outputs["checkpoint"]).is_dir()
+    # 4 episodes a step, each capped at 12 tokens after its prompt: model tokens are at most that
+    assert 0 < metrics["completion/mean_tokens"] <= 12 and metrics["env/turns_mean"] >= 1
+    assert metrics["reward/environment/mean"] == 0.0 and metrics["policy_loss"] == metrics["policy_loss"]
+
+
+def test_calculator_scores_its_own_episodes():
+    from stages.environments import EpisodeCase
+    from stages.episode_checks import check_episode_cases
+
+    spec = EnvironmentSpec(fn="calculator", max_turns=3)
+    case = dict(prompt="What is 47*86?", answer="4042")
+    cases = [EpisodeCase(case="success", turns=[CALL, "4042"], min=1.0, **case),
+             EpisodeCase(case="failure", turns=[CALL, "4043"], max=0.0, **case),                  # miscopied
+             EpisodeCase(case="shortcut", turns=["4042"], max=0.0, **case),                       # from memory
+             EpisodeCase(case="shortcut", turns=['<tool_call>calculator("2*2000")</tool_call>', "4042"], max=0.0,
+                         **case),                                                                   # not read off it
+             EpisodeCase(case="malformed", turns=['<tool_call>calculator(</tool_call>', "4042"], max=0.0, **case),
+             EpisodeCase(case="failure", turns=[CALL, "it is 4042"], max=0.0, **case)]             # no integer answer
+    own = {"environment": RewardSpec(fn="environment")}
+    results = check_episode_cases(spec, own, cases)
+    assert [r.score for r in results] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0] and not any(r.violations for r in results)
+    # exact_answer pays the answer from memory and the one computed on other numbers alike; the own score does not
+    exact = check_episode_cases(spec, {"correct": RewardSpec(fn="exact_answer")}, cases)
+    assert [r.score for r in exact] == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    # unparsed (no integer answer) is apart from wrong, and an episode scored without a reference answer is an error
+    from stages.episodes import environment_scorers
+
+    env = build_environment(spec)
+    episodes = [r.episode for r in results]
+    output = environment_scorers(own, env, episodes)["environment"]([""] * 6, answer=["4042"] * 5 + [None])
+    assert output.parsed == [True] * 5 + [False] and [i for i, _ in output.errors] == [5]
+    assert "reference answer" in output.errors[0][1]
+
+
+def test_environment_reward_is_validated(tmp_path):
+    from flows.spec import SpecError, load_pipeline
+
+    spec = tmp_path / "agent.yaml"
+    spec.write_text("""
+name: env-reward
+model: {init: tiny}
+data:
+  train: {generator: arithmetic_calculator, n: 4, min_operand: 10, max_operand: 99, ops: ["*"], role: train}
+rewards:
+  own: {fn: environment, weight: 2.0}
+stages:
+  ppo: {kind: rl, algorithm: ppo, policy: base, data: train, rewards: [own, environment], environment: {fn: calculator}}
+  no_env: {kind: rl, algorithm: grpo, policy: base, data: train, rewards: [environment]}
+  no_score: {kind: rl, algorithm: grpo, policy: base, data: train, rewards: [own], environment: {fn: python}}
+""")
+    with pytest.raises(SpecError) as caught:
+        load_pipeline(spec)
+    problems = sorted(issue.render("agent.yaml") for issue in caught.value.issues)
+    assert len(problems) == 2, problems
+    assert "stages.no_env.rewards.0" in problems[0] and "declares no `environment:`" in problems[0]
+    assert "stages.no_score.rewards.0" in problems[1] and "defines no score of its own" in problems[1]

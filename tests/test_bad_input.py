@@ -26,6 +26,7 @@ from stages.context import StageInputs
 
 TINY_MODEL = "{init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2}"
 GRPO = "  grpo: {kind: rl, algorithm: grpo, policy: sft, data: train, rewards: [correct]}\n"
+ONLINE_DPO = "  odpo: {kind: online_dpo, model: sft, data: train, rewards: [correct]}\n"
 
 
 @dataclass
@@ -116,6 +117,19 @@ CASES = [
     Case("rl_old_sampling_key", append(GRPO.replace("]}", "], group_size: 4, max_completion_tokens: 8}")),
          ["p.yaml:12: stages.grpo: group_size was renamed (did you mean sampling.attempts?); "
           "max_completion_tokens was renamed (did you mean sampling.max_tokens?)"]),
+    Case("online_dpo_one_attempt", append(ONLINE_DPO.replace("]}", "], sampling: {attempts: 1}}")),
+         ["p.yaml:12: stages.odpo: online_dpo needs sampling.attempts >= 2", "(got 1)"]),
+    Case("online_dpo_lora_with_other_reference", append(ONLINE_DPO.replace("]}", "], reference: base, lora: {r: 4}}")),
+         ["p.yaml:12: stages.odpo: with lora the reference is the policy's own starting weights",
+          "reference 'base' must be left out or equal model 'sft'"]),
+    Case("online_dpo_without_rewards", append(ONLINE_DPO.replace(", rewards: [correct]", "")),
+         ["p.yaml:12: stages.odpo.rewards:"]),
+    Case("online_dpo_unknown_reward", append(ONLINE_DPO.replace("[correct]", "[corect]")),
+         ["p.yaml:12: stages.odpo.rewards.0: unknown reward 'corect' (did you mean 'correct'?)"]),
+    Case("heldout_feeds_online_dpo", append(ONLINE_DPO.replace("data: train", "data: heldout")),
+         ["p.yaml:12: stages.odpo.data: dataset 'heldout' has role heldout", "leakage guard"]),
+    Case("online_dpo_several_processes", append(ONLINE_DPO.replace("]}", "], resources: {processes: 2}}")),
+         ["p.yaml:12: stages.odpo", "online_dpo runs on one"]),
     Case("operand_range_inverted", replace("n: 20,", "n: 20, min_operand: 9, max_operand: 2,"),
          ["p.yaml:5: data.train: min_operand (9) must be <= max_operand (2)"]),
     # ---- stages and references

@@ -121,6 +121,15 @@ def test_deploy_refuses_a_missing_pool_and_a_missing_server(stack, tmp_path):
     assert no_server.returncode == 2 and "set PREFECT_API_URL" in no_server.stderr
 
 
+def test_a_stage_on_several_nodes_is_refused_on_a_process_pool(stack, tmp_path):
+    text = PIPELINE.replace("resources: {pool: gpu}", "resources: {pool: gpu, nodes: 2, gpus: 1}")
+    for command in (["run"], ["deploy", "--pool", "cpu"]):
+        refused = posttrain(stack, command[0], str(write(tmp_path / "nodes.yaml", text)), *command[1:])
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "a stage on 2 nodes needs a Kubernetes work pool" in refused.stderr, refused.stderr
+        assert "work pool 'gpu' is of type 'process'" in refused.stderr
+
+
 def test_prefect_accepts_the_gpu_base_job_template(stack):
     template = json.loads((ROOT / "infra" / "prefect" / "gpu-k8s-job-template.json").read_text())
     api = stack["prefect"].api_url
@@ -128,8 +137,10 @@ def test_prefect_accepts_the_gpu_base_job_template(stack):
                                                      "base_job_template": template}, timeout=30)
     assert created.status_code == 201, created.text
     pool = httpx.get(f"{api}/work_pools/gpu-k8s", timeout=10).json()
-    container = pool["base_job_template"]["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    manifest = pool["base_job_template"]["job_configuration"]["job_manifest"]
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
+    assert manifest["spec"]["completions"] == manifest["spec"]["parallelism"] == "{{ nodes }}"
     assert pool["base_job_template"]["variables"]["properties"]["gpus"]["default"] == 1
 
 

