@@ -356,7 +356,7 @@ def test_grpo_trains_in_the_environment(tiny_checkpoint, ctx_factory, home):
     assert outputs["metrics"]["steps"] == 2.0
     assert Path(outputs["checkpoint"]).is_dir()
     # the environment's own score was a reward of every step (scored on the episodes TRL handed the reward)
-    history = ctx.client.get_metric_history(ctx.run_id, "reward/environment/unparsed_frac")
+    history = ctx.metric_history("reward/environment/unparsed_frac")  # flushes the buffered metrics first
     assert len(history) == 2
 
 
