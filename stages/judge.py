@@ -250,8 +250,9 @@ def log_audits(ctx, audits: list[Audit], suffix: str = "") -> dict[str, float]:
 
 
 class BatchAuditor:
-    """For a trainer that calls each reward function on its own (TRL's GRPO): gathers one batch's
-    components and audits every ``audit_every``-th batch (the smallest of the stage's judges)."""
+    """Audits every ``audit_every``-th reward batch of an rl stage (the smallest of its judges' values):
+    ``record`` gathers one batch's components from a trainer that calls each reward function on its
+    own (TRL's GRPO); ``record_batch`` takes a batch scored on every reward at once (posttrain's PPO)."""
 
     def __init__(self, rewards: dict[str, RewardSpec], judges: dict[str, JudgeReward], ctx):
         self.rewards, self.judges, self.ctx = rewards, judges, ctx
@@ -262,8 +263,11 @@ class BatchAuditor:
         self.pending[component.name] = component
         if len(self.pending) < len(self.rewards):
             return
-        self.batches += 1
         scored, self.pending = ScoredBatch([self.pending[name] for name in self.rewards], []), {}
+        self.record_batch(scored, prompts, texts)
+
+    def record_batch(self, scored: ScoredBatch, prompts: list[list[dict]], texts: list[str]) -> None:
+        self.batches += 1
         if self.batches % self.every == 0:
             audits = audit_judges(self.rewards, scored, self.judges, prompts, texts)
             self.ctx.log_metrics(log_audits(self.ctx, audits, f"_batch_{self.batches:05d}"), step=self.batches)

@@ -228,6 +228,7 @@ class OnlineDPORun:
     engine_syncs: int = 0
     tied_prompts: int = 0
     pairs_trained: int = 0
+    auditor: object = None  # stages/judge.py BatchAuditor, when a judge scores beside a verifier
 
     @classmethod
     def load(cls, config: OnlineDPOStageConfig, inputs: StageInputs, seed: int) -> "OnlineDPORun":
@@ -276,6 +277,8 @@ class OnlineDPORun:
                                     "prompts": [p for p in prompts for _ in range(k)]},
                                    [r.get("task") for r in batch for _ in range(k)])
         scored = score_completions(self.rewards, texts, columns, self.reward_fns)
+        if self.auditor is not None:  # judges against verifiers, every audit_every batches
+            self.auditor.record_batch(scored, columns["prompts"], texts)
         self.reward_errors += scored.error_count
         if self.config.reward_errors == "fail" and scored.error_count and \
                 self.reward_errors > self.config.max_reward_errors:
@@ -358,6 +361,7 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     import torch
 
     from stages.generation import VLLMBackend
+    from stages.judge import batch_auditor
     from stages.lora import save_trained
     from stages.rl_common import log_curves
     from stages.rollouts import context_length, rollout_backend
@@ -366,6 +370,7 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     torch.manual_seed(seed)
     records = read_materialized(inputs.data)
     state = OnlineDPORun.load(config, inputs, seed)
+    state.auditor = batch_auditor(state.rewards, state.reward_fns, ctx)
     backend, why = rollout_backend(config, inputs.model)
     if backend == "vllm":
         state.engine = VLLMBackend(inputs.model, trust_remote_code=inputs.trust_remote_code,

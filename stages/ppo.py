@@ -97,6 +97,7 @@ from stages.data_parallel import (
 from stages.environments import build_environment
 from stages.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend, prompt_token_ids
+from stages.judge import batch_auditor
 from stages.lora import save_trained, wrap
 from stages.models import load_model_and_tokenizer
 from stages.placement import check_devices, place, placement_params
@@ -465,6 +466,7 @@ class PPORun:
     reward_errors: int = 0
     engine: VLLMBackend | None = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
     episodes: EpisodeRunner | None = None  # the stage's environment, when it declares one
+    auditor: object | None = None  # stages/judge.py BatchAuditor, when a judge scores beside a verifier
 
     @classmethod
     def load(cls, config: RLStageConfig, inputs: StageInputs, seed: int) -> "PPORun":
@@ -521,6 +523,8 @@ class PPORun:
                                     "prompts": [prompts[i] for i in rollout.prompt_index]},
                                    [batch[i].get("task") for i in rollout.prompt_index])
         scored = self.score(texts, columns, episodes)
+        if self.auditor is not None:  # judges against verifiers, every audit_every batches
+            self.auditor.record_batch(scored, columns["prompts"], texts)
 
         beta = self.kl_control.value
         targets = compute_targets(self.policy, self.reference, self.critic, rollout, torch.tensor(scored.total),
@@ -564,6 +568,7 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
                                  engine=config.engine, max_model_len=context_length(
                                      run.tokenizer, [prompt_messages(r) for r in records], budget))
     ctx.log_params({"resolved_backend": backend, "backend_reason": why})
+    run.auditor = batch_auditor(run.rewards, run.reward_fns, ctx)
     batches = (shard(batch) for batch in prompt_batches(records, config.prompts_per_step, seed))
     generator = torch.Generator().manual_seed(seed)  # minibatch order
     ctx.log_params({"resolved_seed": seed, "prompts": len(records), "world_size": joined_world(),

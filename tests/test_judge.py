@@ -165,6 +165,48 @@ def test_grpo_audits_its_judge_every_n_reward_batches(tiny_checkpoint, ctx_facto
     assert "audit/lenient_vs_correct_batch_00001.json" in tables
 
 
+def test_ppo_audits_its_judge_every_n_reward_batches(tiny_checkpoint, ctx_factory, home):
+    """posttrain's PPO scores a batch on every reward at once; its judge is audited like GRPO's."""
+    from test_grpo import grpo_config, inputs_for
+
+    from stages import rl
+
+    ctx = ctx_factory("ppo-judged")
+    rewards = {"correct": RewardSpec(fn="exact_answer", weight=0.0),
+               "lenient": RewardSpec(fn="judge", judge_fn="judges:lenient", rubric="Reply: {completion}",
+                                     audit_every=2)}
+    inputs = replace(inputs_for(home, tiny_checkpoint, rewards), judge_cache=home / "judge-cache")
+    rl.run(grpo_config(algorithm="ppo", max_steps=2, rewards=["correct", "lenient"], minibatch_size=8, ppo_epochs=1),
+           inputs, ctx)
+    history = {name: ctx.metric_history(f"audit/lenient/correct/{name}")
+               for name in ("both_pass", "judge_only", "verifier_only", "both_fail")}
+    assert [p.step for p in history["judge_only"]] == [2]  # every second batch (audit_every: 2)
+    assert history["verifier_only"][0].value == history["both_fail"][0].value == 0  # the judge passes everything
+    assert history["both_pass"][0].value + history["judge_only"][0].value == 16  # 4 prompts x 4 completions
+    tables = {a.path for a in ctx.client.list_artifacts(ctx.run_id, "audit")}
+    assert tables == {"audit/lenient_vs_correct_batch_00002.json"}
+
+
+def test_online_dpo_audits_its_judge_every_n_reward_batches(tiny_checkpoint, ctx_factory, home):
+    from test_grpo import inputs_for
+
+    from stages.online_dpo import OnlineDPOStageConfig, run
+
+    ctx = ctx_factory("online-dpo-judged")
+    rewards = {"correct": RewardSpec(fn="exact_answer", weight=0.0),
+               "lenient": RewardSpec(fn="judge", judge_fn="judges:lenient", rubric="Reply: {completion}",
+                                     audit_every=1)}
+    train = replace(inputs_for(home, tiny_checkpoint, rewards), judge_cache=home / "judge-cache")
+    inputs = StageInputs(model=tiny_checkpoint, datasets=train.datasets, rewards=rewards, judge_cache=train.judge_cache)
+    config = OnlineDPOStageConfig(kind="online_dpo", model="base", data="train", rewards=["correct", "lenient"],
+                                  prompts_per_step=4, max_steps=2, backend="hf",
+                                  sampling={"attempts": 2, "max_tokens": 3})
+    run(config, inputs, ctx)
+    history = {name: ctx.metric_history(f"audit/lenient/correct/{name}") for name in ("both_pass", "judge_only")}
+    assert [p.step for p in history["judge_only"]] == [1, 2]
+    assert all(a.value + b.value == 8 for a, b in zip(history["both_pass"], history["judge_only"]))  # 4 x 2
+
+
 def test_rewards_other_than_judges_hash_as_before_judges_existed():
     """Stage fingerprints and eval settings hash ``RewardSpec.identity()``: a judge's fields appear only on a
     judge, so upgrading keeps every cached run and every comparable evaluation of other rewards."""
