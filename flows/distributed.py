@@ -191,9 +191,10 @@ def run_distributed(job, ctx, inputs) -> dict[str, float]:
     }
     resources = job.resources
     spec_path = ctx.work_dir / "distributed.json"
-    spec_path.write_text(json.dumps(rank_file), encoding="utf-8")
+    text = json.dumps(rank_file)
+    spec_path.write_text(text, encoding="utf-8")
     node = NodeRole.from_env() if resources.nodes > 1 else None
-    store = serve_rank_file(node, spec_path.read_text(encoding="utf-8")) if node else None  # noqa: F841 (kept open)
+    store = serve_rank_file(node, text) if node else None  # noqa: F841 (kept open while the ranks train)
     result_path = ctx.work_dir / "distributed.result.json"
     log_path = ctx.work_dir / "distributed.log"
     for stale in [result_path, *ctx.work_dir.glob("distributed.error.rank*.json")]:

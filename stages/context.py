@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -140,7 +140,7 @@ class StageInputs:
         return flat
 
 
-_PATH_FIELDS = tuple(f.name for f in fields(StageInputs) if f.name in ("judge_cache", *CHECKPOINT_INPUTS))
+_PATH_FIELDS = ("judge_cache", *CHECKPOINT_INPUTS)  # StageInputs' fields that hold one path
 
 
 class Progress(Protocol):

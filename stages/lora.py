@@ -112,3 +112,15 @@ def save_trained(model, tokenizer, ctx, padding_side: str = "left", final_loss: 
     set_padding_side(tokenizer, padding_side)
     tokenizer.save_pretrained(checkpoint)
     return {"checkpoint": str(checkpoint), **outputs}
+
+
+class AdaptersOff:
+    """The frozen reference of a LoRA policy: the policy itself with its adapters disabled, i.e. its
+    starting weights (called like a model; used under ``torch.no_grad`` only)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **model_inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**model_inputs)

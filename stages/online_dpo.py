@@ -49,7 +49,6 @@ The published ``checkpoint`` (with ``lora``, also ``adapter``) is a model any ev
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -57,9 +56,9 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits, StageInputs
-from stages.data import prompt_messages, read_materialized
+from stages.data import prompt_batches, prompt_messages, read_materialized
 from stages.generation import BackendName, EngineSettings
-from stages.lora import LORA_DESCRIPTION, LoraSpec
+from stages.lora import LORA_DESCRIPTION, AdaptersOff, LoraSpec
 from stages.rl_common import RolloutSampling
 
 MAX_GRAD_NORM = 1.0
@@ -184,28 +183,6 @@ def dpo_step_loss(policy, reference, batch: PairBatch, beta: float):
     loss, chosen, rejected = dpo_loss(policy_logps[:n], policy_logps[n:], reference_logps[:n],
                                       reference_logps[n:], beta)
     return loss, chosen, rejected, policy_logps, reference_logps
-
-
-class AdaptersOff:
-    """The reference of a LoRA policy: the policy with its adapters disabled (its starting weights)."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def __call__(self, **model_inputs):
-        with self.policy.disable_adapter():
-            return self.policy(**model_inputs)
-
-
-def prompt_batches(records: list[dict], per_step: int, seed: int):
-    """Endless batches of records: a fresh seeded shuffle every pass over the data."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    while True:
-        while len(order) < per_step:
-            order += rng.sample(range(len(records)), len(records))
-        batch, order = order[:per_step], order[per_step:]
-        yield [records[i] for i in batch]
 
 
 # ---------------------------------------------------------------- the run

@@ -102,7 +102,7 @@ def _offload(module, execution_device):
     from accelerate.utils import set_module_tensor_to_device
 
     module.to("cpu")
-    weights = {name: tensor for name, tensor in module.state_dict().items()}
+    weights = dict(module.state_dict())
     cpu_offload(module, execution_device=execution_device, state_dict=weights,
                 preload_module_classes=[type(module).__name__])
     for name, parameter in module.named_parameters(remove_duplicate=False):

@@ -72,7 +72,6 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +80,7 @@ import torch
 from torch import nn
 
 from stages.context import StageInputs
-from stages.data import prompt_messages, read_materialized
+from stages.data import prompt_batches, prompt_messages, read_materialized
 from stages.data_parallel import (
     all_max,
     all_sum,
@@ -98,7 +97,7 @@ from stages.environments import build_environment
 from stages.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
 from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend, prompt_token_ids
 from stages.judge import batch_auditor
-from stages.lora import save_trained, wrap
+from stages.lora import AdaptersOff, save_trained, wrap
 from stages.models import load_model_and_tokenizer
 from stages.placement import check_devices, place, placement_params
 from stages.reward_model_scoring import bind_reward_models, reward_model_correlations
@@ -167,18 +166,6 @@ def load_frozen_reference(path: Path, trust_remote_code: bool = False) -> nn.Mod
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
     model.requires_grad_(False)
     return model
-
-
-class AdaptersOff:
-    """The KL reference of a LoRA policy: the policy itself with its adapters disabled, i.e. its
-    starting weights (called like a model; used under ``torch.no_grad`` only)."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def __call__(self, **model_inputs):
-        with self.policy.disable_adapter():
-            return self.policy(**model_inputs)
 
 
 # ---------------------------------------------------------------- rollouts
@@ -435,17 +422,6 @@ def sample_rows(rollout: Rollout, prompts, answers, scored: ScoredBatch) -> list
         row.update({f"reward/{c.name}": c.scores[j] for c in scored.components})
         rows.append(row)
     return rows
-
-
-def prompt_batches(records: list[dict], per_step: int, seed: int):
-    """Endless batches of records: a fresh shuffle every pass over the data."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    while True:
-        while len(order) < per_step:
-            order += rng.sample(range(len(records)), len(records))
-        batch, order = order[:per_step], order[per_step:]
-        yield [records[i] for i in batch]
 
 
 @dataclass

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import torch_threads
 from stages.context import StageInputs
 from stages.online_dpo import OnlineDPOStageConfig
 from stages.rewards import RewardSpec
@@ -26,10 +27,8 @@ def constant(completions, **_):
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture()

@@ -150,9 +150,8 @@ def test_posttrain_ui_shows_the_runs_their_scores_and_datasets_in_chromium(ran):
             text = browser.page_text(page, lambda text: score.search(text) and f"heldout ({digest})" in text)
             assert score.search(text) and f"heldout ({digest})" in text, text[:3000]
     finally:
-        # In two full CI runs, launched as a background job of a non-interactive shell, `posttrain ui` outlived
-        # Ctrl-C by 60 s: it had inherited SIGINT ignored (flows/ui.py now installs its own handler; not yet
-        # rerun in a full CI run). Killed, its server dies with it.
+        # Launched as a background job of a non-interactive shell, `posttrain ui` once inherited SIGINT ignored
+        # and outlived Ctrl-C by 60 s (flows/ui.py now installs its own handler). Killed, its server dies with it.
         proc.send_signal(signal.SIGINT)
         try:
             proc.communicate(timeout=60)
