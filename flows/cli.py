@@ -51,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("sync", help="record in MLflow what a tracking outage left waiting in $POSTTRAIN_HOME/pending")
     _ui_parser(commands)
 
-    server = commands.add_parser("server", help="the Prefect API server posttrain keeps for this home between runs")
-    server.add_argument("action", choices=("status", "stop"), help="status: is it up, where; stop: stop it now")
+    server = commands.add_parser("server", help="the Prefect API server and warm process posttrain keeps for this home "
+                                 "between runs")
+    server.add_argument("action", choices=("status", "stop"), help="status: are they up, where; stop: stop them now")
 
     compare = commands.add_parser(
         "compare", help="rank evaluated checkpoints (within one eval settings hash), chart them, promote the best")
@@ -92,8 +93,18 @@ def _run_arguments(run: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if argv is None and args.command == "run":  # the program itself (console script, -m), not an in-process caller
+        import os
+
+        from flows import warm
+        from flows.home import posttrain_home
+
+        home, environment = posttrain_home(), dict(os.environ)
+        if warm.enabled() and (status := warm.run_warm(home, sys.argv[1:])) is not None:
+            return status
         at_exit = SkipTeardownAtExit()
         at_exit.status = _command(args)
+        if warm.enabled() and home.is_dir():  # the next run of this home skips the imports this one paid for
+            warm.start_in_background(home, environment)
         return at_exit.status
     return _command(args)
 
@@ -276,14 +287,19 @@ def _deploy(loaded, args, console) -> int:
 
 def _server(action: str, home, console) -> int:
     """``posttrain server status|stop``: posttrain's Prefect API server for this home (flows/prefect_server.py)."""
+    from flows import warm
     from flows.prefect_server import describe, stop_server
 
     if action == "status":
         console.print(describe(home), highlight=False, markup=False)
+        console.print(warm.describe(home), highlight=False, markup=False)
         return EXIT_OK
     stopped = stop_server(home)
     console.print(f"stopped the Prefect API server (pid {stopped.pid})" if stopped
                   else f"no Prefect API server runs for {home}", highlight=False)
+    pid = warm.stop(home)
+    console.print(f"stopped the warm process (pid {pid})" if pid else f"no warm process runs for {home}",
+                  highlight=False)
     return EXIT_OK
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 
 def posttrain_home() -> Path:
@@ -89,6 +89,11 @@ def uses_local_mlflow() -> bool:
     return os.environ.get("MLFLOW_TRACKING_URI", "").startswith("sqlite:")
 
 
+def local_store_path() -> Path:
+    """The SQLite file of the local MLflow store (``uses_local_mlflow``), its URL unescaped."""
+    return Path(unquote(os.environ["MLFLOW_TRACKING_URI"].removeprefix("sqlite:///")))
+
+
 def artifact_root(home: Path) -> str | None:
     """Artifact location for new experiments: under the home for the local store, else the server's."""
     return (home / "artifacts").as_uri() if uses_local_mlflow() else None
@@ -119,8 +124,6 @@ def _mlflow_makes_the_real_parent_dir() -> None:
         return
 
     def unescaped(db_uri: str) -> None:
-        from urllib.parse import unquote
-
         prefix = "sqlite:///"
         make(prefix + unquote(db_uri[len(prefix):]) if db_uri.startswith(prefix) else db_uri)
 

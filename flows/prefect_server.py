@@ -30,6 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from flows.db_templates import copy_template, save_template
+
 IDLE_SECONDS = 600.0
 
 
@@ -119,10 +121,19 @@ def start_server(home: Path) -> tuple[ServerInfo, subprocess.Popen | None]:
         if info is not None:
             return info, None
         log_path = prefect_dir(home) / "server.log"
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-               "PREFECT__SERVER_FINAL": "1", "PREFECT_HOME": str(prefect_dir(home))}
-        env.pop("PREFECT_API_URL", None)
         port, idle = _free_port(), _idle_seconds()
+        ui = os.environ.get("POSTTRAIN_PREFECT_UI", "1") != "0"
+        env = {**os.environ, "PREFECT_UI_ENABLED": "1" if ui else "0", "PREFECT__SERVER_EPHEMERAL": "1",
+               "PREFECT__SERVER_FINAL": "1", "PREFECT_HOME": str(prefect_dir(home)),
+               "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}  # what the UI in a browser calls
+        env.pop("PREFECT_API_URL", None)
+        database = _database(home)
+        if database is not None and copy_template("prefect", database):
+            # already at this version's schema, its block types registered: nothing to redo
+            env.update(PREFECT_SERVER_DATABASE_MIGRATE_ON_START="false", PREFECT_SERVER_REGISTER_BLOCKS_ON_START="false",
+                       PREFECT_SERVER_MEMOIZE_BLOCK_AUTO_REGISTRATION="false")
+        elif database is not None and not database.exists():
+            _NEW_DATABASES.add(database)  # saved as the template once the server has built it
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "flows.prefect_server", str(port), str(idle)],
@@ -131,6 +142,19 @@ def start_server(home: Path) -> tuple[ServerInfo, subprocess.Popen | None]:
         info = ServerInfo(process.pid, port, _process_start(process.pid) or 0.0, idle)
         _state_path(home).write_text(json.dumps(asdict(info)), encoding="utf-8")
         return info, process
+
+
+_NEW_DATABASES: set[Path] = set()  # databases a server this process started is building from nothing
+
+
+def _database(home: Path) -> Path | None:
+    """The server's SQLite file if it is the home's own (not a database the user configured)."""
+    from flows.home import sqlite_uri
+
+    database = prefect_dir(home) / "prefect.db"
+    configured = os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL") or \
+        os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL")
+    return database if configured in (None, sqlite_uri(database, "sqlite+aiosqlite")) else None
 
 
 def wait_healthy(info: ServerInfo, process: subprocess.Popen | None, home: Path, timeout: float) -> None:
@@ -199,11 +223,18 @@ def prefect_api(home: Path):
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # the server does not stop while a run holds this
         info, process = start_server(home)
-        wait_healthy(info, process, home, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
-                                                               "180")))
         _OUR_URLS.add(info.api_url)
         os.environ["PREFECT_API_URL"] = info.api_url  # read when Prefect is first imported
+        # Prefect's client side imports (~1 s) while the server starts on the other core
+        import prefect.flow_engine  # noqa: F401
+        import prefect.task_engine  # noqa: F401
         from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        wait_healthy(info, process, home, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
+                                                               "180")))
+        if (database := _database(home)) in _NEW_DATABASES:
+            _NEW_DATABASES.discard(database)
+            save_template("prefect", database)  # before this run's flow writes to it
 
         with temporary_settings(updates={PREFECT_API_URL: info.api_url}):  # if it was imported before
             try:
@@ -248,8 +279,10 @@ def _serve(port: int, idle_seconds: float) -> None:
     from prefect.server.api.server import create_app
 
     home = Path(os.environ["PREFECT_HOME"])
-    server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="on"))
+    app = create_app()
+    if os.environ.get("PREFECT_UI_ENABLED") == "1":
+        _serve_the_ui(app)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on"))
     threading.Thread(target=_stop_when_idle, args=(server, home / "clients.lock", idle_seconds), daemon=True).start()
     try:
         server.run()
@@ -258,6 +291,22 @@ def _serve(port: int, idle_seconds: float) -> None:
         with contextlib.suppress(Exception):
             if json.loads(state.read_text(encoding="utf-8"))["pid"] == os.getpid():
                 state.unlink()
+
+
+def _serve_the_ui(app) -> None:
+    """Mount Prefect's UI at ``/`` of the ephemeral-mode app.
+
+    Prefect serves its UI only from a server that is not ephemeral, and a server that is not
+    ephemeral also runs every background service (scheduler, late-run marker, ...), which a
+    per-home server for local runs does not need. So the app is made ephemeral and its empty
+    UI mount gets the UI app a full server would have (its static files are copied once per
+    install, into Prefect's own ``server/ui_build``)."""
+    from prefect.server.api.server import create_ui_app
+
+    for route in app.routes:
+        if getattr(route, "name", None) == "ui":
+            route.app = route._base_app = create_ui_app(ephemeral=False)
+            return
 
 
 def _stop_when_idle(server, clients: Path, idle_seconds: float) -> None:

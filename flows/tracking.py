@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flows import __version__
-from flows.home import uses_local_mlflow
+from flows.home import local_store_path, uses_local_mlflow
 from flows.recording import Recorder
 from flows.tags import (
     MODEL_TRAINING_KIND,
@@ -54,9 +54,17 @@ class Tracker:
         if uses_local_mlflow():  # the client creates (migrates) a new SQLite store: one process at a time
             from flows.locks import file_lock
 
+            from flows.db_templates import copy_template, save_template
+
+            database = local_store_path()
             with file_lock(home / "locks" / "mlflow-store.lock"):
+                new_store = not database.exists()
+                if new_store:  # a copy of an earlier new store, not a second run of MLflow's migrations
+                    copy_template("mlflow", database)
                 self.client = MlflowClient()
                 self.client.search_experiments(max_results=1)
+                if new_store:
+                    save_template("mlflow", database)
         else:
             self.client = MlflowClient()
 

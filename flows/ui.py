@@ -79,10 +79,17 @@ def choose_port(requested: int | None) -> int:
 
 
 def prefect_ui_address() -> str | None:
-    """The Prefect UI's address when a Prefect server answers at ``PREFECT_API_URL``, else None."""
+    """The Prefect UI's address when a Prefect server answers: the one at ``PREFECT_API_URL``, else
+    the one posttrain keeps for this home (flows/prefect_server.py) if it is up; else None."""
     api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
     if not api:
-        return None
+        from flows.home import posttrain_home
+        from flows.prefect_server import read_state
+
+        own, _ = read_state(posttrain_home())
+        if own is None:
+            return None
+        api = own.api_url
     import requests
 
     try:

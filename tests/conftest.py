@@ -3,7 +3,10 @@ Prefect test-harness server per session, and a tiny model built once."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,6 +19,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The migrated-database templates new homes copy (flows/db_templates.py): this session's own, not the user's cache
+if "POSTTRAIN_CACHE_DIR" not in os.environ:
+    os.environ["POSTTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="posttrain-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["POSTTRAIN_CACHE_DIR"], True)
 # A Prefect API server posttrain starts in a test's home (no harness) stops soon after the test
 os.environ.setdefault("POSTTRAIN_PREFECT_IDLE_SECONDS", "20")
 

@@ -82,3 +82,20 @@ def test_stops_itself_when_no_run_has_used_it_for_the_idle_time(own_server, monk
         time.sleep(0.5)
     assert not server.alive()
     assert not (prefect_dir(home) / "server.json").exists()
+
+
+def test_the_homes_server_serves_prefects_ui_and_posttrain_ui_names_it(own_server):
+    import httpx
+
+    from flows.ui import prefect_ui_address
+
+    home = own_server
+    assert prefect_ui_address() is None  # no server up for this home yet
+    with prefect_api(home):
+        info, _ = read_state(home)
+    address = prefect_ui_address()  # the run is over; its server is still up
+    assert address == f"http://127.0.0.1:{info.port}"
+    page = httpx.get(f"{address}/", headers={"Accept": "text/html"}, follow_redirects=True, timeout=30)
+    assert page.status_code == 200 and "<title>Prefect Server</title>" in page.text
+    settings = httpx.get(f"{address}/ui-settings", timeout=30).json()
+    assert settings["api_url"] == info.api_url  # the UI in a browser calls this server, not Prefect's default port

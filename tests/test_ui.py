@@ -199,7 +199,7 @@ def test_dataset_inputs_wait_in_the_journal_while_the_store_is_unreachable(home,
     assert entry.dataset.digest == hashlib.sha256(heldout.read_bytes()).hexdigest()[:16]
 
 
-def test_the_prefect_ui_address_is_printed_only_when_its_server_answers(prefect_server, monkeypatch):
+def test_the_prefect_ui_address_is_printed_only_when_its_server_answers(prefect_server, home, monkeypatch):
     from prefect.settings import get_current_settings
 
     from flows.ui import prefect_ui_address
