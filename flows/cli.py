@@ -377,10 +377,14 @@ def run_from_cli(loaded, options, console):
         except TrackingUnavailable as error:
             raise PlanError(f"{error}; start it, or unset MLFLOW_TRACKING_URI to use the local store") from None
     fresh_store = uses_local_mlflow() and not (home / "mlflow.db").exists()
+    # A new home runs everything, and --only/--from/--force run something unless refused: the
+    # Prefect server (if one is needed) starts first, so that its ~3 s start-up overlaps MLflow's
+    # import and store, and the planning; it is stopped again if the plan is refused.
+    started = None
+    if fresh_store or options.only or options.from_stage or options.force or options.no_cache:
+        home.mkdir(parents=True, exist_ok=True)
+        started = early_start(home)
     home = configure_environment()
-    # a new home runs everything: the Prefect server starts while MLflow's store is made (and is
-    # stopped again if the plan is refused)
-    started = early_start(home) if fresh_store else None
     try:
         tracker = prepare_store(home, console)
         experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))
