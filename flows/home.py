@@ -89,9 +89,12 @@ def uses_local_mlflow() -> bool:
     return os.environ.get("MLFLOW_TRACKING_URI", "").startswith("sqlite:")
 
 
-def local_store_path() -> Path:
-    """The SQLite file of the local MLflow store (``uses_local_mlflow``), its URL unescaped."""
-    return Path(unquote(os.environ["MLFLOW_TRACKING_URI"].removeprefix("sqlite:///")))
+def local_store_path() -> Path | None:
+    """The SQLite file of the MLflow store this process's clients open (None if not a SQLite store), unescaped."""
+    from mlflow import get_tracking_uri
+
+    uri = get_tracking_uri()  # MLFLOW_TRACKING_URI, unless something called mlflow.set_tracking_uri
+    return Path(unquote(uri.removeprefix("sqlite:///"))) if uri.startswith("sqlite:///") else None
 
 
 def artifact_root(home: Path) -> str | None:

@@ -58,7 +58,7 @@ class Tracker:
 
             database = local_store_path()
             with file_lock(home / "locks" / "mlflow-store.lock"):
-                new_store = not database.exists()
+                new_store = database is not None and not database.exists()
                 if new_store:  # a copy of an earlier new store, not a second run of MLflow's migrations
                     copy_template("mlflow", database)
                 self.client = MlflowClient()

@@ -78,8 +78,8 @@ def run_warm(home: Path, argv: list[str]) -> int | None:
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         client.connect(os.fsdecode(path))
-        request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ),
-                              "python": sys.executable}).encode()
+        request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "python": sys.executable,
+                              "path0": sys.path[0]}).encode()  # the script's dir (cwd for -m) leads sys.path
         fds = array.array("i", [0, 1, 2])
         client.sendmsg([_HEADER.pack(len(request))], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         client.sendall(request)
@@ -366,6 +366,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = ["posttrain", *request["argv"]]
+        sys.path[0] = request["path0"]
         from flows.cli import main
 
         status = main(request["argv"])

@@ -25,6 +25,8 @@ def new_store(home: Path, monkeypatch):
 
     monkeypatch.setenv("POSTTRAIN_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # the store the environment names, whatever an earlier test in this process set with mlflow.set_tracking_uri
+    monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", None)
     home.mkdir(parents=True)
     monkeypatch.chdir(home)  # MLflow's default experiment keeps its artifacts under ./mlruns
     configure_environment()
@@ -40,6 +42,7 @@ def test_a_new_mlflow_store_is_a_copy_of_the_first_ones_schema_without_its_runs(
     first.create_run(experiment, run_name="from the first home")
 
     caplog.set_level(logging.INFO, logger="mlflow.store.db.utils")
+    caplog.clear()  # what the first store logged, if logging was at INFO already
     second = new_store(tmp_path / "second", monkeypatch)
     assert "Creating initial MLflow database tables" not in caplog.text  # copied, not migrated
     [default] = second.search_experiments()
