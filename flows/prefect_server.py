@@ -228,7 +228,7 @@ def prefect_api(home: Path):
         # Prefect's client side imports (~1 s) while the server starts on the other core
         import prefect.flow_engine  # noqa: F401
         import prefect.task_engine  # noqa: F401
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
         wait_healthy(info, process, home, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
                                                                "180")))
@@ -236,7 +236,11 @@ def prefect_api(home: Path):
             _NEW_DATABASES.discard(database)
             save_template("prefect", database)  # before this run's flow writes to it
 
-        with temporary_settings(updates={PREFECT_API_URL: info.api_url}):  # if it was imported before
+        # No flow-run heartbeats to this server: nothing here acts on them (posttrain finds runs whose
+        # process died itself, flows/tracking.py), and a flow's end joins the heartbeat thread, which
+        # sleeps in 1 s steps: up to 1 s of every run. A server PREFECT_API_URL names keeps Prefect's default.
+        with temporary_settings(updates={PREFECT_API_URL: info.api_url,  # if Prefect was imported before
+                                         PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             try:
                 yield
             finally:

@@ -99,3 +99,14 @@ def test_the_homes_server_serves_prefects_ui_and_posttrain_ui_names_it(own_serve
     assert page.status_code == 200 and "<title>Prefect Server</title>" in page.text
     settings = httpx.get(f"{address}/ui-settings", timeout=30).json()
     assert settings["api_url"] == info.api_url  # the UI in a browser calls this server, not Prefect's default port
+
+
+def test_flows_on_the_homes_server_send_no_heartbeats(own_server):
+    """A flow's end joins its heartbeat thread, which sleeps in 1 s steps: on posttrain's own server,
+    where nothing acts on heartbeats, there is none (a configured server keeps Prefect's default)."""
+    from prefect.settings import get_current_settings
+
+    assert get_current_settings().flows.heartbeat_frequency is not None  # Prefect's default: 180 s
+    with prefect_api(own_server):
+        assert get_current_settings().flows.heartbeat_frequency is None
+    assert get_current_settings().flows.heartbeat_frequency is not None
