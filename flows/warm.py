@@ -236,13 +236,20 @@ def serve(home: Path) -> None:
     listener.listen(8)
     os.replace(partial, path)  # requests come only once everything is imported
     children: dict[int, socket.socket] = {}
+    # a child's exit wakes the loop at once (its caller is waiting for the status), not at the next tick
+    woken, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     last_request = time.monotonic()
     try:
         while not stopping and (children or time.monotonic() - last_request < idle):
             with contextlib.suppress(InterruptedError):
-                ready, _, _ = select.select([listener, *children.values()], [], [], 0.5)
+                ready, _, _ = select.select([listener, woken, *children.values()], [], [], 0.5)
                 for conn in ready:
-                    if conn is listener:
+                    if conn == woken:
+                        os.read(woken, 512)
+                    elif conn is listener:
                         last_request = time.monotonic()
                         outcome = _accept(listener, started_env, mtimes, children)
                         if outcome == "stale":
@@ -309,6 +316,7 @@ def _accept(listener, started_env, mtimes, children) -> str | None:
         return "stale"
     pid = os.fork()
     if pid == 0:
+        signal.set_wakeup_fd(-1)
         listener.close()
         for other in children.values():
             other.close()
