@@ -8,7 +8,8 @@ so the first home made with a version saves a copy of its database as it stood r
 the migrations (nothing of a run in it yet), and later homes copy that copy instead.
 
 The copies live in ``$POSTTRAIN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/posttrain``, else
-``~/.cache/posttrain``), one file per library and version (``mlflow-3.17.2.db``). They are
+``~/.cache/posttrain``), one file per library and version (``mlflow-3.17.2.db``; Prefect's name
+also hashes the Prefect collections installed, whose block types it registers). They are
 an optimisation only: a cache that cannot be written or read is ignored and the library
 migrates as it would have. A copy is written to a temporary name and renamed into place,
 so a reader never sees half of one; ``POSTTRAIN_CACHE_DIR=`` (empty) turns them off.
@@ -17,6 +18,7 @@ so a reader never sees half of one; ``POSTTRAIN_CACHE_DIR=`` (empty) turns them 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import sqlite3
@@ -49,6 +51,11 @@ def template_path(library: str) -> Path | None:
         version = metadata.version(library)
     except metadata.PackageNotFoundError:
         return None
+    if library == "prefect":  # its block types come from Prefect and from the collections installed beside it
+        collections = sorted(f"{e.name}={e.value}@{e.dist.name if e.dist else ''}-{e.dist.version if e.dist else ''}"
+                             for e in metadata.entry_points(group="prefect.collections"))
+        if collections:
+            version += "-" + hashlib.sha256("\n".join(collections).encode()).hexdigest()[:12]
     return where / f"{library}-{version}.db"
 
 

@@ -100,3 +100,18 @@ def test_a_new_homes_prefect_server_starts_on_a_copy_of_the_first_ones_database(
     with contextlib.closing(sqlite3.connect(tmp_path / "second" / "prefect" / "prefect.db")) as db:
         assert db.execute("SELECT key FROM configuration WHERE id = 'marker'").fetchone() == ("posttrain-test",)
         assert db.execute("SELECT count(*) FROM flow_run").fetchone() == (1,)
+
+
+def test_installing_a_prefect_collection_changes_the_prefect_template(tmp_path, monkeypatch):
+    """Prefect registers the block types of the collections installed beside it: a template saved
+    before one was installed would lack them, so it is not the template any more."""
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    before = template_path("prefect")
+    info = tmp_path / "site" / "prefect_example-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: prefect-example\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[prefect.collections]\nprefect_example = prefect_example\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    after = template_path("prefect")
+    assert before.parent == after.parent and before != after
+    assert template_path("mlflow").name.startswith("mlflow-")  # MLflow's name is its version alone
