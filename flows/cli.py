@@ -360,7 +360,7 @@ def run_from_cli(loaded, options, console):
     summarised, which keeps a fully cached rerun close to the cost of a few MLflow queries
     instead of Prefect's ~10 s server start-up.
     """
-    from flows.home import artifact_root, configure_environment, posttrain_home, uses_local_mlflow
+    from flows.home import artifact_root, configure_environment, create_home_dir, posttrain_home, uses_local_mlflow
     from flows.lineage import Action, PlanError, plan_run
     from flows.pipeline import prepare_store, print_plan, run_pipeline
     from flows.prefect_server import early_start, prefect_api, stop_server
@@ -382,7 +382,7 @@ def run_from_cli(loaded, options, console):
     # import and store, and the planning; it is stopped again if the plan is refused.
     started = None
     if fresh_store or options.only or options.from_stage or options.force or options.no_cache:
-        home.mkdir(parents=True, exist_ok=True)
+        create_home_dir(home)
         started = early_start(home)
     home = configure_environment()
     try:

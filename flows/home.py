@@ -103,7 +103,14 @@ def artifact_root(home: Path) -> str | None:
 
 
 def ensure_home(home: Path) -> Path:
-    """Create the home (after ``home_problem`` said it can be); HomeError says why not."""
+    """Create the home (after ``home_problem`` said it can be) and ready MLflow for it; HomeError says why not."""
+    create_home_dir(home)
+    _mlflow_makes_the_real_parent_dir()
+    return home
+
+
+def create_home_dir(home: Path) -> None:
+    """The home's directory alone (importing nothing); HomeError says why it cannot be."""
     problem = home_problem(home)
     if problem:
         raise HomeError(problem)
@@ -111,8 +118,6 @@ def ensure_home(home: Path) -> Path:
         home.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise HomeError(f"POSTTRAIN_HOME {str(home)!r} cannot be created ({error.strerror or error})") from None
-    _mlflow_makes_the_real_parent_dir()
-    return home
 
 
 def _mlflow_makes_the_real_parent_dir() -> None:

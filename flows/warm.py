@@ -123,7 +123,7 @@ def start_in_background(home: Path, env: dict[str, str]) -> None:
     directory = warm_dir(home)
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "warm.log", "ab") as log:
-        subprocess.Popen([sys.executable, "-m", "flows.warm", str(home)], env=env, cwd=os.getcwd(),
+        subprocess.Popen([sys.executable, "-m", "flows.warm_process", str(home)], env=env, cwd=os.getcwd(),
                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -204,10 +204,11 @@ def _changed(mtimes: dict[str, int]) -> str | None:
     return None
 
 
-def serve(home: Path) -> None:
-    from flows.prefect_server import _process_start
-
+def serve(home: Path, command) -> None:
+    """The warm process's life: import, then run each accepted request's ``command(argv)`` in a forked child."""
     import fcntl
+
+    from flows.prefect_server import _process_start
 
     lock = os.open(warm_dir(home) / "warm.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -222,28 +223,38 @@ def serve(home: Path) -> None:
     if "prefect" in sys.modules or len(os.listdir("/proc/self/task")) > 8:
         print("warm process: the imports started Prefect or many threads; not serving", file=sys.stderr)
         return
-    mtimes = _module_mtimes()
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    listener = _listen(home)
+    if listener is not None:
+        _serve_requests(home, listener, command, started_env, _module_mtimes(), state)
+
+
+def _listen(home: Path) -> socket.socket | None:
+    """The home's socket, bound under a temporary name and renamed into place once ready."""
     path = _socket_path(home)
     partial = path.with_name(f"warm.{os.getpid()}.sock")
     if len(os.fsencode(partial)) > 100:  # a Unix socket's path holds 108 bytes
         print(f"warm process: {partial} is too long a path for a Unix socket; not serving", file=sys.stderr)
-        return
+        return None
     partial.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.fsdecode(partial))
     listener.listen(8)
     os.replace(partial, path)  # requests come only once everything is imported
-    children: dict[int, socket.socket] = {}
+    return listener
+
+
+def _serve_requests(home: Path, listener, command, started_env: dict, mtimes: dict, state: dict) -> None:
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     # a child's exit wakes the loop at once (its caller is waiting for the status), not at the next tick
     woken, wake = os.pipe()
     os.set_blocking(wake, False)
     signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: dict[int, socket.socket] = {}
     last_request = time.monotonic()
     try:
-        while not stopping and (children or time.monotonic() - last_request < idle):
+        while not stopping and (children or time.monotonic() - last_request < state["idle_seconds"]):
             with contextlib.suppress(InterruptedError):
                 ready, _, _ = select.select([listener, woken, *children.values()], [], [], 0.5)
                 for conn in ready:
@@ -251,7 +262,7 @@ def serve(home: Path) -> None:
                         os.read(woken, 512)
                     elif conn is listener:
                         last_request = time.monotonic()
-                        outcome = _accept(listener, started_env, mtimes, children)
+                        outcome = _accept(listener, started_env, mtimes, children, command)
                         if outcome == "stale":
                             return
                         if outcome == "served":
@@ -283,7 +294,7 @@ def _remove_own_files(home: Path) -> None:
         _state_path(home).unlink(missing_ok=True)
 
 
-def _accept(listener, started_env, mtimes, children) -> str | None:
+def _accept(listener, started_env, mtimes, children, command) -> str | None:
     conn, _ = listener.accept()
     conn.settimeout(10)
     try:
@@ -320,7 +331,7 @@ def _accept(listener, started_env, mtimes, children) -> str | None:
         listener.close()
         for other in children.values():
             other.close()
-        _run_child(request, list(fds))  # never returns
+        _run_child(request, list(fds), command)  # never returns
     for fd in fds:
         os.close(fd)
     children[pid] = conn
@@ -354,7 +365,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def _run_child(request: dict, fds: list[int]) -> None:
+def _run_child(request: dict, fds: list[int], command) -> None:
     """In the forked child: become the caller's ``posttrain`` command and exit with its status."""
     import atexit
     import traceback
@@ -375,9 +386,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
         os.environ.update(request["env"])
         sys.argv = ["posttrain", *request["argv"]]
         sys.path[0] = request["path0"]
-        from flows.cli import main
-
-        status = main(request["argv"])
+        status = command(request["argv"])
     except SystemExit as stop:  # argparse's usage errors
         status = stop.code if isinstance(stop.code, int) else 1
     except BaseException:
@@ -389,7 +398,3 @@ def _run_child(request: dict, fds: list[int]) -> None:
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         os._exit(status)
-
-
-if __name__ == "__main__":
-    serve(Path(sys.argv[1]))

@@ -1,0 +1,17 @@
+"""The warm process's program: ``python -m flows.warm_process HOME`` (``flows.warm.start_in_background``).
+
+A module of its own because it joins the two sides, which do not import each other:
+``flows.warm`` serves requests, and each forked child runs ``flows.cli.main`` on its caller's
+arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from flows.cli import main
+from flows.warm import serve
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]), main)
