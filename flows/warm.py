@@ -123,7 +123,9 @@ def start_in_background(home: Path, env: dict[str, str]) -> None:
     directory = warm_dir(home)
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "warm.log", "ab") as log:
-        subprocess.Popen([sys.executable, "-m", "flows.warm_process", str(home)], env=env, cwd=os.getcwd(),
+        # run from its own directory: with -m, the working directory leads sys.path, and a project's own
+        # `flows/` there would shadow posttrain's (each child still runs in its caller's directory)
+        subprocess.Popen([sys.executable, "-m", "flows.warm_process", str(home)], env=env, cwd=directory,
                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -334,6 +336,8 @@ def _accept(listener, started_env, mtimes, children, command) -> str | None:
         _run_child(request, list(fds), command)  # never returns
     for fd in fds:
         os.close(fd)
+    with contextlib.suppress(OSError):  # the child does this too; whichever runs first, the caller's signals find it
+        os.setpgid(pid, pid)
     children[pid] = conn
     with contextlib.suppress(OSError):  # a caller gone already: the select loop sees it and kills the child
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
