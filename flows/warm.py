@@ -213,10 +213,15 @@ def serve(home: Path, command) -> None:
     from flows.prefect_server import _process_start
 
     lock = os.open(warm_dir(home) / "warm.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for life: one warm process per home
-    except BlockingIOError:
-        return
+    deadline = time.monotonic() + 30  # one warm process per home; one that is retiring lets go within seconds
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if alive(home) or time.monotonic() > deadline:
+                return  # another one serves (or is getting ready to)
+            time.sleep(0.2)
     idle = float(os.environ.get("POSTTRAIN_WARM_IDLE_SECONDS", IDLE_SECONDS))
     started_env = {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
     state = {"pid": os.getpid(), "process_start": _process_start(os.getpid()), "idle_seconds": idle, "served": 0}
@@ -228,6 +233,7 @@ def serve(home: Path, command) -> None:
     listener = _listen(home)
     if listener is not None:
         _serve_requests(home, listener, command, started_env, _module_mtimes(), state)
+    os.close(lock)  # before the interpreter's slow teardown: a successor may start now
 
 
 def _listen(home: Path) -> socket.socket | None:
