@@ -200,9 +200,11 @@ def run_distributed(job, ctx, inputs) -> dict[str, float]:
     for stale in [result_path, *ctx.work_dir.glob("distributed.error.rank*.json")]:
         stale.unlink(missing_ok=True)
     ctx.flush()
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # PYTHONSAFEPATH: as for the CLI, the caller's directory is not on sys.path (a project's flows/ shadows ours)
+    env = {**os.environ, "PYTHONPATH": python_path, "PYTHONSAFEPATH": "1"}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(launch_command(resources, spec_path, node), stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+        proc = subprocess.Popen(launch_command(resources, spec_path, node), stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         code = proc.wait()
     except BaseException:  # Ctrl-C, a time limit: the ranks go too

@@ -125,7 +125,8 @@ def start_server(home: Path) -> tuple[ServerInfo, subprocess.Popen | None]:
         ui = os.environ.get("POSTTRAIN_PREFECT_UI", "1") != "0"
         env = {**os.environ, "PREFECT_UI_ENABLED": "1" if ui else "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1", "PREFECT_HOME": str(prefect_dir(home)),
-               "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}  # what the UI in a browser calls
+               "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",  # what the UI in a browser calls
+               "PYTHONSAFEPATH": "1"}  # -m must not find a project's own flows/ in the caller's directory
         env.pop("PREFECT_API_URL", None)
         database = _database(home)
         if database is not None and copy_template("prefect", database):

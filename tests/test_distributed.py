@@ -20,9 +20,13 @@ stages:
 """
 
 
-def test_sft_on_two_processes_matches_one(home, prefect_server, tmp_path):
+def test_sft_on_two_processes_matches_one(home, prefect_server, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
+    # run from a project with a flows/ of its own: the ranks (python -m flows.rank) must not import it
+    (tmp_path / "project" / "flows").mkdir(parents=True)
+    (tmp_path / "project" / "flows" / "__init__.py").write_text("raise SystemExit('a project\'s own flows/')\n")
+    monkeypatch.chdir(tmp_path / "project")
     runs = {}
     for processes in (1, 2):
         name = f"ddp{processes}"

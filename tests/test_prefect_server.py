@@ -110,3 +110,17 @@ def test_flows_on_the_homes_server_send_no_heartbeats(own_server):
     with prefect_api(own_server):
         assert get_current_settings().flows.heartbeat_frequency is None
     assert get_current_settings().flows.heartbeat_frequency is not None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+def test_a_projects_own_flows_package_in_the_callers_directory_does_not_shadow_posttrains(own_server, tmp_path,
+                                                                                        monkeypatch):
+    """The server runs as ``python -m flows.prefect_server``; a user's project may well have a flows/ of its own."""
+    project = tmp_path / "project"
+    (project / "flows").mkdir(parents=True)
+    (project / "flows" / "__init__.py").write_text("raise SystemExit('the project\\'s flows package was imported')\n")
+    monkeypatch.chdir(project)
+    with prefect_api(own_server):
+        server, _ = read_state(own_server)
+        assert server is not None and server.healthy()
+    assert "project's flows package" not in (prefect_dir(own_server) / "server.log").read_text()
