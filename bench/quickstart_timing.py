@@ -112,9 +112,9 @@ def wait_for_warm_process(home: str, timeout: float = 300.0) -> None:
 
 
 def served(home: str) -> int:
-    import json
+    from flows.warm import read_state
 
-    return json.loads((Path(home) / "warm" / "warm.json").read_text())["served"]
+    return read_state(Path(home))["served"]
 
 
 def main() -> None:

@@ -9,10 +9,14 @@ stage with the same fingerprint. The stage lock makes the second wait; when it g
 lock it looks in MLflow again and reuses the first one's result instead of training the
 same thing twice. ``flock`` locks die with their process, so a killed run never leaves
 a stale lock behind.
+
+The processes a home keeps between runs (its Prefect server, its warm process) are known by
+pid and start time in a state file: a recycled pid does not match (``still_running``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from contextlib import contextmanager
@@ -52,3 +56,24 @@ def stage_lock(home: Path, experiment_id: str, stage: str, fingerprint: str, on_
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def process_start(pid: int) -> float | None:
+    """When ``pid`` started; None if no such process runs (a zombie has finished running)."""
+    try:
+        import psutil
+
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            with contextlib.suppress(ChildProcessError):  # our own child (e.g. started in this process): reap it
+                os.waitpid(pid, os.WNOHANG)
+            return None
+        return process.create_time()
+    except Exception:
+        return None
+
+
+def still_running(pid: int, started: float) -> bool:
+    """Whether the process ``pid`` that started at ``started`` (``process_start``) still runs."""
+    now = process_start(pid)
+    return now is not None and abs(now - started) < 0.05

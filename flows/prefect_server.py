@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flows.db_templates import copy_template, save_template
+from flows.locks import process_start, still_running
 
 IDLE_SECONDS = 600.0
 
@@ -45,21 +46,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _process_start(pid: int) -> float | None:
-    """When ``pid`` started; None if no such process runs (a zombie has finished running)."""
-    try:
-        import psutil
-
-        process = psutil.Process(pid)
-        if process.status() == psutil.STATUS_ZOMBIE:
-            with contextlib.suppress(ChildProcessError):  # our own child (e.g. started in this process): reap it
-                os.waitpid(pid, os.WNOHANG)
-            return None
-        return process.create_time()
-    except Exception:
-        return None
-
-
 @dataclass
 class ServerInfo:
     pid: int
@@ -72,8 +58,7 @@ class ServerInfo:
         return f"http://127.0.0.1:{self.port}/api"
 
     def alive(self) -> bool:
-        start = _process_start(self.pid)
-        return start is not None and abs(start - self.process_start) < 0.05
+        return still_running(self.pid, self.process_start)
 
     def healthy(self, timeout: float = 2.0) -> bool:
         import httpx
@@ -140,7 +125,7 @@ def start_server(home: Path) -> tuple[ServerInfo, subprocess.Popen | None]:
                 [sys.executable, "-m", "flows.prefect_server", str(port), str(idle)],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
-        info = ServerInfo(process.pid, port, _process_start(process.pid) or 0.0, idle)
+        info = ServerInfo(process.pid, port, process_start(process.pid) or 0.0, idle)
         _state_path(home).write_text(json.dumps(asdict(info)), encoding="utf-8")
         return info, process
 

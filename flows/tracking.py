@@ -52,9 +52,8 @@ class Tracker:
 
         self.home = home
         if uses_local_mlflow():  # the client creates (migrates) a new SQLite store: one process at a time
-            from flows.locks import file_lock
-
             from flows.db_templates import copy_template, save_template
+            from flows.locks import file_lock
 
             database = local_store_path()
             with file_lock(home / "locks" / "mlflow-store.lock"):

@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from flows.locks import process_start, still_running
+
 IDLE_SECONDS = 600.0
 VOLATILE_ENV = {"PWD", "OLDPWD", "SHLVL", "_"}
 _HEADER = struct.Struct("!Q")  # the request's length, sent with the three descriptors
@@ -136,18 +138,16 @@ def read_state(home: Path) -> dict | None:
 
 
 def alive(home: Path) -> bool:
-    from flows.prefect_server import _process_start
+    return _running(read_state(home))
 
-    state = read_state(home)
-    if state is None:
-        return False
-    started = _process_start(state["pid"])
-    return started is not None and abs(started - state["process_start"]) < 0.05
+
+def _running(state: dict | None) -> bool:
+    return state is not None and still_running(state["pid"], state["process_start"])
 
 
 def describe(home: Path) -> str:
     state = read_state(home)
-    if state is None or not alive(home):
+    if not _running(state):
         return f"no warm process runs for {home}"
     ready = "ready" if _socket_path(home).exists() else "importing"
     return (f"warm process for {home}: pid {state['pid']} ({ready}), up {time.time() - state['process_start']:.0f} s, "
@@ -157,7 +157,7 @@ def describe(home: Path) -> str:
 def stop(home: Path, timeout: float = 10.0) -> int | None:
     """SIGTERM the warm process: it stops taking requests and exits once its running children have; its pid."""
     state = read_state(home)
-    if state is None or not alive(home):
+    if not _running(state):
         _state_path(home).unlink(missing_ok=True)
         return None
     with contextlib.suppress(ProcessLookupError):
@@ -210,8 +210,6 @@ def serve(home: Path, command) -> None:
     """The warm process's life: import, then run each accepted request's ``command(argv)`` in a forked child."""
     import fcntl
 
-    from flows.prefect_server import _process_start
-
     lock = os.open(warm_dir(home) / "warm.lock", os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + 30  # one warm process per home; one that is retiring lets go within seconds
     while True:
@@ -224,7 +222,7 @@ def serve(home: Path, command) -> None:
             time.sleep(0.2)
     idle = float(os.environ.get("POSTTRAIN_WARM_IDLE_SECONDS", IDLE_SECONDS))
     started_env = {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
-    state = {"pid": os.getpid(), "process_start": _process_start(os.getpid()), "idle_seconds": idle, "served": 0}
+    state = {"pid": os.getpid(), "process_start": process_start(os.getpid()), "idle_seconds": idle, "served": 0}
     _write_state(home, state)
     _import_libraries()
     if "prefect" in sys.modules or len(os.listdir("/proc/self/task")) > 8:
