@@ -9,20 +9,28 @@ the migrations (nothing of a run in it yet), and later homes copy that copy inst
 
 The copies live in ``$POSTTRAIN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/posttrain``, else
 ``~/.cache/posttrain``), one file per library and version (``mlflow-3.17.2.db``; Prefect's name
-also hashes the Prefect collections installed, whose block types it registers). They are
-an optimisation only: a cache that cannot be written or read is ignored and the library
-migrates as it would have. A copy is written to a temporary name and renamed into place,
-so a reader never sees half of one; ``POSTTRAIN_CACHE_DIR=`` (empty) turns them off.
+also hashes pydantic's version, from which its block schemas are made, and the Prefect
+collections installed, whose block types it registers). They are an optimisation only: a
+cache that cannot be written or read is ignored and the library migrates as it would have.
+A copy is written to a temporary name and renamed into place, so a reader never sees half
+of one; ``POSTTRAIN_CACHE_DIR=`` (empty) turns them off.
+
+posttrain also ships the templates of the versions ``constraints/cpu.txt`` pins, gzipped in
+``flows/shipped_databases/`` (``python -m flows.db_templates`` remakes them), so that a
+machine's very first run does not migrate either: a shipped template whose name is the
+installed versions' is unpacked into the cache the first time one is needed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import os
 import shutil
 import sqlite3
 import tempfile
+import zlib
 from importlib import metadata
 from pathlib import Path
 
@@ -42,27 +50,30 @@ def cache_dir() -> Path | None:
     return Path(base) / "posttrain"
 
 
-def template_path(library: str) -> Path | None:
-    """Where the template for the installed version of ``library`` lives (None: templates are off)."""
-    where = cache_dir()
-    if where is None:
-        return None
+def template_name(library: str) -> str | None:
+    """The template's file name for the installed version of ``library`` (None: not installed)."""
     try:
         version = metadata.version(library)
     except metadata.PackageNotFoundError:
         return None
-    if library == "prefect":  # its block types come from Prefect and from the collections installed beside it
-        collections = sorted(f"{e.name}={e.value}@{e.dist.name if e.dist else ''}-{e.dist.version if e.dist else ''}"
-                             for e in metadata.entry_points(group="prefect.collections"))
-        if collections:
-            version += "-" + hashlib.sha256("\n".join(collections).encode()).hexdigest()[:12]
-    return where / f"{library}-{version}.db"
+    if library == "prefect":  # its block schemas come from pydantic, its block types also from the collections
+        made_by = [f"pydantic={metadata.version('pydantic')}"]
+        made_by += sorted(f"{e.name}={e.value}@{e.dist.name if e.dist else ''}-{e.dist.version if e.dist else ''}"
+                          for e in metadata.entry_points(group="prefect.collections"))
+        version += "-" + hashlib.sha256("\n".join(made_by).encode()).hexdigest()[:12]
+    return f"{library}-{version}.db"
+
+
+def template_path(library: str) -> Path | None:
+    """Where the template for the installed version of ``library`` lives (None: templates are off)."""
+    where, name = cache_dir(), template_name(library)
+    return None if where is None or name is None else where / name
 
 
 def copy_template(library: str, database: Path) -> bool:
     """Make ``database`` (which must not exist) a copy of the library's template; whether it did."""
     template = template_path(library)
-    if template is None or not template.is_file() or database.exists():
+    if template is None or database.exists() or not (template.is_file() or unpack_shipped(library, template)):
         return False
     database.parent.mkdir(parents=True, exist_ok=True)
     partial = database.with_name(database.name + ".partial")
@@ -73,6 +84,42 @@ def copy_template(library: str, database: Path) -> bool:
         partial.unlink(missing_ok=True)
         return False
     return True
+
+
+SHIPPED = Path(__file__).with_name("shipped_databases")
+
+
+def shipped_path(library: str) -> Path | None:
+    """The gzipped template posttrain ships for the installed version of ``library`` (whether or not it has one)."""
+    name = template_name(library)
+    return None if name is None else SHIPPED / f"{name}.gz"
+
+
+def unpack_shipped(library: str, template: Path) -> bool:
+    """Put the shipped template of the installed version at ``template``, if posttrain ships one; whether it did.
+
+    A shipped file that is not such a template (cut short, holding rows of a run) is not used."""
+    shipped = SHIPPED / f"{template.name}.gz"
+    if not shipped.is_file():
+        return False
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=template.parent, prefix=template.name, suffix=".partial")
+        os.close(fd)
+    except OSError:
+        return False
+    try:
+        with gzip.open(shipped, "rb") as packed, open(partial, "wb") as unpacked:
+            shutil.copyfileobj(packed, unpacked)
+        with contextlib.closing(sqlite3.connect(Path(partial).as_uri() + "?mode=ro", uri=True)) as copy:
+            if _has_rows_beyond_the_schema(copy, SCHEMA_TABLES[library]):
+                return False
+        os.replace(partial, template)
+        return True
+    except (OSError, EOFError, zlib.error, sqlite3.Error):
+        return False
+    finally:
+        Path(partial).unlink(missing_ok=True)
 
 
 def save_template(library: str, database: Path) -> bool:

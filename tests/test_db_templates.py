@@ -75,8 +75,9 @@ FLOW = textwrap.dedent("""
 """)
 
 
-def run_a_flow(home: Path, cache: Path) -> dict:
-    env = {**os.environ, "POSTTRAIN_HOME": str(home), "POSTTRAIN_CACHE_DIR": str(cache),
+def run_a_flow(home: Path, cache: Path | None) -> dict:
+    """A flow run on posttrain's Prefect server for ``home``, with templates in ``cache`` (None: off)."""
+    env = {**os.environ, "POSTTRAIN_HOME": str(home), "POSTTRAIN_CACHE_DIR": "" if cache is None else str(cache),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for key in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME"):
         env.pop(key, None)
@@ -115,3 +116,88 @@ def test_installing_a_prefect_collection_changes_the_prefect_template(tmp_path, 
     after = template_path("prefect")
     assert before.parent == after.parent and before != after
     assert template_path("mlflow").name.startswith("mlflow-")  # MLflow's name is its version alone
+
+
+# ------------------------------------------------------------------ the templates posttrain ships
+
+
+def pinned_version(library: str) -> str | None:
+    for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines():
+        name, _, version = line.partition("==")
+        if name.strip().lower() == library:
+            return version.strip()
+    return None
+
+
+def schema_of(database: Path) -> dict:
+    """What a library's migrations and start-up decide: tables, indexes and their SQL, the revision, block types."""
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        # a table's clauses in any order: Alembic's batch migrations write its constraints in set order
+        shape = {
+            "sql": sorted((kind, name, sorted(line.strip().rstrip(",") for line in (sql or "").splitlines()))
+                          for kind, name, sql in db.execute("SELECT type, name, sql FROM sqlite_master "
+                                                            "WHERE name NOT LIKE 'sqlite_%'")),
+            "revision": db.execute("SELECT version_num FROM alembic_version").fetchall(),
+        }
+        if "block_schema" in tables:
+            shape["block types"] = sorted(db.execute("SELECT slug FROM block_type"))
+            shape["block schemas"] = sorted(db.execute("SELECT checksum, version FROM block_schema"))
+    return shape
+
+
+def unpacked(library: str, tmp_path: Path) -> Path:
+    import gzip
+
+    from flows.db_templates import shipped_path
+
+    shipped = shipped_path(library)
+    assert shipped.is_file(), (f"no shipped {library} template for the installed version ({shipped.name}): run "
+                               "`python -m flows.make_db_templates` after changing a pin in constraints/cpu.txt")
+    target = tmp_path / f"shipped-{library}.db"
+    target.write_bytes(gzip.decompress(shipped.read_bytes()))
+    return target
+
+
+def test_the_pinned_versions_have_shipped_templates_equal_to_a_fresh_migration(tmp_path, monkeypatch):
+    """What posttrain ships is what MLflow's and Prefect's own migrations make today, with no run's rows."""
+    from importlib import metadata
+
+    for library in ("mlflow", "prefect", "pydantic"):
+        if metadata.version(library) != pinned_version(library):
+            import pytest
+
+            pytest.skip(f"{library} {metadata.version(library)} is installed, not the pinned "
+                        f"{pinned_version(library)}: the shipped templates are for the pinned versions")
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", "")  # templates off: both databases are migrated
+    new_store(tmp_path / "migrated", monkeypatch)
+    assert schema_of(unpacked("mlflow", tmp_path)) == schema_of(tmp_path / "migrated" / "mlflow.db")
+
+    env_home = tmp_path / "prefect-migrated"
+    assert run_a_flow(env_home, cache=None) == {"result": 42}
+    assert schema_of(unpacked("prefect", tmp_path)) == schema_of(env_home / "prefect" / "prefect.db")
+
+
+def test_a_machines_first_store_is_unpacked_from_the_shipped_template_not_migrated(tmp_path, monkeypatch, caplog):
+    from flows import db_templates
+
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "empty-cache"))
+    caplog.set_level(logging.INFO, logger="mlflow.store.db.utils")
+    caplog.clear()
+    client = new_store(tmp_path / "first", monkeypatch)
+    assert "Creating initial MLflow database tables" not in caplog.text
+    assert template_path("mlflow").is_file()  # unpacked into the cache, for the next home
+    assert client.create_experiment("pipeline") and client.search_experiments()
+
+    # A shipped file that is not a template (cut short here) is passed over: the store is migrated as before
+    broken = tmp_path / "broken-shipped"
+    broken.mkdir()
+    good = db_templates.shipped_path("mlflow")
+    (broken / good.name).write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    monkeypatch.setattr(db_templates, "SHIPPED", broken)
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "another-cache"))
+    caplog.clear()
+    client = new_store(tmp_path / "second", monkeypatch)
+    assert "Creating initial MLflow database tables" in caplog.text
+    assert client.create_experiment("pipeline")
+    assert template_path("mlflow").is_file() and not list((tmp_path / "another-cache").glob("*.partial"))
