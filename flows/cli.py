@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and args.command == "run":  # the program itself (console script, -m), not an in-process caller
         import os
 
+        from flows import startup
+
+        startup.pause()  # until the first stage's work starts (flows/startup.py)
+
         from flows import warm
         from flows.home import posttrain_home
 
@@ -404,6 +408,11 @@ def run_from_cli(loaded, options, console):
     with prefect_api(home):
         from flows.deployment import run_flow  # Prefect reads its API URL when first imported
 
+        first = next(d.stage for d in decisions if d.action is Action.RUN)
+        if loaded.spec.resources_for(first).pool:  # it runs elsewhere: start-up ends here (flows/startup.py)
+            from flows import startup
+
+            startup.end()
         return run_flow(loaded, options, decisions)
 
 

@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flows import startup
 from flows.data_inputs import stage_datasets
 from flows.distributed import run_distributed
 from flows.graph import stage_references
@@ -123,7 +124,9 @@ def log_mixtures(job: StageJob, inputs: StageInputs, recorder: Recorder) -> None
 def run_stage_function(job: StageJob, inputs: StageInputs, ctx) -> dict:
     """The stage kind's ``run(config, inputs, ctx)``: what this process and every rank computes; returns
     what it returned (its outputs and ``metrics``)."""
-    return stage_runner(job.kind)(job.config, inputs, ctx) or {}
+    run = stage_runner(job.kind)
+    startup.end(import_stage_libraries=True)  # the stage's work starts: collection back on (flows/startup.py)
+    return run(job.config, inputs, ctx) or {}
 
 
 # ------------------------------------------------------------------ lock, cache check, run, publish
@@ -244,6 +247,7 @@ def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowS
     recorder.tags({TAG_SEED: str(job.seed)})
     with time_limit(job.stage, job.time_limit_seconds, ctx):
         if job.resources.world_size() > 1:  # N training processes (flows/distributed.py)
+            startup.end()
             metrics = run_distributed(job, ctx, inputs)
         else:
             metrics = ctx.result_metrics(run_stage_function(job, inputs, ctx))

@@ -17,6 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
+from flows import startup
 from flows.distributed import RankContext
 from flows.execute import resolve_inputs, run_stage_function
 from flows.home import configure_environment
@@ -68,4 +69,5 @@ def main(rank_file: str) -> int:
 
 
 if __name__ == "__main__":
+    startup.pause()  # until the stage's work starts (flows/startup.py)
     sys.exit(main(sys.argv[1]))

@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from flows import startup
 from flows.locks import process_start, still_running
 
 IDLE_SECONDS = 600.0
@@ -224,7 +225,9 @@ def serve(home: Path, command) -> None:
     started_env = {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}
     state = {"pid": os.getpid(), "process_start": process_start(os.getpid()), "idle_seconds": idle, "served": 0}
     _write_state(home, state)
-    _import_libraries()
+    startup.pause()  # the imports' objects live as long as the process (flows/startup.py); frozen, a
+    _import_libraries()  # child's collections walk only what the child makes
+    startup.end()
     if "prefect" in sys.modules or len(os.listdir("/proc/self/task")) > 8:
         print("warm process: the imports started Prefect or many threads; not serving", file=sys.stderr)
         return
