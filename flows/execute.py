@@ -125,7 +125,7 @@ def run_stage_function(job: StageJob, inputs: StageInputs, ctx) -> dict:
     """The stage kind's ``run(config, inputs, ctx)``: what this process and every rank computes; returns
     what it returned (its outputs and ``metrics``)."""
     run = stage_runner(job.kind)
-    startup.end(import_stage_libraries=True)  # the stage's work starts: collection back on (flows/startup.py)
+    startup.end(import_stage_libraries=True)  # a rank's start-up ends here (flows/startup.py)
     return run(job.config, inputs, ctx) or {}
 
 
@@ -237,6 +237,8 @@ def _record_failure(recorder: Recorder, error: BaseException, log_path: Path) ->
 def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowStageContext) -> dict[str, float]:
     """Resolve the inputs, then run the stage here or on ``world_size`` processes, within its time limit;
     returns the metrics it reported (``MlflowStageContext.result_metrics``)."""
+    in_process = job.resources.world_size() == 1
+    startup.end(import_stage_libraries=in_process)  # the stage's work starts: collection back on (flows/startup.py)
     inputs = resolve_inputs(job.loaded, job.stage, job.upstream_outputs, tracker.home)
     log_mixtures(job, inputs, recorder)
     inputs = failure_set_inputs(job.loaded, job.stage, inputs, job.upstream_runs, tracker, recorder,
@@ -246,8 +248,7 @@ def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowS
     recorder.datasets(stage_datasets(job.loaded, inputs))
     recorder.tags({TAG_SEED: str(job.seed)})
     with time_limit(job.stage, job.time_limit_seconds, ctx):
-        if job.resources.world_size() > 1:  # N training processes (flows/distributed.py)
-            startup.end()
+        if not in_process:  # N training processes (flows/distributed.py)
             metrics = run_distributed(job, ctx, inputs)
         else:
             metrics = ctx.result_metrics(run_stage_function(job, inputs, ctx))

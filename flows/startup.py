@@ -6,8 +6,9 @@ while they are made: 0.4 s of a 1.9 s fully cached rerun, and 1.6 s of the 7.3 s
 torch, transformers, datasets and TRL took on a 2-core machine (5.7 s with collection off).
 
 So posttrain's own programs (``posttrain run``, a training rank) pause collection as they start
-(``pause``) and end start-up once (``end``): in the first stage this process runs itself, once the
-libraries stages use are imported, or before the run waits on stages that run elsewhere.
+(``pause``) and end start-up once (``end``): as the first stage this process runs starts, once the
+libraries stages use are imported (before its inputs are resolved: flows/execute.py), in a rank
+before the stage function, or before the run waits on stages that run elsewhere.
 Ending it freezes what exists (``gc.freeze``: never collected, never walked again, which also
 makes every later full collection cheaper) and turns collection back on. Once only: a second
 freeze would keep the first stage's garbage (a model, its optimizer) for good. What start-up
