@@ -178,7 +178,7 @@ def measure(run: list[str], env: dict, home: str, pipeline: str) -> None:
     print(f"--only {last_eval}, warm process: " + ", ".join(f"{t:.2f}" for t in warm)
           + f" s; the stage's run {warm_stage:.2f} s of the last")
     print(f"load average before / after: {load_before} / {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
-    print(f"cached rerun, warm process: " + ", ".join(f"{t:.2f}" for t in cached_warm) + " s")
+    print("cached rerun, warm process: " + ", ".join(f"{t:.2f}" for t in cached_warm) + " s")
     print(f"cached_rerun_vs_fresh_wall_ratio={cached / fresh:.3f} (warm runs off; target <= 0.05)")
     print(f"cached_rerun_warm_vs_fresh_wall_ratio={median(cached_warm) / fresh:.3f} (with the warm process; "
           "target <= 0.05)")

@@ -100,26 +100,12 @@ def unpack_shipped(library: str, template: Path) -> bool:
 
     A shipped file that is not such a template (cut short, holding rows of a run) is not used."""
     shipped = SHIPPED / f"{template.name}.gz"
-    if not shipped.is_file():
-        return False
-    try:
-        template.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=template.parent, prefix=template.name, suffix=".partial")
-        os.close(fd)
-    except OSError:
-        return False
-    try:
+
+    def unpack(partial: Path) -> None:
         with gzip.open(shipped, "rb") as packed, open(partial, "wb") as unpacked:
             shutil.copyfileobj(packed, unpacked)
-        with contextlib.closing(sqlite3.connect(Path(partial).as_uri() + "?mode=ro", uri=True)) as copy:
-            if _has_rows_beyond_the_schema(copy, SCHEMA_TABLES[library]):
-                return False
-        os.replace(partial, template)
-        return True
-    except (OSError, EOFError, zlib.error, sqlite3.Error):
-        return False
-    finally:
-        Path(partial).unlink(missing_ok=True)
+
+    return shipped.is_file() and _write_template(library, template, unpack)
 
 
 def save_template(library: str, database: Path) -> bool:
@@ -131,13 +117,8 @@ def save_template(library: str, database: Path) -> bool:
     template = template_path(library)
     if template is None or template.exists() or not database.is_file():
         return False
-    try:
-        template.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=template.parent, prefix=template.name, suffix=".partial")
-        os.close(fd)
-    except OSError:
-        return False
-    try:
+
+    def backup(partial: Path) -> None:
         with contextlib.closing(sqlite3.connect(database)) as source, \
                 contextlib.closing(sqlite3.connect(partial)) as copy:
             source.backup(copy)
@@ -146,11 +127,27 @@ def save_template(library: str, database: Path) -> bool:
                 copy.execute("DELETE FROM experiment_tags")
                 copy.execute("DELETE FROM experiments")
                 copy.commit()
+
+    return _write_template(library, template, backup)
+
+
+def _write_template(library: str, template: Path, fill) -> bool:
+    """Make ``template`` from a temporary file that ``fill(partial)`` writes, renamed into place only if it
+    holds nothing beyond the library's schema (a reader never sees half of one); whether it did."""
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=template.parent, prefix=template.name, suffix=".partial")
+        os.close(fd)
+    except OSError:
+        return False
+    try:
+        fill(Path(partial))
+        with contextlib.closing(sqlite3.connect(Path(partial).as_uri() + "?mode=ro", uri=True)) as copy:
             if _has_rows_beyond_the_schema(copy, SCHEMA_TABLES[library]):
                 return False
         os.replace(partial, template)
         return True
-    except (OSError, sqlite3.Error):
+    except (OSError, EOFError, zlib.error, sqlite3.Error):
         return False
     finally:
         Path(partial).unlink(missing_ok=True)

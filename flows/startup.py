@@ -50,6 +50,7 @@ def end(import_stage_libraries: bool = False) -> None:
 
 def import_libraries() -> None:
     """What every stage kind imports before it works: torch and transformers' model and tokenizer
-    classes (TRL, datasets and the rest come with the kinds that use them, collected as usual)."""
+    classes (TRL, datasets and the rest come with the kinds that use them, collected as usual). The warm
+    process imports these too (flows/warm.py)."""
     import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401

@@ -175,9 +175,7 @@ def stop(home: Path, timeout: float = 10.0) -> int | None:
 def _import_libraries() -> None:
     import mlflow.tracking  # noqa: F401
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    startup.import_libraries()  # torch, transformers: what every stage kind imports
     import datasets  # noqa: F401
     from trl import GRPOTrainer, SFTTrainer  # noqa: F401
     import rich.live  # noqa: F401
