@@ -279,6 +279,12 @@ class MlflowStageContext:
         """Send buffered metrics (before the run is published)."""
         self.recorder.flush_metrics()
 
+    def recorded_run(self):
+        """The run as the store holds it, after the buffered writes landed (metrics are sent in
+        batches: a read that skips this sees only those whose batch happened to go out)."""
+        self.flush()
+        return self.client.get_run(self.run_id)
+
     def set_tags(self, tags: dict[str, str]) -> None:
         self.recorder.tags(tags)
 

@@ -56,7 +56,7 @@ def stage_inputs(checkpoint, data: Path, rewards=None) -> dict:
 
 def logged_metrics(ctx) -> dict[str, float]:
     ctx.flush()
-    return ctx.client.get_run(ctx.run_id).data.metrics
+    return ctx.recorded_run().data.metrics
 
 
 def test_filter_keeps_prompts_strictly_between_the_bounds(tiny_checkpoint, ctx_factory, tmp_path):
@@ -77,7 +77,7 @@ def test_filter_keeps_prompts_strictly_between_the_bounds(tiny_checkpoint, ctx_f
     assert metrics["difficulty/kept_frac"] == pytest.approx(1 / 3)
     assert metrics["difficulty/pass_mean"] == pytest.approx((4 * 1.0 + 4 * 0.5) / 12)
     assert metrics["difficulty/generated_tokens"] > 0 and metrics["difficulty/seconds"] > 0
-    params = ctx.client.get_run(ctx.run_id).data.params
+    params = ctx.recorded_run().data.params
     assert params["difficulty/resolved_verifier"] == "verdict"
     # the sampler defaults to the stage's rollout settings and seed
     assert (params["difficulty/sampling/max_tokens"], params["difficulty/sampling/attempts"],
@@ -146,7 +146,7 @@ def test_rl_stage_trains_only_on_the_kept_prompts(tiny_checkpoint, ctx_factory, 
     assert training, "training never scored a rollout"
     trained_on = {answer for call in training for answer in call}
     assert trained_on and all(a.startswith("mixed") for a in trained_on), trained_on
-    assert ctx.client.get_run(ctx.run_id).data.params["prompts"] == "4"  # the trainer read the kept set
+    assert ctx.recorded_run().data.params["prompts"] == "4"  # the trainer read the kept set
     assert Path(outputs["checkpoint"]).is_dir()
     assert logged_metrics(ctx)["difficulty/kept"] == 4.0
 

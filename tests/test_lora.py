@@ -110,7 +110,7 @@ def test_sft_with_lora_publishes_merged_checkpoint_and_adapter(tiny_checkpoint, 
     assert logged == {"checkpoint", "adapter"}
     adapter_files = {Path(a.path).name for a in ctx.client.list_artifacts(ctx.run_id, "outputs/adapter")}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= adapter_files
-    assert set(ctx.tracker.outputs_of(ctx.client.get_run(ctx.run_id))) == {"checkpoint", "adapter"}
+    assert set(ctx.tracker.outputs_of(ctx.recorded_run())) == {"checkpoint", "adapter"}
 
 
 def test_reward_model_with_lora_trains_the_score_head_in_full(tiny_checkpoint, ctx_factory, home):

@@ -205,7 +205,7 @@ def test_sft_stage_with_packing_trains_and_logs_real_token_counts(checkpoint, ct
     metrics = outputs["metrics"]
     assert metrics["steps"] == 60
     assert metrics["final_loss"] < 0.6 * metrics["first_loss"]
-    params = ctx.client.get_run(ctx.run_id).data.params
+    params = ctx.recorded_run().data.params
     assert int(params["packed_rows"]) < 300 / 2 and params["dropped_examples"] == "0"
     tokens = ctx.metric_history("num_tokens")
     assert len(tokens) == 6 and 0.8 * 60 * 8 * MAX_LENGTH < tokens[-1].value <= 60 * 8 * MAX_LENGTH

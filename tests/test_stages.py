@@ -98,7 +98,7 @@ def test_eval_reports_pass_at_k_failures_and_settings(tiny_checkpoint, ctx_facto
     failures = [json.loads(line) for line in open(outputs["failures"])]
     assert len(failures) == round(12 * (1 - metrics["pass_at_4"]))
     assert all(len(case["attempts"]) == 4 and case["answer"] for case in failures)
-    run = ctx.client.get_run(ctx.run_id)
+    run = ctx.recorded_run()
     assert len(run.data.tags["posttrain.eval_settings"]) == 16
     # same settings, same samples: the seed fixes the sampler
     again = eval_stage.run(config, inputs, ctx_factory("eval-again"))

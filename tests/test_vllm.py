@@ -170,7 +170,7 @@ def test_eval_stage_runs_on_vllm_and_its_hash_names_the_engine(vllm_tiny, ctx_fa
     for backend in ("auto", "hf"):
         ctx = ctx_factory(f"eval-{backend}")
         outputs = eval_stage.run(EvalConfig(**fields, backend=backend), inputs, ctx)
-        run = ctx.client.get_run(ctx.run_id)
+        run = ctx.recorded_run()
         hashes[backend] = run.data.tags[EVAL_SETTINGS_TAG]
         assert "pass_at_1" in outputs["metrics"]
         if backend == "auto":
@@ -199,7 +199,7 @@ def test_grpo_rolls_out_through_vllm_on_policy(vllm_tiny, ctx_factory, home):
                            engine={"dtype": "float32", "kv_cache_gib": 0.25})
     ctx = ctx_factory("grpo-vllm")
     outputs = rl.run(config, grpo_inputs(home, vllm_tiny, rewards), ctx)
-    run = ctx.client.get_run(ctx.run_id)
+    run = ctx.recorded_run()
     assert run.data.params["resolved_backend"] == "vllm"
     assert run.data.metrics["engine_weight_syncs"] == 3  # one per optimizer step, before its rollouts
     ratios = [p.value for p in ctx.metric_history("ratio/mean")]
@@ -220,7 +220,7 @@ def test_ppo_rolls_out_through_vllm_and_records_the_engine_logprobs(vllm_tiny, c
                            minibatch_size=4, engine={"dtype": "float32", "kv_cache_gib": 0.25})
     ctx = ctx_factory("ppo-vllm")
     rl.run(config, grpo_inputs(home, vllm_tiny, rewards), ctx)
-    assert ctx.client.get_run(ctx.run_id).data.params["resolved_backend"] == "vllm"
+    assert ctx.recorded_run().data.params["resolved_backend"] == "vllm"
     gaps = [p.value for p in ctx.metric_history("logprob/sampler_abs_log_ratio")]
     assert len(gaps) == 2 and all(gap < 1e-4 for gap in gaps), gaps  # step 2: after a sync of updated weights
 
@@ -238,7 +238,7 @@ def test_online_dpo_samples_its_pairs_through_vllm(vllm_tiny, ctx_factory, home)
     ctx = ctx_factory("online-dpo-vllm")
     inputs = dataclasses.replace(grpo_inputs(home, vllm_tiny, rewards), policy=None, model=vllm_tiny)
     outputs = online_dpo.run(config, inputs, ctx)
-    assert ctx.client.get_run(ctx.run_id).data.params["resolved_backend"] == "vllm"
+    assert ctx.recorded_run().data.params["resolved_backend"] == "vllm"
     assert outputs["metrics"]["engine_weight_syncs"] == 2  # the policy's weights, before each step's samples
     assert outputs["metrics"]["pairs_trained"] > 0
     before, _ = load_model_and_tokenizer(vllm_tiny)
