@@ -202,25 +202,16 @@ def score_attempts(config, inputs: StageInputs, records: list[dict], prompts: li
                    threshold: float) -> tuple[list[bool], list[tuple[int, str]]]:
     """(per attempt, prompt-major: whether the verifier calls it correct; the verifier's exceptions).
 
-    Scored as the eval stage scores (``score_completions`` over the answer, prompt and task
-    columns); an attempt whose reward raised is not correct, and the stage's ``reward_errors``
-    policy decides whether the stage goes on."""
+    Scored as every stage scores (stages/scoring.py): an attempt whose reward raised is not correct,
+    and the stage's ``reward_errors`` policy decides whether the stage goes on."""
     from stages.reward_model_scoring import bind_reward_models
-    from stages.rewards import score_completions, with_task_column
+    from stages.rewards import reward_columns
+    from stages.scoring import RewardErrorPolicy, Scorer
 
     k = len(samples[0]) if samples else 0
     texts = [s.text for group in samples for s in group]
-    columns = with_task_column({
-        "answer": [r.get("answer") for r in records for _ in range(k)],
-        "prompts": [p for p in prompts for _ in range(k)],
-    }, [r.get("task") for r in records for _ in range(k)])
     specs = {verifier: inputs.rewards[verifier]}
-    scored = score_completions(specs, texts, columns, bind_reward_models(specs, inputs))
-    component = scored.components[0]
-    errors = component.errors
-    if errors and config.reward_errors == "fail" and len(errors) > config.max_reward_errors:
-        index, message = errors[0]
-        raise RuntimeError(f"difficulty_filter: verifier {verifier!r} raised {len(errors)} time(s) (limit "
-                           f"{config.max_reward_errors}); first offending completion {texts[index]!r}: {message}")
-    failed = {index for index, _ in errors}
-    return [score >= threshold and i not in failed for i, score in enumerate(component.scores)], errors
+    scorer = Scorer(specs, RewardErrorPolicy.of(config), bind_reward_models(specs, inputs))
+    component = scorer.score(texts, reward_columns(records, prompts, k)).components[0]
+    failed = {index for index, _ in component.errors}
+    return [score >= threshold and i not in failed for i, score in enumerate(component.scores)], component.errors

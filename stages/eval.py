@@ -36,7 +36,8 @@ from stages.context import ExecutionLimits, StageInputs
 from stages.data import prompt_messages, read_materialized
 from stages.environments import EnvironmentSpec
 from stages.generation import BackendName, EngineSettings, SamplingSettings, open_backend
-from stages.rewards import RewardSpec, score_completions, with_task_column
+from stages.rewards import RewardSpec, reward_columns
+from stages.scoring import RewardErrorPolicy, Scorer
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
 
@@ -176,7 +177,6 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
     if config.max_prompts:
         records = records[: config.max_prompts]
     prompts = start_messages(config, records)
-    answers = [r.get("answer") for r in records]
     sampling = config.sampling
     verifier = config.verifier or config.rewards[0]
 
@@ -184,12 +184,10 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
 
     k = sampling.attempts
     flat_texts = [s.text for group in samples for s in group]
-    columns = with_task_column({
-        "answer": [a for a in answers for _ in range(k)],
-        "prompts": [p for p in prompts for _ in range(k)],
-    }, [r.get("task") for r in records for _ in range(k)])
+    columns = reward_columns(records, prompts, k)
     bound = _bound_scorers(config, inputs, episodes)
-    scored = score_completions(rewards, flat_texts, columns, bound)
+    # an evaluation scores every sample it can: a reward's exceptions are counted, tabled and never fatal
+    scored = Scorer(rewards, RewardErrorPolicy("score", 0), bound).score(flat_texts, columns)
     by_name = {c.name: c for c in scored.components}
     verdict = by_name[verifier]
     correct = [s >= config.success_threshold for s in verdict.scores]

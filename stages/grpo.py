@@ -42,8 +42,9 @@ from stages.data import prompt_messages, read_materialized
 from stages.generation import neutral_generation_config
 from stages.episodes import environment_scorers
 from stages.placement import check_devices, place, placement_params
-from stages.rewards import ENVIRONMENT_FN, RewardSpec, score_component, with_task_column
+from stages.rewards import ENVIRONMENT_FN, RewardSpec, reward_columns
 from stages.rollouts import rollout_backend
+from stages.scoring import RewardErrorPolicy, Scorer
 
 # TRL's metric names -> the names every rl stage logs (stages/rl.py lists them)
 METRIC_NAMES = {
@@ -80,53 +81,36 @@ def rename_metrics(logs: dict) -> dict[str, float]:
     return renamed
 
 
-class RewardErrorBudget:
-    """Counts reward exceptions across the stage and enforces the stage's policy."""
-
-    def __init__(self, policy: str, limit: int):
-        self.policy, self.limit, self.count = policy, limit, 0
-
-    def record(self, name: str, errors: list[tuple[int, str]], completions: list[str]) -> None:
-        self.count += len(errors)
-        if errors and self.policy == "fail" and self.count > self.limit:
-            index, message = errors[0]
-            raise RuntimeError(
-                f"reward {name!r} raised {self.count} time(s) (limit {self.limit}); first offending completion "
-                f"{completions[index]!r}: {message}"
-            )
-
-
-def make_reward_func(name: str, spec: RewardSpec, budget: RewardErrorBudget, metrics_sink, fn=None, auditor=None,
-                     environment=None):
-    """A TRL reward function (``prompts, completions, **columns``) around one of our rewards
-    (``fn``: a bound reward-model scorer or judge; ``auditor``: stages/judge.py's ``BatchAuditor``;
-    ``environment``: the stage's environment, whose own score an ``environment`` reward is)."""
+def make_reward_func(name: str, scorer: Scorer, step_metrics, environment=None):
+    """A TRL reward function (``prompts, completions, **columns``) around reward ``name`` of the stage's
+    scorer (stages/scoring.py: its bound scorer, ``reward_errors`` policy and judge auditor);
+    ``environment``: the stage's environment, whose own score an ``environment`` reward is. Parse
+    rates and the error count go to ``step_metrics`` (stages/trainer_callbacks.py ``StepMetrics``)."""
+    spec = scorer.specs[name]
 
     def reward(prompts, completions, completion_ids=None, episode_answer=None, episode_rewardable=None,
                episode=None, **columns):
         # an environment's episodes (stages/rollouts.py EpisodeRollouts): the final answer is scored, not the
         # transcript, and a shortcut episode scores 0
         texts = episode_answer or [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        tasks = [json.loads(t) if t else None for t in columns.get("task") or [None] * len(texts)]  # JSON for Arrow
-        scorer = fn
+        records = [{"answer": answer, "task": json.loads(task) if task else None}  # the task is JSON for Arrow
+                   for answer, task in zip(columns.get("answer") or [None] * len(texts),
+                                           columns.get("task") or [None] * len(texts))]
+        fn = None
         if spec.fn == ENVIRONMENT_FN and episode is not None:
-            scorer = environment_scorers({name: spec}, environment, episode)[name]
-        scored = score_component(name, spec, texts, with_task_column(
-            {"answer": columns.get("answer"), "prompts": prompts}, tasks), scorer)
-        budget.record(name, scored.errors, texts)
-        if auditor is not None:
-            auditor.record(scored, prompts, texts)
-        sink = metrics_sink()
-        if sink is not None:
-            sink[f"reward/{name}/unparsed_frac"].append(1.0 - sum(scored.parsed) / len(texts))
-            sink["reward/errors"].append(float(budget.count))
+            fn = environment_scorers({name: spec}, environment, episode)[name]
+        scored = scorer.score_one(name, texts, reward_columns(records, prompts, 1), fn)
+        if step_metrics is not None:
+            step_metrics.add(f"reward/{name}/unparsed_frac", 1.0 - sum(scored.parsed) / len(texts))
+            step_metrics.add("reward/errors", float(scorer.errors))
         if episode_rewardable is not None:
             return [score if ok else 0.0 for score, ok in zip(scored.scores, episode_rewardable)]
         return scored.scores
 
     reward.__name__ = name
-    if hasattr(fn, "scorer"):  # a reward model: where it lives is logged (stages/placement.py placement_params)
-        reward.scorer = fn.scorer
+    bound = scorer.fns.get(name)
+    if hasattr(bound, "scorer"):  # a reward model: where it lives is logged (stages/placement.py placement_params)
+        reward.scorer = bound.scorer
     return reward
 
 
@@ -139,6 +123,7 @@ def _trainer_class():
         ``dynamic_sampling``) trains only on groups that carry signal."""
 
         dynamic = None  # (DynamicSampling, the training rows, random.Random) when the stage declares it
+        step_metrics = None  # stages/trainer_callbacks.py StepMetrics, set by train_grpo before training
 
         def _generate_and_score_completions(self, inputs):
             batch = super()._generate_and_score_completions(inputs)
@@ -154,9 +139,8 @@ def _trainer_class():
                 more_kept, more_spare = split_by_signal(more, group_size)
                 kept, spare, rounds = kept + more_kept, spare + more_spare, rounds + 1
             chosen = (kept + spare)[:wanted]  # topped up with zero-variance groups only when the budget ran out
-            metrics = self._metrics["train"]
-            metrics["dynamic/rounds"].append(float(rounds))
-            metrics["dynamic/kept_zero_variance_frac"].append(sum(not g.signal for g in chosen) / wanted)
+            self.step_metrics.update({"dynamic/rounds": float(rounds),
+                                      "dynamic/kept_zero_variance_frac": sum(not g.signal for g in chosen) / wanted})
             return merge_groups(chosen)
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -178,7 +162,7 @@ def _trainer_class():
                     mask = mask * inputs["tool_mask"].float()
                 ratio = torch.exp(logps.detach() - (logps.detach() if old is None else old))
                 mean = ((ratio * mask).sum() / mask.sum().clamp(min=1.0)).item()
-                self._metrics["train"]["ratio/mean"].append(mean)
+                self.step_metrics.add("ratio/mean", mean)
             return loss
 
     return PosttrainGRPOTrainer
@@ -298,10 +282,10 @@ def build_grpo_config(config, output_dir: Path, seed: int):
     )
 
 
-def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: str):
+def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: str, step_metrics=None):
     """posttrain's rollouts for TRL (stages/rollouts.py): an environment's episodes (through vLLM or the
-    training model's generate), or vLLM samples when the backend resolved to vLLM, else None (TRL samples
-    with generate on the training model)."""
+    training model's generate; their metrics go to ``step_metrics``), or vLLM samples when the backend
+    resolved to vLLM, else None (TRL samples with generate on the training model)."""
     import os
 
     from stages.rollouts import GRPORollouts, context_length
@@ -330,7 +314,7 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
     runner.environment.check()
     settings = SamplingSettings(temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=sampling.max_tokens, attempts=1, seed=seed)
-    return EpisodeRollouts(runner, tokenizer, settings, engine)
+    return EpisodeRollouts(runner, tokenizer, settings, engine, step_metrics)
 
 
 def train_grpo(config, inputs: StageInputs, ctx) -> dict:
@@ -338,7 +322,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
 
     from stages.lora import save_trained
     from stages.rl_common import log_curves
-    from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
+    from stages.trainer_callbacks import StepMetrics, quiet_trainer, stop_gracefully, tracking_callback
 
     seed = config.seed if config.seed is not None else ctx.seed
     check_devices(config.placement)  # before anything loads
@@ -347,12 +331,13 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     records = read_materialized(inputs.data)
     dataset = Dataset.from_list(_prompt_rows(config, records))
     rewards: dict[str, RewardSpec] = inputs.rewards
-    budget = RewardErrorBudget(config.reward_errors, config.max_reward_errors)
-    holder: dict = {}  # the trainer's metrics, once it exists: the reward functions log into them
+    step_metrics = StepMetrics()  # what our rewards, rollouts and loss measure in a step, logged with TRL's
     backend, why = rollout_backend(config, inputs.policy)
-    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend)
-    reward_funcs = _reward_funcs(inputs, budget, lambda: holder.get("metrics"), ctx, config.placement.reward_model,
-                                 rollouts.runner.environment if config.environment is not None else None)
+    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics)
+    scorer = _scorer(config, inputs, ctx)
+    reward_funcs = [make_reward_func(name, scorer, step_metrics,
+                                     rollouts.runner.environment if config.environment is not None else None)
+                    for name in rewards]
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
@@ -361,7 +346,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
                                processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)
     _prepare(trainer, config, dataset, seed)
-    holder["metrics"] = trainer._metrics["train"]
+    trainer.step_metrics = step_metrics
     history: list[dict] = []
 
     def on_metrics(state, metrics):
@@ -371,7 +356,8 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
         if state.global_step % config.sample_every == 0 or state.global_step == state.max_steps:
             ctx.log_table(sample_rows(trainer._logs), f"samples/step_{state.global_step:05d}.json")
 
-    trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics))
+    trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics,
+                                           step_metrics))
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed, "world_size": args.world_size,
                     "generation_batch": args.generation_batch_size,
@@ -385,7 +371,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
             rollouts.close()
 
     log_curves(ctx, history)
-    metrics = _final_metrics(history, trainer.state.global_step, budget.count)
+    metrics = _final_metrics(history, trainer.state.global_step, scorer.errors)
     ctx.log_metrics(metrics)
 
     trainer.model.config._name_or_path = str(inputs.policy)  # was the KL anchor's, for TRL
@@ -424,18 +410,15 @@ def _load_policy(inputs: StageInputs):
     return model, tokenizer, own_generation_config
 
 
-def _reward_funcs(inputs: StageInputs, budget: RewardErrorBudget, trainer_metrics, ctx, where: str,
-                  environment=None) -> list:
-    """One TRL reward function per declared reward (reward models, placed where ``where`` says, and judges
-    bound to their checkpoints), judges audited against the verifiers every ``audit_every`` batches."""
+def _scorer(config, inputs: StageInputs, ctx) -> Scorer:
+    """The stage's scorer: its rewards (reward models placed where ``placement.reward_model`` says, judges
+    bound to their checkpoints), its ``reward_errors`` policy, and judges audited against the verifiers
+    every ``audit_every`` batches."""
     from stages.judge import batch_auditor
     from stages.reward_model_scoring import bind_reward_models
 
-    rewards: dict[str, RewardSpec] = inputs.rewards
-    bound = bind_reward_models(rewards, inputs, where)
-    auditor = batch_auditor(rewards, bound, ctx)
-    return [make_reward_func(name, spec, budget, trainer_metrics, bound.get(name), auditor, environment)
-            for name, spec in rewards.items()]
+    bound = bind_reward_models(inputs.rewards, inputs, config.placement.reward_model)
+    return Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, batch_auditor(inputs.rewards, bound, ctx))
 
 
 def _final_metrics(history: list[dict], steps: int, reward_errors: int) -> dict[str, float]:

@@ -197,24 +197,25 @@ class OnlineDPORun:
     reference: object
     tokenizer: object
     optimizer: object
-    rewards: dict
-    reward_fns: dict
+    scorer: object  # stages/scoring.py Scorer: the rewards, bound scorers, reward_errors policy, judge auditor
     seed: int
     engine: object = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
-    reward_errors: int = 0
     engine_syncs: int = 0
     tied_prompts: int = 0
     pairs_trained: int = 0
-    auditor: object = None  # stages/judge.py BatchAuditor, when a judge scores beside a verifier
 
     @classmethod
-    def load(cls, config: OnlineDPOStageConfig, inputs: StageInputs, seed: int) -> "OnlineDPORun":
+    def load(cls, config: OnlineDPOStageConfig, inputs: StageInputs, seed: int, ctx=None) -> "OnlineDPORun":
+        """Policy, reference and optimiser loaded for ``config``; judges are audited against the verifiers
+        into ``ctx``'s run (none without one)."""
         import torch
         from transformers import AutoModelForCausalLM
 
+        from stages.judge import batch_auditor
         from stages.lora import wrap
         from stages.models import load_model_and_tokenizer
         from stages.reward_model_scoring import bind_reward_models
+        from stages.scoring import RewardErrorPolicy, Scorer
 
         start = inputs.model
         trust = inputs.trust_remote_code
@@ -227,8 +228,10 @@ class OnlineDPORun:
                                                              trust_remote_code=trust).eval()
             reference.requires_grad_(False)
         trainable = [p for p in policy.parameters() if p.requires_grad]
+        bound = bind_reward_models(inputs.rewards, inputs)
+        auditor = batch_auditor(inputs.rewards, bound, ctx) if ctx is not None else None
         return cls(config, policy, reference, tokenizer, torch.optim.AdamW(trainable, lr=config.lr),
-                   inputs.rewards, bind_reward_models(inputs.rewards, inputs), seed)
+                   Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor), seed)
 
     def sample(self, prompts: list[list[dict]], step: int):
         from stages.generation import HFGenerateBackend, SamplingSettings
@@ -245,26 +248,11 @@ class OnlineDPORun:
             prompts, settings)
 
     def score(self, batch: list[dict], prompts, groups):
-        """The ScoredBatch of every sample (prompt-major), reward errors counted against the budget."""
-        from stages.rewards import score_completions, with_task_column
+        """The ScoredBatch of every sample (prompt-major), under the stage's ``reward_errors`` policy."""
+        from stages.rewards import reward_columns
 
-        k = self.config.sampling.attempts
         texts = [sample.text for group in groups for sample in group]
-        columns = with_task_column({"answer": [r.get("answer") for r in batch for _ in range(k)],
-                                    "prompts": [p for p in prompts for _ in range(k)]},
-                                   [r.get("task") for r in batch for _ in range(k)])
-        scored = score_completions(self.rewards, texts, columns, self.reward_fns)
-        if self.auditor is not None:  # judges against verifiers, every audit_every batches
-            self.auditor.record_batch(scored, columns["prompts"], texts)
-        self.reward_errors += scored.error_count
-        if self.config.reward_errors == "fail" and scored.error_count and \
-                self.reward_errors > self.config.max_reward_errors:
-            component = next(c for c in scored.components if c.errors)
-            index, message = component.errors[0]
-            raise RuntimeError(f"reward {component.name!r} raised {message} on completion {texts[index]!r} "
-                               f"({self.reward_errors} reward errors so far, max_reward_errors is "
-                               f"{self.config.max_reward_errors}); fix the reward, or set reward_errors: score")
-        return scored
+        return self.scorer.score(texts, reward_columns(batch, prompts, self.config.sampling.attempts))
 
     def step(self, step: int, batch: list[dict]) -> tuple[dict[str, float], list[dict]]:
         """Sample, score, pair and update on one batch of prompts: the step's metrics and sample rows."""
@@ -282,7 +270,7 @@ class OnlineDPORun:
         prompt_ids = prompt_token_ids(self.tokenizer, prompts)
         metrics = sampling_metrics(groups, scored, prompt_ids, len(pairs), len(ties))
         metrics.update(self.update(pairs, prompt_ids, groups, totals))
-        metrics["reward/errors"] = float(self.reward_errors)
+        metrics["reward/errors"] = float(self.scorer.errors)
         metrics["tokens_per_second"] = metrics.pop("_tokens") / (time.perf_counter() - started)
         return metrics, pair_rows(pairs, prompts, groups, totals, batch)
 
@@ -338,7 +326,6 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     import torch
 
     from stages.generation import VLLMBackend
-    from stages.judge import batch_auditor
     from stages.lora import save_trained
     from stages.rl_common import log_curves
     from stages.rollouts import context_length, rollout_backend
@@ -346,8 +333,7 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
     records = read_materialized(inputs.data)
-    state = OnlineDPORun.load(config, inputs, seed)
-    state.auditor = batch_auditor(state.rewards, state.reward_fns, ctx)
+    state = OnlineDPORun.load(config, inputs, seed, ctx)
     backend, why = rollout_backend(config, inputs.model)
     if backend == "vllm":
         state.engine = VLLMBackend(inputs.model, trust_remote_code=inputs.trust_remote_code,
@@ -362,7 +348,7 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     metrics = {"steps": float(config.max_steps), "train_seconds": time.perf_counter() - started,
                "pairs_trained": float(state.pairs_trained), "tied_prompts": float(state.tied_prompts),
                "tie_frac": state.tied_prompts / (config.max_steps * config.prompts_per_step),
-               "reward_errors": float(state.reward_errors), "engine_weight_syncs": float(state.engine_syncs)}
+               "reward_errors": float(state.scorer.errors), "engine_weight_syncs": float(state.engine_syncs)}
     if losses:
         metrics.update({"first_loss": losses[0], "final_loss": losses[-1]})
     ctx.log_metrics(metrics)

@@ -101,7 +101,7 @@ from stages.lora import AdaptersOff, save_trained, wrap
 from stages.models import load_model_and_tokenizer
 from stages.placement import check_devices, place, placement_params
 from stages.reward_model_scoring import bind_reward_models, reward_model_correlations
-from stages.rewards import RewardSpec, ScoredBatch, score_completions, with_task_column
+from stages.rewards import ScoredBatch, reward_columns
 from stages.rl_common import RLStageConfig, log_curves
 from stages.rl_math import (
     AdaptiveKLController,
@@ -114,6 +114,7 @@ from stages.rl_math import (
     ppo_value_loss,
 )
 from stages.rollouts import context_length, rollout_backend, sync_policy
+from stages.scoring import RewardErrorPolicy, Scorer
 
 SAMPLE_TABLE_ROWS = 16
 MAX_GRAD_NORM = 1.0
@@ -262,20 +263,6 @@ def token_entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- rewards and advantages
-
-
-def check_reward_errors(scored: ScoredBatch, texts: list[str], errors_before: int, config: RLStageConfig) -> int:
-    """The cumulative reward-error count; raises once it passes ``max_reward_errors`` (``fail``)."""
-    total = errors_before + scored.error_count
-    if config.reward_errors == "fail" and scored.error_count and total > config.max_reward_errors:
-        component = next(c for c in scored.components if c.errors)
-        index, message = component.errors[0]
-        raise RuntimeError(
-            f"reward {component.name!r} raised {message} on completion {texts[index]!r} "
-            f"({total} reward errors so far, max_reward_errors is {config.max_reward_errors}); "
-            "fix the reward, or set reward_errors: score to score such completions 0 and go on"
-        )
-    return total
 
 
 @dataclass
@@ -435,17 +422,16 @@ class PPORun:
     critic: ValueModel
     optimizers: list
     kl_control: FixedKLController | AdaptiveKLController
-    rewards: dict[str, RewardSpec]
+    scorer: Scorer  # the stage's rewards, bound scorers, reward_errors policy and judge auditor
     seed: int
     device: torch.device
-    reward_fns: dict  # bound reward-model scorers by reward name
-    reward_errors: int = 0
     engine: VLLMBackend | None = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
     episodes: EpisodeRunner | None = None  # the stage's environment, when it declares one
-    auditor: object | None = None  # stages/judge.py BatchAuditor, when a judge scores beside a verifier
 
     @classmethod
-    def load(cls, config: RLStageConfig, inputs: StageInputs, seed: int) -> "PPORun":
+    def load(cls, config: RLStageConfig, inputs: StageInputs, seed: int, ctx=None) -> "PPORun":
+        """Policy, reference, critic and optimisers loaded for ``config``; judges are audited against the
+        verifiers into ``ctx``'s run (none without one)."""
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         check_devices(config.placement)  # before anything loads
         policy_path = inputs.policy
@@ -468,8 +454,10 @@ class PPORun:
             environment = build_environment(config.environment)
             environment.check()
             episodes = EpisodeRunner(environment, config.environment, tokenizer)
-        return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, inputs.rewards,
-                   seed, device, bind_reward_models(inputs.rewards, inputs, config.placement.reward_model),
+        bound = bind_reward_models(inputs.rewards, inputs, config.placement.reward_model)
+        auditor = batch_auditor(inputs.rewards, bound, ctx) if ctx is not None else None
+        scorer = Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor)
+        return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, scorer, seed, device,
                    episodes=episodes)
 
     def step(self, step: int, batch: list[dict], generator: torch.Generator) -> tuple[dict[str, float], list[dict]]:
@@ -495,33 +483,29 @@ class PPORun:
             rollout = build_episode_rollout(episodes, [i for i, _ in starts], self.tokenizer)
             texts = [e.answer or "" for e in episodes]  # the final answer is scored, not the transcript
         rollout = rollout.to(self.device)
-        columns = with_task_column({"answer": [answers[i] for i in rollout.prompt_index],
-                                    "prompts": [prompts[i] for i in rollout.prompt_index]},
-                                   [batch[i].get("task") for i in rollout.prompt_index])
+        columns = reward_columns([batch[i] for i in rollout.prompt_index],
+                                 [prompts[i] for i in rollout.prompt_index], 1)
         scored = self.score(texts, columns, episodes)
-        if self.auditor is not None:  # judges against verifiers, every audit_every batches
-            self.auditor.record_batch(scored, columns["prompts"], texts)
 
         beta = self.kl_control.value
         targets = compute_targets(self.policy, self.reference, self.critic, rollout, torch.tensor(scored.total),
                                   beta, config)
         update = ppo_update(self.policy, self.critic, self.optimizers, rollout, targets, config, generator)
         metrics = {**rollout_metrics(rollout, scored, targets, config.sampling.attempts), **update,
-                   **reward_model_correlations(scored, self.rewards),
+                   **reward_model_correlations(scored, self.scorer.specs),
                    **(episode_metrics(episodes, config.environment) if episodes is not None else {}),
-                   "kl_beta": beta, "reward/errors": float(self.reward_errors)}
+                   "kl_beta": beta, "reward/errors": float(self.scorer.errors)}
         self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts) * world_size())
         return metrics, sample_rows(rollout, prompts, answers, scored)
 
     def score(self, texts: list[str], columns: dict, episodes) -> ScoredBatch:
         """The rewards of the completions, or of the episodes' final answers (the environment's own score
         bound to the episodes where a reward is ``environment``; a shortcut episode scores 0 on every reward)."""
-        fns = dict(self.reward_fns)
-        if episodes is not None:
-            fns.update(environment_scorers(self.rewards, self.episodes.environment, episodes))
-        scored = score_completions(self.rewards, texts, columns, fns)
-        self.reward_errors = check_reward_errors(scored, texts, self.reward_errors, self.config)
-        return scored if episodes is None else zero_shortcuts(scored, episodes, self.config.environment)
+        if episodes is None:
+            return self.scorer.score(texts, columns)
+        scored = self.scorer.score(texts, columns, environment_scorers(self.scorer.specs, self.episodes.environment,
+                                                                       episodes))
+        return zero_shortcuts(scored, episodes, self.config.environment)
 
     def save(self, ctx) -> dict[str, str]:
         """The policy as the stage's ``checkpoint`` (and, with lora, ``adapter``) outputs."""
@@ -533,7 +517,7 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
     join_process_group()  # several processes: each samples and scores its shard (stages/data_parallel.py)
-    run = PPORun.load(config, inputs, seed)
+    run = PPORun.load(config, inputs, seed, ctx)
     broadcast_parameters(run.policy, run.critic)
     records = read_materialized(inputs.data)
     backend, why = rollout_backend(config, inputs.policy)
@@ -544,12 +528,11 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
                                  engine=config.engine, max_model_len=context_length(
                                      run.tokenizer, [prompt_messages(r) for r in records], budget))
     ctx.log_params({"resolved_backend": backend, "backend_reason": why})
-    run.auditor = batch_auditor(run.rewards, run.reward_fns, ctx)
     batches = (shard(batch) for batch in prompt_batches(records, config.prompts_per_step, seed))
     generator = torch.Generator().manual_seed(seed)  # minibatch order
     ctx.log_params({"resolved_seed": seed, "prompts": len(records), "world_size": joined_world(),
                     "rollout_sequences": config.prompts_per_step * config.sampling.attempts,
-                    **placement_params(run.reference, run.reward_fns.values())})
+                    **placement_params(run.reference, run.scorer.fns.values())})
 
     history, metrics, started = [], {}, time.perf_counter()
     try:

@@ -31,6 +31,11 @@ REWARD_MODEL_FN = "reward_model"  # the built-in that scores with a trained rewa
 REASONING_GYM_FN = "reasoning_gym"  # the built-in that scores reasoning_gym data with the task's score_answer
 JUDGE_FN = "judge"  # the built-in that asks a generative model (or a judge function) to score against a rubric
 ENVIRONMENT_FN = "environment"  # the built-in that is an environment's own score of an episode (stages/environments.py)
+BOUND_ONLY_FNS = (REWARD_MODEL_FN, JUDGE_FN, ENVIRONMENT_FN)  # scorers a stage binds in its own process
+RUBRIC_PLACEHOLDERS = ("{prompt}", "{completion}", "{answer}")  # what stages/judge.py render_rubric fills
+# a placeholder: a name in braces, with whatever attribute, index, conversion or format spec follows it
+# (`{prompt.__class__}`, `{x[0]}`, `{answer!r}`); JSON such as {"score": 1} does not start with a name
+_PLACEHOLDER = re.compile(r"\{[A-Za-z_][^{}]*\}")
 JUDGE_SCALE = re.compile(r"(-?\d+)-(-?\d+)")  # a judge's numeric scale, e.g. 1-10
 
 
@@ -81,6 +86,12 @@ class RewardSpec(SpecModel):
                                                    "judge (auto: vLLM where it can serve the judge, else HF).")
     audit_every: int = Field(10, ge=1, description="fn judge: a grpo stage audits the judge against its verifiers "
                              "every this many reward batches (eval stages audit every evaluation).")
+    max_seconds: float = Field(
+        60.0, gt=0, le=86400, description="Wall-clock bound of one call of the reward (on up to 32 completions, "
+        "then on one completion when a call fails and its completions are retried one by one), in any thread: "
+        "the reward runs in a worker process that is killed past the bound, and a completion that still passes "
+        "it is a reward error under the stage's reward_errors policy. Not for reward_model, judge and "
+        "environment rewards, which the stage runs itself.")
 
     @model_validator(mode="after")
     def _reward_model_fields(self):
@@ -91,6 +102,9 @@ class RewardSpec(SpecModel):
         if misplaced:
             users = " or ".join(f"fn {fn}" for fn, fields in own.items() if set(misplaced) <= fields) or "other fns"
             raise ValueError(f"{', '.join(misplaced)} only apply to {users}, not {self.fn!r}")
+        if "max_seconds" in self.model_fields_set and self.fn in BOUND_ONLY_FNS:
+            raise ValueError(f"max_seconds bounds rewards run in the reward worker; fn {self.fn} runs in the stage's "
+                             "own process: remove max_seconds")
         if self.fn == REWARD_MODEL_FN:
             if not self.stage:
                 raise ValueError("fn reward_model needs `stage:`, the reward_model stage whose checkpoint scores")
@@ -104,6 +118,7 @@ class RewardSpec(SpecModel):
         """The reward as hashed (stage fingerprints, eval settings): a judge's own fields only on a judge,
         so the hashes of every other reward stay what they were before judges existed."""
         payload = self.model_dump(mode="json")
+        del payload["max_seconds"]  # how long a call may take changes no score it returns
         if self.fn != JUDGE_FN:
             for key in ("model", "judge_fn", "rubric", "scale", "sampling", "backend", "audit_every"):
                 payload.pop(key)
@@ -116,6 +131,11 @@ class RewardSpec(SpecModel):
         if not self.rubric or "{completion}" not in self.rubric:
             raise ValueError("fn judge needs `rubric:`, the judge's message, containing {completion} (and optionally "
                              "{prompt} and {answer})")
+        unknown = sorted({m.group(0) for m in _PLACEHOLDER.finditer(self.rubric)} - set(RUBRIC_PLACEHOLDERS))
+        if unknown:
+            raise ValueError(f"rubric placeholder(s) {', '.join(unknown)} are not filled by posttrain: a rubric may "
+                             f"use {', '.join(RUBRIC_PLACEHOLDERS)} only, as they are (no attribute, index or "
+                             "format spec); other braces are kept as text when they do not start with a name")
         match = JUDGE_SCALE.fullmatch(self.scale)
         if self.scale != "yes_no" and not (match and int(match[1]) < int(match[2])):
             raise ValueError(f"scale {self.scale!r}: use yes_no or LOW-HIGH integers with LOW < HIGH, e.g. 1-10")
@@ -342,39 +362,98 @@ def _normalise_output(name: str, result: Any, expected: int) -> RewardOutput:
 
 def score_component(name: str, spec: RewardSpec, completions: list[str], columns: dict[str, list],
                     fn: Callable[..., Any] | None = None) -> ComponentScores:
-    """Score a batch; if the function raises, isolate the failing samples one by one.
+    """Score a batch; if the function raises (or passes its time bound), isolate the failing samples one by one.
 
-    ``fn`` is a bound scorer (a loaded reward model) used instead of ``spec.fn``'s function.
-    """
-    fn = fn or load_reward_fn(spec.fn)
+    ``fn`` is a bound scorer (a loaded reward model, a judge, an environment's score), called in this
+    process. Every other reward runs in the stage's reward worker (stages/reward_worker.py) under the
+    wall-clock bound ``spec.max_seconds`` per call, in chunks of ``CHUNK`` completions."""
+    if fn is None and spec.fn not in BOUND_ONLY_FNS:
+        from stages.reward_worker import CHUNK
+
+        call, chunk = _bounded_call(spec), CHUNK
+    else:
+        fn = fn or load_reward_fn(spec.fn)
+
+        def call(texts, cols):
+            return fn(texts, **cols, **spec.kwargs)
+
+        chunk = max(len(completions), 1)
+    scores, parsed, errors = [], [], []
+    for start in range(0, len(completions), chunk):
+        part = slice(start, start + chunk)
+        output = _score_chunk(name, call, completions[part], {key: values[part] for key, values in columns.items()})
+        scores += output.scores
+        parsed += output.parsed
+        errors += [(start + index, message) for index, message in output.errors]
+    return ComponentScores(name, spec.weight, scores, parsed, errors)
+
+
+def _bounded_call(spec: RewardSpec) -> Callable[[list[str], dict[str, list]], Any]:
+    """``spec.fn`` on a chunk in the reward worker, bounded by ``spec.max_seconds``: a broken reward
+    (a ``RewardError`` in the worker) raises ``RewardError`` here; any other exception, and a call
+    past its bound, raises an exception whose message names what happened."""
+    from stages.reward_worker import RewardRaised, RewardTimeout, worker
+
+    def call(texts, cols):
+        try:
+            return worker().call(spec.fn, texts, cols, spec.kwargs, spec.max_seconds)
+        except RewardRaised as error:
+            if error.contract:
+                raise RewardError(str(error)) from None
+            raise RewardFailed(f"{error.kind}: {error}") from None
+        except RewardTimeout:
+            raise RewardFailed(f"took longer than {spec.max_seconds:g} s (the reward's max_seconds) and was "
+                               "stopped") from None
+
+    return call
+
+
+class RewardFailed(Exception):
+    """A reward's exception or time-out in the worker, described as the stage reports it."""
+
+
+def _describe(error: Exception) -> str:
+    return str(error) if isinstance(error, RewardFailed) else f"{type(error).__name__}: {error}"
+
+
+def _score_chunk(name: str, call, completions: list[str], columns: dict[str, list]) -> RewardOutput:
     try:
-        output = _normalise_output(name, fn(completions, **columns, **spec.kwargs), len(completions))
-        return ComponentScores(name, spec.weight, output.scores, output.parsed, output.errors)
+        return _normalise_output(name, call(completions, columns), len(completions))
     except RewardError:
         raise
-    except Exception:
-        pass
+    except Exception as error:
+        if len(completions) == 1:  # nothing to isolate: this completion is the culprit
+            return RewardOutput([0.0], [False], [(0, _describe(error))])
     scores, parsed, errors = [], [], []
     for i, text in enumerate(completions):
         single = {key: [values[i]] for key, values in columns.items()}
         try:
-            output = _normalise_output(name, fn([text], **single, **spec.kwargs), 1)
+            output = _normalise_output(name, call([text], single), 1)
             scores.append(output.scores[0])
             parsed.append(output.parsed[0])
             errors += [(i, message) for _, message in output.errors]
         except RewardError:
             raise
         except Exception as error:  # counted and reported, scored 0 and marked unparsed
-            errors.append((i, f"{type(error).__name__}: {error}"))
+            errors.append((i, _describe(error)))
             scores.append(0.0)
             parsed.append(False)
-    return ComponentScores(name, spec.weight, scores, parsed, errors)
+    return RewardOutput(scores, parsed, errors)
 
 
-def with_task_column(columns: dict[str, list], tasks: list[dict | None]) -> dict[str, list]:
-    """``columns`` plus ``task`` when any completion answers a generated task (reasoning_gym data);
-    data without one hands rewards exactly the columns it always did."""
-    return {**columns, "task": list(tasks)} if any(t is not None for t in tasks) else columns
+def reward_columns(records: list[dict], prompts: list, attempts: int) -> dict[str, list]:
+    """The columns a reward reads beside ``attempts`` completions of each record, prompt-major: the
+    reference ``answer``, the ``prompts`` (chat messages) and, when any record answers a generated task
+    (reasoning_gym data), ``task``; data without one hands rewards exactly ``answer`` and ``prompts``.
+    Every stage, and ``check-reward``, builds its columns here."""
+    columns: dict[str, list] = {
+        "answer": [r.get("answer") for r in records for _ in range(attempts)],
+        "prompts": [p for p in prompts for _ in range(attempts)],
+    }
+    tasks = [r.get("task") for r in records for _ in range(attempts)]
+    if any(t is not None for t in tasks):
+        columns["task"] = tasks
+    return columns
 
 
 def score_completions(
@@ -447,10 +526,8 @@ def check_reward_cases(name: str, spec: RewardSpec, cases: list[RewardCase],
     """Score every known case of one reward; a result with violations means do not train on it.
     ``fn``: the bound scorer of a judge."""
     completions = [c.completion for c in cases]
-    columns = {
-        "answer": [c.answer for c in cases],
-        "prompts": [[{"role": "user", "content": c.prompt or ""}] for c in cases],
-    }
-    scored = score_component(name, spec, completions, with_task_column(columns, [c.task for c in cases]), fn)
+    columns = reward_columns([{"answer": c.answer, "task": c.task} for c in cases],
+                             [[{"role": "user", "content": c.prompt or ""}] for c in cases], 1)
+    scored = score_component(name, spec, completions, columns, fn)
     errors = dict(scored.errors)
     return [CaseResult(name, case, scored.scores[i], scored.parsed[i], errors.get(i)) for i, case in enumerate(cases)]

@@ -131,15 +131,18 @@ class EpisodeRollouts:
     """TRL ``rollout_func`` for an rl stage with an ``environment``: one episode per prompt TRL hands over
     (stages/episodes.py), returned with ``env_mask`` (TRL's ``tool_mask``: observation tokens carry no loss,
     KL or ratio) and, per episode, its final answer, whether it may be rewarded and the episode itself (the
-    reward functions read them, stages/grpo.py), and the episode metrics logged into the trainer's.
+    reward functions read them, stages/grpo.py); the episode metrics go to ``step_metrics``
+    (stages/trainer_callbacks.py ``StepMetrics``), logged with the trainer's.
 
     The turns are sampled by posttrain's vLLM engine (``engine``, synced after each update) or else by
     transformers' generate on the training model itself (on-policy by construction); a call's draws are
     seeded ``seed + call * 100_003``.
     """
 
-    def __init__(self, runner, tokenizer, settings: SamplingSettings, engine: GRPORollouts | None = None):
+    def __init__(self, runner, tokenizer, settings: SamplingSettings, engine: GRPORollouts | None = None,
+                 step_metrics=None):
         self.runner, self.tokenizer, self.settings, self.engine = runner, tokenizer, settings, engine
+        self.step_metrics = step_metrics
         self.calls = 0
         self.last: list = []  # the latest call's episodes, for sample tables
 
@@ -164,9 +167,8 @@ class EpisodeRollouts:
         episodes = self.runner.run(self.backend(trainer), prompts, self.settings, seed_offset=self.calls * 100_003)
         self.calls += 1
         self.last = episodes
-        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
-        for key, value in episode_metrics(episodes, self.runner.spec).items():
-            metrics[key].append(value)
+        if self.step_metrics is not None and trainer.model.training:
+            self.step_metrics.update(episode_metrics(episodes, self.runner.spec))
         return {"prompt_ids": [e.prompt_ids for e in episodes],
                 "completion_ids": [e.completion_ids for e in episodes],
                 "logprobs": [e.logprobs for e in episodes],

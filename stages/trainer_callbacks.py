@@ -14,7 +14,31 @@ from pathlib import Path
 from typing import Callable
 
 
-def tracking_callback(ctx, rename: Callable[[dict], dict[str, float]], description: str, on_metrics=None):
+class StepMetrics:
+    """Metrics measured by posttrain's code inside a trainer's step (reward parse rates, episode and
+    dynamic-sampling figures, the importance ratio), kept here rather than in the trainer's private
+    state and logged with the trainer's own at its next log: the mean of each since the last one."""
+
+    def __init__(self):
+        self._values: dict[str, list[float]] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self._values.setdefault(name, []).append(float(value))
+
+    def update(self, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.add(name, value)
+
+    def drain(self) -> dict[str, float]:
+        """The mean of every metric added since the last drain (and forget them)."""
+        values, self._values = self._values, {}
+        return {name: sum(v) / len(v) for name, v in values.items() if v}
+
+
+def tracking_callback(ctx, rename: Callable[[dict], dict[str, float]], description: str, on_metrics=None,
+                      step_metrics: StepMetrics | None = None):
+    """Logs a trainer's logs (renamed by ``rename``) to the stage's run, with ``step_metrics`` measured
+    since the last log, and drives the stage's progress line."""
     from transformers import TrainerCallback
 
     class TrackingCallback(TrainerCallback):
@@ -39,6 +63,8 @@ def tracking_callback(ctx, rename: Callable[[dict], dict[str, float]], descripti
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             metrics = rename(logs or {})
+            if step_metrics is not None and metrics:
+                metrics.update(step_metrics.drain())
             if metrics:
                 ctx.log_metrics(metrics, step=state.global_step)
             if on_metrics is not None:

@@ -202,7 +202,7 @@ def test_one_ranks_failure_fails_the_stage_once_with_that_ranks_error(home, pref
     error = run.data.tags["posttrain.error"]
     assert "rank 1 of 2 training processes failed first" in error
     assert "this reward breaks on rank 1's shard" in error
-    assert "Traceback" in error and "in check_reward_errors" in error  # rank 1's own traceback
+    assert "Traceback" in error and "in count_reward_errors" in error  # rank 1's own traceback
 
 
 REFUSED = """\

@@ -19,7 +19,7 @@ from conftest import run_cli, write
 from stages.data import ReasoningGymData, data_key, load_records, materialize, read_materialized
 from stages.failures import failure_training_records
 from stages.reasoning_gym_tasks import DEFAULT_INSTRUCTIONS, demonstration, last_boxed
-from stages.rewards import RewardError, RewardSpec, score_completions, with_task_column
+from stages.rewards import RewardError, RewardSpec, reward_columns, score_completions
 from stages.context import StageInputs
 
 ONE_DIGIT_SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -34,8 +34,7 @@ def gym(task="chain_sum", config=None, n=6, seed=0, **fields) -> ReasoningGymDat
 
 
 def score(records: list[dict], completions: list[str]):
-    columns = with_task_column({"answer": [r["answer"] for r in records],
-                                "prompts": [r["messages"][:-1] for r in records]}, [r["task"] for r in records])
+    columns = reward_columns(records, [r["messages"][:-1] for r in records], 1)
     return score_completions(REWARD, completions, columns).components[0]
 
 
@@ -134,10 +133,11 @@ def test_reward_refuses_data_without_a_task_and_data_it_did_not_generate():
 
 
 def test_grpo_reward_function_decodes_the_json_task_column():
-    from stages.grpo import RewardErrorBudget, make_reward_func
+    from stages.grpo import make_reward_func
+    from stages.scoring import RewardErrorPolicy, Scorer
 
     records = load_records(gym(n=3), Path("."))
-    reward = make_reward_func("rg", REWARD["rg"], RewardErrorBudget("fail", 0), lambda: None)
+    reward = make_reward_func("rg", Scorer(REWARD, RewardErrorPolicy("fail", 0)), None)
     completions = [[{"role": "assistant", "content": r["messages"][-1]["content"]}] for r in records]
     scores = reward([r["messages"][:-1] for r in records], completions, answer=[r["answer"] for r in records],
                     task=[json.dumps(r["task"]) for r in records])
@@ -267,7 +267,7 @@ def test_eval_stage_scores_a_reasoning_gym_dataset(tiny_checkpoint, ctx_factory,
     inputs = StageInputs(model=tiny_checkpoint, datasets={"data": data_path}, rewards=REWARD)
     outputs = eval_stage.run(config, inputs, ctx)
     ctx.flush()
-    logged = ctx.client.get_run(ctx.run_id).data.metrics
+    logged = ctx.recorded_run().data.metrics
     assert {"pass_at_1", "pass_at_2", "reward/rg/mean", "format_error_rate"} <= set(logged)
     assert logged["reward/rg/errors"] == 0.0
     assert logged["format_error_rate"] == 1.0  # an untrained tiny model writes no <answer> tags
