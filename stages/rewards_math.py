@@ -14,9 +14,11 @@ such as "I think it is 3") goes to math-verify's extraction as it is. A referenc
 shared rule cannot read is still tried as ``$reference$``.
 
 Timeouts: math-verify bounds each parse/compare with ``signal.alarm``, which only works in
-the main thread. Called from any other thread (Prefect runs tasks in worker threads)
-those timeouts are switched off, so a pathological expression can take as long as SymPy
-needs there.
+the main thread, and cannot stop a long C call (``9^{9^{9^{9}}}`` is a big-integer power
+that holds the GIL for minutes). A stage never calls this in its own process: like every
+named reward it runs in the reward worker (stages/reward_worker.py), in that process's
+main thread (so these timeouts work), and the worker is killed once a call passes the
+reward's ``max_seconds``, which makes the completion a reward error.
 """
 
 from __future__ import annotations

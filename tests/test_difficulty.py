@@ -15,17 +15,19 @@ from stages.rewards import RewardSpec
 from stages.rl import RLStageConfig
 from stages.context import StageInputs
 
-SEEN: list[list[str]] = []  # the answers every call of `by_answer` scored, call by call
 
 KINDS = ["easy", "hard", "mixed"]
 N_PROMPTS = 12
 
 
-def by_answer(completions, answer, **_):
+def by_answer(completions, answer, seen=None, **_):
     """A verifier whose verdict the test knows: every attempt at an `easy-*` prompt is right,
     none at a `hard-*` prompt, and at a `mixed-*` prompt every other attempt (so with an even
-    number of attempts per prompt, exactly half)."""
-    SEEN.append(list(answer))
+    number of attempts per prompt, exactly half). With ``seen`` (a file), each call's answers are
+    appended to it as a JSON line: rewards run in the stage's reward worker, another process."""
+    if seen is not None:
+        with open(seen, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(list(answer)) + "\n")
     return [1.0 if a.startswith("easy") else 0.0 if a.startswith("hard") else float(i % 2 == 0)
             for i, a in enumerate(answer)]
 
@@ -49,9 +51,14 @@ def rl_config(**overrides) -> RLStageConfig:
     return RLStageConfig(**(fields | overrides))
 
 
-def stage_inputs(checkpoint, data: Path, rewards=None) -> dict:
-    return StageInputs(policy=checkpoint, datasets={"data": data},
-                       rewards=rewards or {"verdict": RewardSpec(fn="test_difficulty:by_answer")})
+def stage_inputs(checkpoint, data: Path, rewards=None, seen: Path | None = None) -> dict:
+    verdict = RewardSpec(fn="test_difficulty:by_answer", kwargs={"seen": str(seen)} if seen else {})
+    return StageInputs(policy=checkpoint, datasets={"data": data}, rewards=rewards or {"verdict": verdict})
+
+
+def seen_calls(seen: Path) -> list[list[str]]:
+    """The answers of every call of ``by_answer`` that logged to ``seen``, call by call."""
+    return [json.loads(line) for line in seen.read_text(encoding="utf-8").splitlines()]
 
 
 def logged_metrics(ctx) -> dict[str, float]:
@@ -62,11 +69,13 @@ def logged_metrics(ctx) -> dict[str, float]:
 def test_filter_keeps_prompts_strictly_between_the_bounds(tiny_checkpoint, ctx_factory, tmp_path):
     ctx = ctx_factory("difficulty")
     data = write_prompts(tmp_path / "prompts.jsonl", known_answers())
-    SEEN.clear()
+    seen = tmp_path / "seen.jsonl"
     with torch_threads(1):
-        kept_path = filter_prompts(rl_config(), stage_inputs(tiny_checkpoint, data), ctx)
+        kept_path = filter_prompts(rl_config(), stage_inputs(tiny_checkpoint, data, seen=seen), ctx)
 
-    assert len(SEEN) == 1 and len(SEEN[0]) == N_PROMPTS * 4  # every prompt, 4 attempts, in one scoring call
+    calls = seen_calls(seen)  # every prompt, 4 attempts, prompt-major, in calls of at most 32 (the worker's chunks)
+    assert [a for call in calls for a in call] == [a for a in known_answers() for _ in range(4)]
+    assert [len(call) for call in calls] == [32, 16]
     kept = read_materialized(kept_path)
     assert [r["answer"] for r in kept] == [a for a in known_answers() if a.startswith("mixed")]
     assert kept == [r for r in read_materialized(data) if r["answer"].startswith("mixed")]  # records unchanged
@@ -137,12 +146,12 @@ def test_rl_stage_trains_only_on_the_kept_prompts(tiny_checkpoint, ctx_factory, 
     ctx = ctx_factory(f"difficulty-{algorithm}")
     data = write_prompts(tmp_path / "prompts.jsonl", known_answers())
     extra = {"minibatch_size": 8, "ppo_epochs": 1} if algorithm == "ppo" else {}
-    SEEN.clear()
+    seen = tmp_path / "seen.jsonl"
     with torch_threads(1):
-        outputs = rl.run(rl_config(algorithm=algorithm, **extra), stage_inputs(tiny_checkpoint, data), ctx)
+        outputs = rl.run(rl_config(algorithm=algorithm, **extra), stage_inputs(tiny_checkpoint, data, seen=seen), ctx)
 
-    filtered, *training = SEEN
-    assert len(filtered) == N_PROMPTS * 4
+    first, second, *training = seen_calls(seen)
+    assert len(first) + len(second) == N_PROMPTS * 4  # the filter's two calls
     assert training, "training never scored a rollout"
     trained_on = {answer for call in training for answer in call}
     assert trained_on and all(a.startswith("mixed") for a in trained_on), trained_on

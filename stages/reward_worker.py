@@ -1,0 +1,226 @@
+"""Reward functions under a wall-clock bound that holds in any thread: a worker process.
+
+A reward is user code or a parser over model output (math-verify, SymPy, regexes), and
+one pathological completion can make it run for minutes. Signals cannot bound it:
+``signal.alarm`` only works in the main thread, and Prefect runs stages in worker threads
+(math-verify's own timeouts are off there); a thread cannot be stopped, and a long C call
+(a big-integer power inside SymPy) holds the GIL. So every named reward (a built-in or a
+dotted path; not the bound scorers: reward models, judges, environments) runs in one
+worker process per stage process, started on first use, and a call that passes its bound
+kills the worker:
+
+- a batch is sent in chunks of ``CHUNK`` completions, each chunk bounded by the reward's
+  ``max_seconds``; a chunk that raises or passes the bound is retried one completion at a
+  time, each bounded by ``max_seconds`` too, so a completion that hangs is a reward error
+  named with that completion ("took longer than 5 s"), counted under the stage's
+  ``reward_errors`` policy, while the rest of its batch is scored;
+- the worker runs the reward in its main thread, so math-verify's own timeouts work there;
+- the worker exits when its stage process goes (its stdin closes), and is killed with it.
+
+The worker imports the reward by name from the stage process's ``sys.path``; a reward
+keeps module-level state per worker (it lives as long as the stage's process), not per call.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+CHUNK = 32
+
+
+class RewardTimeout(Exception):
+    """A reward call that passed its wall-clock bound (the worker was killed)."""
+
+
+class RewardRaised(Exception):
+    """A reward that raised in the worker: ``kind`` is the exception's class name."""
+
+    def __init__(self, kind: str, message: str, contract: bool):
+        super().__init__(message)
+        self.kind, self.contract = kind, contract  # contract: a RewardError (a broken reward, not a bad sample)
+
+
+def _send(stream, payload: Any) -> None:
+    data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _read_exactly(fd: int, n: int, deadline: float | None) -> bytes:
+    chunks, left = [], n
+    while left:
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise RewardTimeout
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the reward worker exited")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _receive(fd: int, deadline: float | None = None) -> Any:
+    (size,) = struct.unpack("<Q", _read_exactly(fd, 8, deadline))
+    return pickle.loads(_read_exactly(fd, size, deadline))
+
+
+class RewardWorker:
+    """One worker process that runs named rewards; ``call`` is bounded, a timeout kills and replaces it."""
+
+    def __init__(self):
+        self.process: subprocess.Popen | None = None
+        self.lock = threading.Lock()  # one call at a time (the stage's threads share the worker)
+        self.restarts = 0
+
+    def _start(self) -> subprocess.Popen:
+        self.process = _launcher().start()
+        return self.process
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def call(self, fn: str, completions: list[str], columns: dict[str, list], kwargs: dict, seconds: float):
+        """``fn(completions, **columns, **kwargs)`` in the worker: its result, or raises ``RewardRaised``
+        (the reward raised) or ``RewardTimeout`` (it ran past ``seconds``; the worker is replaced)."""
+        with self.lock:
+            process = self.process if self.process is not None and self.process.poll() is None else self._start()
+            try:
+                # with this process's sys.path as it is now: the worker imports what this process can import
+                _send(process.stdin, (list(sys.path), fn, completions, columns, kwargs))
+                status, value = _receive(process.stdout.fileno(), time.monotonic() + seconds)
+            except RewardTimeout:
+                self.stop()
+                self.restarts += 1
+                raise
+            except (EOFError, BrokenPipeError, OSError) as error:  # the worker died (killed, out of memory)
+                self.stop()
+                raise RewardRaised("WorkerDied", f"the reward worker exited ({error})", False) from None
+        if status == "ok":
+            return value
+        kind, message, contract = value
+        raise RewardRaised(kind, message, contract)
+
+
+class _Launcher:
+    """Starts workers from one thread that lives as long as the process. The kernel's parent-death
+    signal (``_die_with_parent``) fires when the *thread* that started a child ends, and stages run
+    in threads that end (Prefect's task threads), so no stage thread starts a worker itself."""
+
+    def __init__(self):
+        import queue
+
+        self.requests: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, name="posttrain-reward-launcher", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            reply = self.requests.get()
+            try:
+                env = dict(os.environ, PYTHONSAFEPATH="1")  # the caller's directory never shadows posttrain's
+                reply.put(subprocess.Popen([sys.executable, "-m", "stages.reward_worker"], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, env=env, cwd=os.getcwd()))
+            except Exception as error:  # handed to the caller
+                reply.put(error)
+
+    def start(self) -> subprocess.Popen:
+        import queue
+
+        reply: queue.Queue = queue.Queue(maxsize=1)
+        self.requests.put(reply)
+        process = reply.get()
+        if isinstance(process, Exception):
+            raise process
+        return process
+
+
+_WORKER: RewardWorker | None = None
+_LAUNCHER: _Launcher | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """A forked child (posttrain's warm process forks runs) starts its own launcher and worker: the
+    parent's launcher thread does not exist in it, and the parent's worker answers the parent."""
+    global _WORKER, _LAUNCHER, _WORKER_LOCK
+    _WORKER, _LAUNCHER, _WORKER_LOCK = None, None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _launcher() -> _Launcher:
+    global _LAUNCHER
+    with _WORKER_LOCK:
+        if _LAUNCHER is None:
+            _LAUNCHER = _Launcher()
+        return _LAUNCHER
+
+
+def worker() -> RewardWorker:
+    """This process's reward worker (started on its first call)."""
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None:
+            _WORKER = RewardWorker()
+        return _WORKER
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills the worker when the stage process dies (even by SIGKILL, mid-call)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the worker still exits at its next read, when its stdin closes
+        pass
+
+
+def _serve() -> None:
+    """The worker's loop: read (sys.path, fn, completions, columns, kwargs), answer ("ok", result) or
+    ("raised", (class name, message, whether it is a RewardError))."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the stage's to handle; it stops the worker
+    _die_with_parent()
+    stdin = sys.stdin.buffer
+    # answers go out on a private copy of fd 1; fd 1 itself (prints, a subprocess's output) goes to stderr
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import importlib
+
+    from stages.rewards import RewardError, load_reward_fn
+
+    while True:
+        try:
+            path, fn, completions, columns, kwargs = _receive(stdin.fileno())
+        except EOFError:
+            return
+        if path != sys.path:
+            sys.path[:] = path
+            importlib.invalidate_caches()
+        try:
+            result = load_reward_fn(fn)(completions, **columns, **kwargs)
+            if not hasattr(result, "scores") and not isinstance(result, tuple):
+                result = list(result)  # a generator or an array: what pickles
+            _send(stdout, ("ok", result))
+        except Exception as error:
+            _send(stdout, ("raised", (type(error).__name__, str(error), isinstance(error, RewardError))))
+
+
+if __name__ == "__main__":
+    _serve()
