@@ -136,6 +136,11 @@ def test_check_reward_runs_the_judge_on_its_known_cases(home, tmp_path, capsys):
     ('{fn: judge, judge_fn: "judges:nowhere", rubric: "{completion}"}', "module 'judges' has no attribute"),
     ('{fn: judge, stage: base, rubric: "no placeholder"}', "containing {completion}"),
     ('{fn: judge, stage: base, rubric: "{completion}", scale: "10-1"}', "LOW-HIGH integers with LOW < HIGH"),
+    ('{fn: judge, stage: base, rubric: "{completion} of {prompt.__class__}"}',
+     "rewards.bad: rubric placeholder(s) {prompt.__class__} are not filled by posttrain: a rubric may use {prompt}, "
+     "{completion}, {answer} only"),
+    ('{fn: judge, stage: base, rubric: "{completion} {x[0]} {answer!r}"}', "placeholder(s) {answer!r}, {x[0]} are not"),
+    ('{fn: math_answer, max_seconds: 0}', "rewards.bad.max_seconds: must be > 0.0 (got 0)"),
 ])
 def test_bad_judges_are_refused_with_exit_2(tmp_path, capsys, reward, fragment):
     pipeline = PIPELINE.replace("rewards:\n", f"rewards:\n  bad: {reward}\n")
