@@ -368,7 +368,7 @@ def run_from_cli(loaded, options, console):
     from flows.lineage import Action, PlanError, plan_run
     from flows.pipeline import prepare_store, print_plan, run_pipeline
     from flows.prefect_server import early_start, prefect_api, stop_server
-    from flows.store import TrackingUnavailable, check_reachable
+    from flows.store import TrackingUnavailable, TrackingUnusable, check_tracking_store
 
     home = posttrain_home()
     if uses_local_mlflow() and not (home / "mlflow.db").exists():
@@ -377,9 +377,11 @@ def run_from_cli(loaded, options, console):
         plan_run(loaded, options, _EmptyStore(), None)
     else:
         try:
-            check_reachable()
+            check_tracking_store()
         except TrackingUnavailable as error:
             raise PlanError(f"{error}; start it, or unset MLFLOW_TRACKING_URI to use the local store") from None
+        except TrackingUnusable as error:
+            raise PlanError(f"{error}; or unset MLFLOW_TRACKING_URI to use the local store") from None
     fresh_store = uses_local_mlflow() and not (home / "mlflow.db").exists()
     # A new home runs everything, and --only/--from/--force run something unless refused: the
     # Prefect server (if one is needed) starts first, so that its ~3 s start-up overlaps MLflow's

@@ -38,7 +38,8 @@ class Case:
     files: dict[str, str | bytes] = field(default_factory=dict)  # written beside the pipeline (.py importable)
     model: str | None = None  # a checkpoint dir to build as ./m: "nochat", "noconfig" or "custom_code"
     command: str = "run"  # or validate, check-reward
-    env: str | None = None  # "home_file", "home_under_file", "home_read_only", "no_bwrap" or "no_vllm"
+    env: str | None = None  # "home_file", "home_under_file", "home_read_only", "no_bwrap", "no_vllm",
+    # "tracking_unknown_scheme" or "tracking_not_mlflow"
 
 
 def replace(old: str, new: str) -> list[tuple[str, str]]:
@@ -319,6 +320,12 @@ CASES = [
          env="home_read_only"),
     Case("force_unknown_stage", [], ["--force nosuch: no such stage; stages: sft, eval_sft"], argv=("--force", "nosuch")),
     Case("only_empty_stage_name", [], ["--only needs a stage name (got ''); stages: sft, eval_sft"], argv=("--only", "")),
+    # ---- issue 32: a tracking URI that is not a usable MLflow store, refused before the home is written
+    Case("tracking_uri_unknown_scheme", [],
+         ["MLFLOW_TRACKING_URI 'nosuch://127.0.0.1/x': MLflow has no tracking store for scheme 'nosuch' (it takes",
+          "or unset MLFLOW_TRACKING_URI to use the local store"], env="tracking_unknown_scheme"),
+    Case("tracking_uri_not_mlflow", [],
+         ["answers but is not an MLflow tracking server (GET /version gave HTTP 404"], env="tracking_not_mlflow"),
     Case("set_alias_bomb", [], ["--set stages.sft.lr: value", "holds more than 100000 values"],
          argv=("--set", "stages.sft.lr=" + "[&a [1,1,1,1,1,1,1,1,1,1], " + ", ".join(
              f"&{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(6)) + "]")),
@@ -390,12 +397,41 @@ def set_up_environment(env: str | None, home: Path, monkeypatch, request) -> Non
         monkeypatch.setattr(Path, "mkdir", read_only)
     elif env == "no_bwrap":
         request.getfixturevalue("no_bwrap")
+    elif env == "tracking_unknown_scheme":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuch://127.0.0.1/x")
+    elif env == "tracking_not_mlflow":  # a real HTTP server on loopback that answers /health, and is not MLflow
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", request.getfixturevalue("not_mlflow_server"))
     elif env == "no_vllm":
         import importlib.util
 
         find_spec = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, *args: None if name == "vllm" else find_spec(name, *args))
+
+
+@pytest.fixture()
+def not_mlflow_server():
+    """An HTTP server on 127.0.0.1 that answers 200 at /health and 404 elsewhere: its address."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body = (200, b"ok") if self.path == "/health" else (404, b"<html>Not Found</html>")
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
 
 
 @pytest.fixture()
