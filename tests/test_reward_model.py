@@ -167,7 +167,9 @@ def test_dpo_moves_implicit_rewards_apart_and_its_loss_is_the_dpo_loss(tiny_chec
     assert loss == pytest.approx(ours, rel=1e-4) and abs(loss - 0.6931) > 0.01
 
 
-def trl_and_our_dpo_loss(policy, reference, data, beta):
+def trl_and_our_dpo_loss(policy, reference, data, beta, loss="sigmoid", sft_weight=0.0):
+    """(TRL's loss on one batch of 8 pairs, the same loss computed here by hand from sequence log-probs)
+    for the stage's ``loss`` and ``sft_weight`` (through the stage's own DPOConfig)."""
     from transformers import AutoTokenizer
     from trl import DPOTrainer
 
@@ -176,8 +178,8 @@ def trl_and_our_dpo_loss(policy, reference, data, beta):
     from stages.preferences import trl_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(policy.config._name_or_path)
-    args = build_dpo_config(DPOStageConfig(kind="dpo", model="base", data="prefs", batch_size=8, beta=beta),
-                            Path(policy.config._name_or_path) / "_trainer", 0)
+    args = build_dpo_config(DPOStageConfig(kind="dpo", model="base", data="prefs", batch_size=8, beta=beta, loss=loss,
+                                           sft_weight=sft_weight), Path(policy.config._name_or_path) / "_trainer", 0)
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
                          train_dataset=trl_dataset(read_materialized(data)[:8]), processing_class=tokenizer)
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
@@ -185,16 +187,46 @@ def trl_and_our_dpo_loss(policy, reference, data, beta):
     with torch.no_grad():
         trl_loss = trainer.compute_loss(trainer.model, dict(inputs)).item()
 
-        def sequence_logps(model):
-            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-            token_logps = torch.log_softmax(logits[:, :-1].float(), -1).gather(
-                -1, inputs["input_ids"][:, 1:, None]).squeeze(-1)
-            return (token_logps * inputs["completion_mask"][:, 1:]).sum(-1)
+        mask = inputs["completion_mask"][:, 1:]
 
-        policy_c, policy_r = sequence_logps(policy).chunk(2)
-        reference_c, reference_r = sequence_logps(reference).chunk(2)
-    ours, _, _ = dpo_loss(policy_c, policy_r, reference_c, reference_r, beta)
+        def token_logps(model):
+            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+            return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, inputs["input_ids"][:, 1:, None]).squeeze(-1)
+
+        policy_tokens = token_logps(policy)
+        policy_c, policy_r = (policy_tokens * mask).sum(-1).chunk(2)
+        reference_c, reference_r = (token_logps(reference) * mask).sum(-1).chunk(2)
+    delta = (policy_c - reference_c) - (policy_r - reference_r)
+    if loss == "sigmoid":
+        ours = dpo_loss(policy_c, policy_r, reference_c, reference_r, beta)[0]
+    elif loss == "hinge":  # SLiC: max(0, 1 - beta * delta)
+        ours = torch.relu(1 - beta * delta).mean()
+    else:  # IPO (Azar et al., eq. 17) on per-token means of the log-ratios (TRL's length normalisation)
+        length_c, length_r = mask.sum(-1).clamp(min=1).chunk(2)
+        ipo_delta = (policy_c - reference_c) / length_c - (policy_r - reference_r) / length_r
+        ours = ((ipo_delta - 1 / (2 * beta)) ** 2).mean()
+    if sft_weight:  # RPO: the chosen replies' token-mean negative log-likelihood
+        chosen_tokens, chosen_mask = policy_tokens.chunk(2)[0], mask.chunk(2)[0].bool()
+        ours = ours + sft_weight * -chosen_tokens[chosen_mask].mean()
     return trl_loss, ours.item()
+
+
+@pytest.mark.parametrize("loss, sft_weight", [("ipo", 0.0), ("hinge", 0.0), ("sigmoid", 0.5), ("ipo", 2.0)])
+def test_dpo_loss_variants_are_the_losses_they_name(tiny_checkpoint, home, loss, sft_weight):
+    """``loss: ipo``, ``hinge`` and ``sft_weight`` reach TRL as the losses the stage's docs name: TRL's value on a
+    batch equals the formula computed here by hand (a policy whose weights moved off the reference's)."""
+    from stages.models import load_model_and_tokenizer
+
+    data = preference_file(home, n=16, near_miss_rate=0.0, malformed_rate=1.0)
+    reference, _ = load_model_and_tokenizer(tiny_checkpoint)
+    policy, _ = load_model_and_tokenizer(tiny_checkpoint)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    trl_loss, ours = trl_and_our_dpo_loss(policy, reference, data, beta=0.1, loss=loss, sft_weight=sft_weight)
+    assert trl_loss == pytest.approx(ours, rel=1e-4)
+    assert abs(trl_loss - trl_and_our_dpo_loss(policy, reference, data, beta=0.1)[0]) > 1e-3  # not the sigmoid
 
 
 def test_kto_trains_on_unpaired_replies_from_the_same_pairs(tiny_checkpoint, ctx_factory, home):
