@@ -36,14 +36,13 @@ class KTOStageConfig(PreferenceOptimisationConfig):
         return self
 
 
-def run(config: KTOStageConfig, inputs: StageInputs, ctx) -> dict:
-    from trl import KTOConfig, KTOTrainer
+def build_kto_config(config: KTOStageConfig, output_dir, seed: int):
+    from trl import KTOConfig
 
     from stages.trainer_callbacks import device_arguments, schedule_arguments
 
-    seed = ctx.seed if config.seed is None else config.seed
-    args = KTOConfig(
-        output_dir=str(ctx.work_dir / "trainer"),
+    return KTOConfig(
+        output_dir=str(output_dir),
         **schedule_arguments(config),
         beta=config.beta,
         desirable_weight=config.desirable_weight,
@@ -58,6 +57,13 @@ def run(config: KTOStageConfig, inputs: StageInputs, ctx) -> dict:
         dataloader_num_workers=0,
         **device_arguments(),
     )
+
+
+def run(config: KTOStageConfig, inputs: StageInputs, ctx) -> dict:
+    from trl import KTOTrainer
+
+    seed = ctx.seed if config.seed is None else config.seed
+    args = build_kto_config(config, ctx.work_dir / "trainer", seed)
     return train_on_preferences(KTOTrainer, args, config, inputs, ctx, lambda records: unpaired(records, seed))
 
 

@@ -206,3 +206,35 @@ def test_vf_coef_is_refused_with_the_reason():
     """Policy and critic have their own Adam optimisers, so a constant weight on the value loss changes nothing."""
     with pytest.raises(ValueError, match="vf_coef has no effect.*critic_lr"):
         ppo_config(vf_coef=0.5)
+
+
+@pytest.mark.parametrize("whiten", [False, True])
+def test_ppo_advantages_by_hand_with_and_without_whitening(tiny_checkpoint, whiten):
+    """With the reference equal to the policy (KL 0) and the critic's zero head (values 0), each token's reward
+    is the task score at the last action, so GAE(gamma 1, lambda 0.95) gives advantage 0.95^(last - t) * score;
+    ``whiten_advantages: false`` keeps exactly that, ``true`` whitens it over the batch's actions."""
+    from stages.generation import HFGenerateBackend, SamplingSettings
+    from stages.models import load_model_and_tokenizer
+    from stages.ppo import ValueModel, build_rollout, compute_targets, load_frozen_reference, prompt_token_ids
+    from stages.rl_math import masked_whiten
+
+    policy, tokenizer = load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
+    prompts = [[{"role": "user", "content": "What is 3+4?"}], [{"role": "user", "content": "Hi"}]]
+    groups = HFGenerateBackend(policy, tokenizer).generate(
+        prompts, SamplingSettings(temperature=1.0, max_tokens=6, attempts=4, seed=1))
+    rollout = build_rollout(prompt_token_ids(tokenizer, prompts), groups, tokenizer.pad_token_id)
+    config = ppo_config(whiten_advantages=whiten, gamma=1.0, lam=0.95)
+    scores_B = torch.linspace(-1.0, 2.0, len(rollout.samples))
+    targets = compute_targets(policy, load_frozen_reference(tiny_checkpoint), ValueModel.from_policy_checkpoint(
+        tiny_checkpoint), rollout, scores_B, 0.05, config)
+
+    mask = rollout.mask_B_T
+    assert targets.k1.abs().max() < 1e-6 and targets.old_values.abs().max() == 0  # KL 0, values 0
+    last_B = mask.sum(-1).long() - 1  # single-turn: the actions are the first tokens of each row
+    hand = torch.zeros_like(mask, dtype=torch.float32)
+    for b in range(mask.shape[0]):
+        for t in range(int(last_B[b]) + 1):
+            hand[b, t] = 0.95 ** (int(last_B[b]) - t) * float(scores_B[b])
+    expected = masked_whiten(hand, mask) * mask if whiten else hand
+    assert torch.allclose(targets.advantages * mask, expected, atol=1e-5)
+    assert torch.allclose(targets.returns * mask, hand, atol=1e-5)  # returns = advantages + values, unwhitened

@@ -250,6 +250,85 @@ def test_kto_trains_on_unpaired_replies_from_the_same_pairs(tiny_checkpoint, ctx
     assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
 
 
+def test_kto_loss_is_the_kto_loss_by_hand(tiny_checkpoint, home):
+    """TRL's KTO loss on one batch of the stage's unpaired rows equals Ethayarajh et al.'s eq. 7 by hand: the
+    reference point z0 = max(0, mean log-ratio of the batch's mismatched prompt/completion pairs), desirable
+    replies lose w_d * (1 - sigmoid(beta * (log-ratio - z0))), undesirable ones w_u * (1 - sigmoid(beta * (z0 -
+    log-ratio))), averaged over the batch; with the stage's weights and beta."""
+    from transformers import AutoTokenizer
+    from trl import KTOTrainer
+
+    from stages import kto
+    from stages.models import load_model_and_tokenizer
+
+    data = preference_file(home, n=16, near_miss_rate=0.0, malformed_rate=1.0)
+    reference, _ = load_model_and_tokenizer(tiny_checkpoint)
+    policy, _ = load_model_and_tokenizer(tiny_checkpoint)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    config = kto.KTOStageConfig(kind="kto", model="base", data="prefs", batch_size=8, beta=0.3,
+                                desirable_weight=1.5, undesirable_weight=0.7)
+    trainer = KTOTrainer(model=policy, ref_model=reference, args=kto.build_kto_config(config, home / "kto", 0),
+                         train_dataset=kto.unpaired(read_materialized(data), 0),
+                         processing_class=AutoTokenizer.from_pretrained(tiny_checkpoint))
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    policy.eval()
+    with torch.no_grad():
+        trl_loss = trainer.compute_loss(trainer.model, dict(batch)).item()
+
+        def sequence_logps(model, prefix=""):
+            ids, mask = batch[f"{prefix}input_ids"], batch[f"{prefix}completion_mask"][:, 1:]
+            logits = model(input_ids=ids, attention_mask=batch[f"{prefix}attention_mask"]).logits
+            token_logps = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            return (token_logps * mask).sum(-1)
+
+        log_ratio = sequence_logps(policy) - sequence_logps(reference)
+        z0 = (sequence_logps(policy, "KL_") - sequence_logps(reference, "KL_")).mean().clamp(min=0)
+    desirable = torch.as_tensor(batch["label"], dtype=torch.bool)
+    assert 0 < int(desirable.sum()) < 8  # both kinds in the batch
+    losses = torch.cat([1.5 * (1 - torch.sigmoid(0.3 * (log_ratio[desirable] - z0))),
+                        0.7 * (1 - torch.sigmoid(0.3 * (z0 - log_ratio[~desirable])))])
+    assert trl_loss == pytest.approx(losses.mean().item(), rel=1e-4)
+    assert z0 > 0  # the reference point is not trivially zero: the policy moved
+
+
+def test_center_rewards_coefficient_adds_the_centring_penalty(tiny_checkpoint, home):
+    """``center_rewards_coefficient`` reaches TRL's loss as Eisenstein et al.'s auxiliary term: on a batch,
+    -log sigmoid(r_c - r_r) + coefficient * mean((r_c + r_r)^2), by hand from the scorer's own scores."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from trl import RewardTrainer
+
+    from stages import reward_model
+    from stages.preferences import trl_dataset
+
+    data = preference_file(home, n=16, near_miss_rate=0.0, malformed_rate=1.0)
+    torch.manual_seed(0)  # the score head
+    model, _ = reward_model.load_sequence_scorer(tiny_checkpoint, False)
+    with torch.no_grad():
+        model.score.weight.mul_(50.0)  # scores far from 0, so the penalty weighs
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tokenizer.padding_side = "right"
+    config = reward_model.RewardModelStageConfig(kind="reward_model", data="prefs", batch_size=8,
+                                                 center_rewards_coefficient=0.3)
+    args = reward_model.training_arguments(config, SimpleNamespace(work_dir=home / "rm"), 0, evaluate=False)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=trl_dataset(read_materialized(data)),
+                            processing_class=tokenizer)
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    model.eval()
+    with torch.no_grad():
+        trl_loss = trainer.compute_loss(model, dict(batch)).item()
+        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    chosen, rejected = scores.chunk(2)
+    bradley_terry = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+    penalty = ((chosen + rejected) ** 2).mean()
+    assert trl_loss == pytest.approx((bradley_terry + 0.3 * penalty).item(), rel=1e-5)
+    assert 0.3 * penalty.item() > 0.1 * bradley_terry.item()  # the term is there, not lost in rounding
+
+
 def test_heldout_pairwise_accuracy_is_pooled_over_pairs_not_batches(tiny_checkpoint, ctx_factory, home):
     """65 held-out pairs are scored in batches of 64 + 1 at batch_size 8 and in one batch at 80:
     the untrained model's held-out accuracy cannot depend on that (a mean of per-batch means
