@@ -206,6 +206,8 @@ def apply_op(client, run_id: str, op: dict) -> None:
     elif kind == "table":
         client.log_table(run_id, data=op["columns"], artifact_file=op["name"])
     elif kind == "artifact":
+        if link_into_local_artifacts(client, run_id, Path(op["path"]), op["artifact_path"]):
+            return
         if Path(op["path"]).is_dir():
             client.log_artifacts(run_id, op["path"], artifact_path=op["artifact_path"])
         else:
@@ -222,6 +224,34 @@ def apply_op(client, run_id: str, op: dict) -> None:
         apply_model_op(client, run_id, op)
     else:
         raise ValueError(f"unknown journal operation {kind!r}")
+
+
+def link_into_local_artifacts(client, run_id: str, path: Path, artifact_path: str | None) -> bool:
+    """Log ``path`` (a file, or a directory's contents) as the run's artifacts by hard-linking its files into
+    the run's artifact directory, when that is a directory on the same file system (the embedded store):
+    a published checkpoint then takes its disk space once, not twice (outputs/ and artifacts/ share the
+    files, which nobody writes to after publication). False (nothing linked) where it cannot be done:
+    an artifact store elsewhere, or another file system; the caller copies then."""
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    uri = client.get_run(run_id).info.artifact_uri
+    if not uri.startswith("file:"):
+        return False
+    root = Path(local_file_uri_to_path(uri)) / (artifact_path or "")
+    files = ([(path, root / path.name)] if path.is_file() else
+             [(source, root / source.relative_to(path)) for source in sorted(path.rglob("*")) if source.is_file()])
+    linked: list[Path] = []
+    try:
+        for source, target in files:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)  # a replayed write: the same file again
+            os.link(source, target)
+            linked.append(target)
+    except OSError:  # another device (EXDEV), or a file system without hard links: copy instead
+        for target in linked:
+            target.unlink(missing_ok=True)
+        return False
+    return True
 
 
 class BrokenJournal(ValueError):

@@ -63,3 +63,36 @@ def test_a_run_prints_its_plan_stage_lines_and_summary_and_a_failure_ends_with_i
         assert "Traceback" in log.read_text() and "RewardError" in log.read_text()
     finally:
         posttrain(home, "server", "stop")
+
+
+def test_a_published_checkpoint_takes_its_disk_space_once_in_the_embedded_store(home):
+    """outputs/ and the run's artifacts share the checkpoint's files (hard links), and MLflow lists and serves
+    them as the run's artifacts as before."""
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    from flows.home import artifact_root, configure_environment
+    from flows.recording import Recorder
+    from flows.tracking import Tracker
+
+    configure_environment()
+    tracker = Tracker(home)
+    run_id = tracker.client.create_run(tracker.experiment_id("once", artifact_root(home))).info.run_id
+    staged = home / "work" / run_id / "staging" / "checkpoint"
+    (staged / "sub").mkdir(parents=True)
+    weights = os.urandom(1 << 20)
+    (staged / "model.safetensors").write_bytes(weights)
+    (staged / "sub" / "config.json").write_text("{}")
+    published = tracker.publish_outputs(Recorder(tracker.client, run_id, home), "once", "sft",
+                                        {"checkpoint": str(staged)})
+
+    checkpoint = Path(published["checkpoint"])
+    assert checkpoint.parent == home / "outputs" / "once" / "sft" / run_id
+    run = tracker.client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    logged = Path(local_file_uri_to_path(run.info.artifact_uri)) / "outputs" / "checkpoint"
+    for name in ("model.safetensors", "sub/config.json"):
+        assert os.stat(logged / name).st_ino == os.stat(checkpoint / name).st_ino  # one file, two names
+    assert {a.path for a in tracker.client.list_artifacts(run_id, "outputs/checkpoint")} == {
+        "outputs/checkpoint/model.safetensors", "outputs/checkpoint/sub"}
+    served = tracker.client.download_artifacts(run_id, "outputs/checkpoint/model.safetensors", str(home / "dl"))
+    assert Path(served).read_bytes() == weights
