@@ -65,6 +65,7 @@ class StageRow:
     outputs: dict[str, str] = field(default_factory=dict)  # local paths of what the stage published
     unrecorded: str = ""  # what could not be written to MLflow (the store was unreachable), in words
     log: str = ""  # the stage's log file (captured output; the traceback if it failed)
+    alerts: list[str] = field(default_factory=list)  # what the stage said it is not learning, and why
 
 
 # ------------------------------------------------------------------ what a stage reads
@@ -209,7 +210,7 @@ def _run(job: StageJob, tracker: Tracker, console) -> StageRow:
     published = tracker.publish_outputs(recorder, job.pipeline.name, job.stage, ctx.staged)
     record_stage_model(recorder, job.pipeline.name, job.stage, job.config, job.upstream_runs, published)
     row = StageRow(job.stage, job.kind, "ran", time.perf_counter() - started, recorder.run_id,
-                   headline_metrics(metrics, job.kind), outputs=published)
+                   headline_metrics(metrics, job.kind), outputs=published, alerts=ctx.alerts)
     shutil.rmtree(work_dir, ignore_errors=True)
     shutil.rmtree(resume_dir, ignore_errors=True)
     return _report_row(row, recorder)

@@ -161,6 +161,8 @@ def summary_markdown(report: PipelineReport) -> str:
         link = f"[{row.run_id[:8]}]({mlflow_run_url(report.experiment_id, row.run_id)})" if row.run_id else ""
         lines.append(f"| {row.stage} | {row.kind} | {row.status} | {row.seconds:.1f} | "
                      f"{_format_metrics(row.metrics)} | {link} |")
+    alerts = [f"- **alert** `{row.stage}`: {alert}" for row in report.rows for alert in row.alerts]
+    lines += ["", *alerts] if alerts else []
     lines += rounds_markdown(report.rows)  # iterate: each round's evaluation side by side
     return "\n".join(lines)
 
@@ -173,6 +175,7 @@ def print_plan(decisions: list[Decision], console) -> None:
 
 
 def print_summary(report: PipelineReport, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"posttrain · {report.pipeline} · {report.seconds:.1f} s")
@@ -183,6 +186,9 @@ def print_summary(report: PipelineReport, console) -> None:
         table.add_row(row.stage, row.kind, row.status, f"{row.seconds:.1f}",
                       _format_metrics(row.metrics) or row.note[:160], row.run_id or "", style=style)
     console.print(table)
+    for row in report.rows:  # stages that ran without learning, and the likely cause (stages/alerts.py)
+        for alert in row.alerts:
+            console.print(f"[bold yellow]alert[/bold yellow] {row.stage}: {escape(alert)}", highlight=False)
     print_rounds(report.rows, console)  # iterate: each round's evaluation side by side
     console.print(f"pipeline run {report.parent_run_id} in experiment {report.experiment_id}")
     for message in report.unrecorded:

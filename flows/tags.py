@@ -6,6 +6,8 @@ A tag is part of the store's schema: cache lookups, ``posttrain compare``, the r
 
 from __future__ import annotations
 
+from stages.context import ALERT_TAG
+
 # ------------------------------------------------------------------ every run
 TAG_ROLE = "posttrain.role"  # "pipeline", "stage" or "compare"
 TAG_PIPELINE = "posttrain.pipeline"
@@ -14,6 +16,7 @@ TAG_HOST = "posttrain.host"  # who runs the run: what the reaper of dead runs ch
 TAG_PID = "posttrain.pid"
 TAG_PROCESS_START = "posttrain.process_start"
 TAG_ERROR = "posttrain.error"  # why a run failed or was killed, in words
+TAG_ALERT = ALERT_TAG  # a stage that learns nothing, and the likely cause (stages/alerts.py)
 TAG_PREFECT_FLOW_RUN = "posttrain.prefect_flow_run_id"
 
 # ------------------------------------------------------------------ an experiment (one per pipeline)

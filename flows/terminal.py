@@ -131,6 +131,13 @@ class StageLine:
                 self.tokens = (time.monotonic(), float(metrics["num_tokens"]))
         self._refresh()
 
+    def alert(self, message: str) -> None:
+        """A stage that learns nothing (stages/alerts.py): a warning above the live line, now."""
+        from rich.markup import escape
+
+        self.terminal.console.print(f"[bold yellow]  {self.stage}: alert[/bold yellow] {escape(message)}",
+                                    highlight=False)
+
     # -------------------------------------------------------------- drawn
 
     def text(self) -> str:

@@ -22,6 +22,7 @@ from flows.home import local_store_path, uses_local_mlflow
 from flows.recording import Recorder
 from flows.tags import (
     MODEL_TRAINING_KIND,
+    TAG_ALERT,
     TAG_ERROR,
     TAG_EXPERIMENT_KIND,
     TAG_FINGERPRINT,
@@ -232,6 +233,7 @@ class MlflowStageContext:
         self.seed = seed
         self.console = console
         self.staged: dict[str, str] = {}
+        self.alerts: list[str] = []  # what the stage said it is not learning, and why (stages/alerts.py)
         self.latest: dict[str, tuple[int, float]] = {}  # metric -> (step, value), as MLflow shows a run's metrics
         self.recorder = recorder or Recorder(tracker.client, run_id, tracker.home)
         self._staging = work_dir / "staging"
@@ -287,6 +289,10 @@ class MlflowStageContext:
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.recorder.tags(tags)
+        if TAG_ALERT in tags:  # every alert so far, one per line: the summary lists them, the terminal warns
+            self.alerts = tags[TAG_ALERT].splitlines()
+            if (line := _terminal_line()) is not None:
+                line.alert(self.alerts[-1])
 
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
         if not rows:

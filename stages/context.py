@@ -19,7 +19,9 @@ from stages.spec_model import SpecModel
 # Config fields that change how a stage executes, never what it computes: left out of the
 # fingerprint, so raising a time limit or checkpointing more often keeps the cache (and the
 # resume state, which is keyed by fingerprint).
-EXECUTION_FIELDS = frozenset({"save_steps", "time_limit_minutes", "resources", "placement"})
+EXECUTION_FIELDS = frozenset({"save_steps", "time_limit_minutes", "resources", "placement", "alerts"})
+# The tag a stage sets when it is learning nothing and why (stages/alerts.py): the orchestrator shows it
+ALERT_TAG = "posttrain.alert"
 
 
 class StageTimeLimit(Exception):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from stages.alerts import SilentFailureWatch
 from stages.context import StageInputs
 from stages.data import prompt_messages, read_materialized
 from stages.generation import neutral_generation_config
@@ -348,11 +349,13 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     _prepare(trainer, config, dataset, seed)
     trainer.step_metrics = step_metrics
     history: list[dict] = []
+    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
 
     def on_metrics(state, metrics):
-        if "reward/mean" not in metrics:  # the end-of-training summary log, not a step
+        if "reward/mean" not in metrics:  # the end-of-training summary log, or a reused batch's update
             return
         history.append({"step": state.global_step, **metrics})
+        watch.report(ctx, state.global_step, metrics)
         if state.global_step % config.sample_every == 0 or state.global_step == state.max_steps:
             ctx.log_table(sample_rows(trainer._logs), f"samples/step_{state.global_step:05d}.json")
 

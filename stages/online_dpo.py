@@ -55,6 +55,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from stages.alerts import AlertSettings
 from stages.context import ExecutionLimits, StageInputs
 from stages.data import prompt_batches, prompt_messages, read_materialized
 from stages.generation import BackendName, EngineSettings
@@ -91,6 +92,9 @@ class OnlineDPOStageConfig(ExecutionLimits):
     lr: float = Field(5e-5, gt=0, le=1.0, description="Learning rate (constant, AdamW).")
     seed: int | None = Field(None, description="Stage seed (prompt order, sampling); default the pipeline seed.")
     sample_every: int = Field(10, ge=1, description="Log a table of scored pairs every N steps.")
+    alerts: AlertSettings = Field(default_factory=AlertSettings, description="When the stage says it is learning "
+                                  "nothing and why (stages/alerts.py): all rewards 0 (every prompt tied), a reward "
+                                  "that cannot parse the replies, or replies cut by the token budget.")
     reward_errors: Literal["fail", "score"] = Field(
         "fail", description="On a reward exception: fail the stage after `max_reward_errors`, or score 0 and count.")
     max_reward_errors: int = Field(0, ge=0, description="Reward exceptions tolerated before the stage fails.")
@@ -309,6 +313,7 @@ def sampling_metrics(groups, scored, prompt_ids, n_pairs: int, n_ties: int) -> d
     prompt_tokens = sum(len(ids) * len(group) for ids, group in zip(prompt_ids, groups))
     return {"reward/mean": sum(scored.total) / n,
             **{f"reward/{c.name}/mean": sum(c.scores) / n for c in scored.components},
+            **{f"reward/{c.name}/unparsed_frac": 1.0 - sum(c.parsed) / n for c in scored.components},
             "pairs": float(n_pairs), "pairs/tie_frac": n_ties / len(groups),
             "completion/mean_tokens": completion_tokens / n,
             "completion/truncated_frac": sum(s.truncated for s in samples) / n,
@@ -358,13 +363,17 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
 
 def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed: int, ctx):
     """``max_steps`` steps, each logged; the engine (if any) closed at the end. (history, start time)."""
+    from stages.alerts import SilentFailureWatch
+
     batches = prompt_batches(records, config.prompts_per_step, seed)
+    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
     history, started = [], time.perf_counter()
     try:
         with ctx.progress(f"online_dpo: {config.max_steps} steps", config.max_steps) as bar:
             for step in range(1, config.max_steps + 1):
                 metrics, rows = state.step(step, next(batches))
                 ctx.log_metrics(metrics, step=step)
+                watch.report(ctx, step, metrics)
                 history.append({"step": step, **metrics})
                 if rows and (step in (1, config.max_steps) or step % config.sample_every == 0):
                     ctx.log_table(rows, f"samples/step_{step:05d}.json")

@@ -79,6 +79,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from stages.alerts import SilentFailureWatch
 from stages.context import StageInputs
 from stages.data import prompt_batches, prompt_messages, read_materialized
 from stages.data_parallel import (
@@ -396,6 +397,7 @@ def rollout_metrics(rollout: Rollout, scored: ScoredBatch, targets: Targets, gro
         "completion/mean_tokens": (tokens, n),
         "completion/truncated_frac": (float(sum(s.truncated for s in rollout.samples)), n),
         **{f"reward/{c.name}/mean": (float(sum(c.scores)), n) for c in scored.components},
+        **{f"reward/{c.name}/unparsed_frac": (float(sum(not p for p in c.parsed)), n) for c in scored.components},
     }
     return {**global_means(pairs), "logprob/sampler_gap": float(all_max(gap_B_T.max()))}
 
@@ -535,11 +537,13 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
                     **placement_params(run.reference, run.scorer.fns.values())})
 
     history, metrics, started = [], {}, time.perf_counter()
+    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
     try:
         with ctx.progress(f"ppo: {config.max_steps} rollout batches", config.max_steps) as bar:
             for step in range(1, config.max_steps + 1):
                 metrics, rows = run.step(step, next(batches), generator)
                 ctx.log_metrics(metrics, step=step)
+                watch.report(ctx, step, metrics)
                 history.append({"step": step, **metrics})
                 if step in (1, config.max_steps) or step % config.sample_every == 0:
                     ctx.log_table(rows, f"samples/step_{step:05d}.json")

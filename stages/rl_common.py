@@ -11,6 +11,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from stages.alerts import AlertSettings
 from stages.context import ExecutionLimits
 from stages.difficulty import DifficultyFilter
 from stages.environments import EnvironmentSpec
@@ -108,6 +109,9 @@ class RLStageConfig(ExecutionLimits):
         "the action mask of its losses, KL penalty and GAE); the rewards score each episode's final answer, and "
         "a reward `environment` is the environment's own score of the episode; `sampling.max_tokens` is then "
         "the budget of one turn.")
+    alerts: AlertSettings = Field(default_factory=AlertSettings, description="When the stage says it is learning "
+                                  "nothing and why (stages/alerts.py): all rewards 0, a reward that cannot parse "
+                                  "the replies, or replies cut by the token budget, for `after_steps` steps in a row.")
     difficulty_filter: DifficultyFilter | None = Field(
         None, description="Before training, sample `attempts` completions of each prompt from the starting "
         "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "

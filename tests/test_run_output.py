@@ -35,10 +35,17 @@ def posttrain(home: Path, *argv: str) -> subprocess.CompletedProcess:
 def test_a_run_prints_its_plan_stage_lines_and_summary_and_a_failure_ends_with_its_log(tmp_path):
     home = tmp_path / "home"
     try:
-        done = posttrain(home, "run", str(QUICKSTART), *SMALL)
+        # grpo replies of one token: it alerts at its first step that the token budget cuts them (stages/alerts.py)
+        budget = ["--set", "stages.grpo.sampling.max_tokens=1", "--set", "stages.grpo.alerts.after_steps=1",
+                  "--set", "stages.grpo.alerts.truncated_frac=0.5"]
+        done = posttrain(home, "run", str(QUICKSTART), *SMALL, *budget)
         lines = done.stdout.splitlines()
         assert done.returncode == 0, done.stdout
         assert len(lines) <= 40, done.stdout
+        table = next(i for i, line in enumerate(lines) if "posttrain · quickstart" in line)
+        live = [i for i, line in enumerate(lines) if line.startswith("  grpo: alert step 1: ")]
+        assert live and live[0] < table and "token budget (sampling.max_tokens 1)" in lines[live[0]], done.stdout
+        assert any(line.startswith("alert grpo: step 1: ") for line in lines[table:]), done.stdout
         assert not [line for line in lines if any(noise in line for noise in NOISE)], done.stdout
         assert lines[0] == "plan for quickstart:" and "posttrain · quickstart" in done.stdout
         for stage in ("eval_base", "sft", "eval_sft", "grpo", "eval_grpo"):

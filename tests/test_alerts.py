@@ -1,0 +1,140 @@
+"""Silent failures named (stages/alerts.py): a sampling stage that learns nothing says why, in its run's
+``posttrain.alert`` tag, on the terminal and in the summary."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from stages.alerts import AlertSettings, SilentFailureWatch
+from stages.context import StageInputs
+from stages.data import ArithmeticData, materialize
+from stages.rewards import RewardSpec
+from stages.rl import RLStageConfig
+
+ALERT = "posttrain.alert"
+
+
+def test_the_watch_alerts_once_per_cause_after_the_steps_in_a_row_most_likely_cause_first():
+    watch = SilentFailureWatch(AlertSettings(after_steps=3), max_tokens=4)
+    quiet = {"reward/mean": 0.4, "reward/zero_variance_group_frac": 0.5, "completion/truncated_frac": 0.1,
+             "reward/correct/unparsed_frac": 0.2}
+    broken = {"reward/mean": 0.0, "reward/zero_variance_group_frac": 1.0, "completion/truncated_frac": 0.95,
+              "reward/correct/unparsed_frac": 1.0}
+    assert [watch.observe(m, step) for step, m in enumerate([broken, broken, quiet, broken, broken], 1)] == [[]] * 5
+    alerts = watch.observe(broken, 6)  # the third broken step in a row
+    assert [a.split(":")[0] for a in alerts] == ["step 6"] * 3
+    assert "token budget (sampling.max_tokens 4)" in alerts[0]  # a cut reply is also unparseable: budget first
+    assert "reward 'correct' could not parse 100%" in alerts[1]
+    assert "every reward was 0 for 3 steps in a row" in alerts[2] and "check-reward" in alerts[2]
+    assert watch.observe(broken, 7) == []  # each cause once
+    assert watch.messages == alerts
+
+
+def test_online_dpo_ties_count_as_no_signal():
+    watch = SilentFailureWatch(AlertSettings(after_steps=1), max_tokens=8)
+    assert watch.observe({"reward/mean": 0.0, "pairs/tie_frac": 1.0}, 1)[0].startswith("step 1: every reward was 0")
+
+
+def always_zero(completions, **_):
+    """A broken verifier: parses everything, rewards nothing."""
+    return [0.0] * len(completions)
+
+
+def rl_inputs(home, checkpoint, rewards):
+    data = materialize(ArithmeticData(generator="arithmetic", n=40, role="train"), Path("."), home / "data")
+    return StageInputs(policy=checkpoint, datasets={"train": data}, rewards=rewards)
+
+
+def rl_config(algorithm: str, **fields) -> RLStageConfig:
+    extra = {"minibatch_size": 8, "ppo_epochs": 1} if algorithm == "ppo" else {}
+    return RLStageConfig(**{"kind": "rl", "algorithm": algorithm, "policy": "base", "data": "train",
+                            "rewards": ["correct"], "prompts_per_step": 4, "max_steps": 3, "lr": 1e-3, **extra,
+                            **fields})
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_verifier_that_always_scores_zero_is_named_within_the_steps(tiny_checkpoint, ctx_factory, home, algorithm):
+    from stages import rl
+
+    ctx = ctx_factory(f"alert-zero-{algorithm}")
+    config = rl_config(algorithm, sampling={"attempts": 4, "max_tokens": 3}, alerts={"after_steps": 2})
+    rl.run(config, rl_inputs(home, tiny_checkpoint, {"correct": RewardSpec(fn="test_alerts:always_zero")}), ctx)
+    tag = ctx.recorded_run().data.tags[ALERT]
+    assert "step 2: every reward was 0 for 2 steps in a row" in tag
+    assert ctx.alerts == tag.splitlines()  # what the summary lists
+
+
+def test_an_unparseable_format_is_named_as_the_cause(tiny_checkpoint, ctx_factory, home):
+    """The untrained model never writes a bare integer: exact_answer parses none of its replies."""
+    from stages import rl
+
+    ctx = ctx_factory("alert-format")
+    config = rl_config("ppo", sampling={"attempts": 2, "max_tokens": 6}, alerts={"after_steps": 2})
+    rl.run(config, rl_inputs(home, tiny_checkpoint, {"correct": RewardSpec(fn="exact_answer")}), ctx)
+    tag = ctx.recorded_run().data.tags[ALERT]
+    assert "step 2: reward 'correct' could not parse 100% of completions for 2 steps in a row" in tag
+    assert "format" in tag
+
+
+def test_a_too_small_token_budget_is_named_as_the_cause(tiny_checkpoint, ctx_factory, home):
+    from stages import online_dpo
+
+    ctx = ctx_factory("alert-budget")
+    config = online_dpo.OnlineDPOStageConfig(
+        kind="online_dpo", model="base", data="train", rewards=["short"], prompts_per_step=4, max_steps=2,
+        sampling={"attempts": 2, "max_tokens": 1}, alerts={"after_steps": 2, "truncated_frac": 0.8})
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    inputs = rl_inputs(home, tiny_checkpoint, rewards)
+    online_dpo.run(config, StageInputs(model=tiny_checkpoint, datasets=inputs.datasets, rewards=rewards), ctx)
+    tag = ctx.recorded_run().data.tags[ALERT]
+    # one token: most replies are cut (a few end at once), past the stage's threshold of 80%
+    assert tag.startswith("step 2: ") and "of completions hit the token budget (sampling.max_tokens 1)" in tag
+    truncated = [p.value for p in ctx.metric_history("completion/truncated_frac")]
+    assert all(0.8 <= share for share in truncated) and f"{100 * truncated[-1]:.0f}% of completions" in tag
+
+
+def test_a_healthy_stage_raises_no_alert(tiny_checkpoint, ctx_factory, home):
+    from stages import rl
+
+    ctx = ctx_factory("alert-none")
+    rewards = {"correct": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    rl.run(rl_config("grpo", sampling={"attempts": 4, "max_tokens": 3}, alerts={"after_steps": 1,
+                     "truncated_frac": 1.0}), rl_inputs(home, tiny_checkpoint, rewards), ctx)
+    run = ctx.recorded_run()
+    # rewards that differ within groups, nothing unparsed; replies may all be cut at 3 tokens, so that cause
+    # alone could be named: nothing else is
+    assert all("token budget" in line for line in run.data.tags.get(ALERT, "").splitlines())
+
+
+def test_the_summary_lists_an_alert_and_the_fingerprint_ignores_the_thresholds(home, tmp_path):
+    from rich.console import Console
+
+    from flows.home import configure_environment
+    from flows.lineage import RunOptions, fingerprint
+    from flows.pipeline import print_summary, run_pipeline, summary_markdown
+    from flows.spec import load_pipeline
+
+    from conftest import QUICKSTART
+
+    configure_environment()
+    small = ["data.train.n=64", "data.heldout.n=8", "stages.sft.max_steps=2", "stages.sft.batch_size=8",
+             "stages.grpo.max_steps=2", "stages.grpo.sampling.max_tokens=1", "stages.grpo.alerts.after_steps=2",
+             "stages.grpo.check_rewards=false"]
+    loaded = load_pipeline(QUICKSTART, small + ["stages.eval_base.max_prompts=2", "stages.eval_sft.max_prompts=2",
+                                                "stages.eval_grpo.max_prompts=2"])
+    report = run_pipeline(loaded, RunOptions(), home)
+    rows = {row.stage: row for row in report.rows}
+    assert not report.failed, [(r.stage, r.note) for r in report.rows]
+    assert rows["grpo"].alerts and "token budget (sampling.max_tokens 1)" in rows["grpo"].alerts[0]
+    out = io.StringIO()
+    print_summary(report, Console(file=out, width=300))
+    assert f"alert grpo: {rows['grpo'].alerts[0]}" in out.getvalue()
+    assert f"- **alert** `grpo`: {rows['grpo'].alerts[0]}" in summary_markdown(report)
+
+    relaxed = load_pipeline(QUICKSTART, small[:-2] + ["stages.grpo.alerts.after_steps=9",
+                                                      "stages.grpo.check_rewards=false"])
+    upstream = {"sft": "run-a"}
+    assert fingerprint(relaxed, "grpo", upstream) == fingerprint(loaded, "grpo", upstream)
