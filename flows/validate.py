@@ -112,7 +112,7 @@ def _valid_fields(config_cls, value: dict) -> dict:
     for name, info in config_cls.model_fields.items():
         if name in value:
             try:
-                annotation = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
+                annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
                 fields[name] = TypeAdapter(annotation).validate_python(value[name])
                 continue
             except ValidationError:
