@@ -80,10 +80,11 @@ class RewardWorker:
     def __init__(self):
         self.process: subprocess.Popen | None = None
         self.lock = threading.Lock()  # one call at a time (the stage's threads share the worker)
+        self.launcher = _Launcher()
         self.restarts = 0
 
     def _start(self) -> subprocess.Popen:
-        self.process = _launcher().start()
+        self.process = self.launcher.start()
         return self.process
 
     def stop(self) -> None:
@@ -147,26 +148,17 @@ class _Launcher:
 
 
 _WORKER: RewardWorker | None = None
-_LAUNCHER: _Launcher | None = None
 _WORKER_LOCK = threading.Lock()
 
 
 def _forget_after_fork() -> None:
-    """A forked child (posttrain's warm process forks runs) starts its own launcher and worker: the
-    parent's launcher thread does not exist in it, and the parent's worker answers the parent."""
-    global _WORKER, _LAUNCHER, _WORKER_LOCK
-    _WORKER, _LAUNCHER, _WORKER_LOCK = None, None, threading.Lock()
+    """A forked child (posttrain's warm process forks runs) starts its own worker: the parent's launcher
+    thread does not exist in it, and the parent's worker answers the parent."""
+    global _WORKER, _WORKER_LOCK
+    _WORKER, _WORKER_LOCK = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _launcher() -> _Launcher:
-    global _LAUNCHER
-    with _WORKER_LOCK:
-        if _LAUNCHER is None:
-            _LAUNCHER = _Launcher()
-        return _LAUNCHER
 
 
 def worker() -> RewardWorker:

@@ -211,19 +211,25 @@ def trl_and_our_dpo_loss(policy, reference, data, beta, loss="sigmoid", sft_weig
     return trl_loss, ours.item()
 
 
-@pytest.mark.parametrize("loss, sft_weight", [("ipo", 0.0), ("hinge", 0.0), ("sigmoid", 0.5), ("ipo", 2.0)])
-def test_dpo_loss_variants_are_the_losses_they_name(tiny_checkpoint, home, loss, sft_weight):
-    """``loss: ipo``, ``hinge`` and ``sft_weight`` reach TRL as the losses the stage's docs name: TRL's value on a
-    batch equals the formula computed here by hand (a policy whose weights moved off the reference's)."""
+def moved_policy(checkpoint):
+    """(the checkpoint as a frozen reference, a policy whose weights moved off it by seeded noise)."""
     from stages.models import load_model_and_tokenizer
 
-    data = preference_file(home, n=16, near_miss_rate=0.0, malformed_rate=1.0)
-    reference, _ = load_model_and_tokenizer(tiny_checkpoint)
-    policy, _ = load_model_and_tokenizer(tiny_checkpoint)
+    reference, _ = load_model_and_tokenizer(checkpoint)
+    policy, _ = load_model_and_tokenizer(checkpoint)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in policy.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return reference, policy
+
+
+@pytest.mark.parametrize("loss, sft_weight", [("ipo", 0.0), ("hinge", 0.0), ("sigmoid", 0.5), ("ipo", 2.0)])
+def test_dpo_loss_variants_are_the_losses_they_name(tiny_checkpoint, home, loss, sft_weight):
+    """``loss: ipo``, ``hinge`` and ``sft_weight`` reach TRL as the losses the stage's docs name: TRL's value on a
+    batch equals the formula computed here by hand (a policy whose weights moved off the reference's)."""
+    data = preference_file(home, n=16, near_miss_rate=0.0, malformed_rate=1.0)
+    reference, policy = moved_policy(tiny_checkpoint)
     trl_loss, ours = trl_and_our_dpo_loss(policy, reference, data, beta=0.1, loss=loss, sft_weight=sft_weight)
     assert trl_loss == pytest.approx(ours, rel=1e-4)
     assert abs(trl_loss - trl_and_our_dpo_loss(policy, reference, data, beta=0.1)[0]) > 1e-3  # not the sigmoid
@@ -259,15 +265,8 @@ def test_kto_loss_is_the_kto_loss_by_hand(tiny_checkpoint, home):
     from trl import KTOTrainer
 
     from stages import kto
-    from stages.models import load_model_and_tokenizer
-
     data = preference_file(home, n=16, near_miss_rate=0.0, malformed_rate=1.0)
-    reference, _ = load_model_and_tokenizer(tiny_checkpoint)
-    policy, _ = load_model_and_tokenizer(tiny_checkpoint)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in policy.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    reference, policy = moved_policy(tiny_checkpoint)
     config = kto.KTOStageConfig(kind="kto", model="base", data="prefs", batch_size=8, beta=0.3,
                                 desirable_weight=1.5, undesirable_weight=0.7)
     trainer = KTOTrainer(model=policy, ref_model=reference, args=kto.build_kto_config(config, home / "kto", 0),
