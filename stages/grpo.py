@@ -289,21 +289,19 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
     resolved to vLLM, else None (TRL samples with generate on the training model)."""
     import os
 
-    from stages.rollouts import GRPORollouts, context_length
+    from stages.rollouts import GRPORollouts, open_rollout_engine
 
     if backend != "vllm" and config.environment is None:
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
     env = config.environment
     sampling = config.sampling
-    budget = sampling.max_tokens if env is None else env.max_episode_tokens + 64  # + 64: the tools' line
     engine = None
     if backend == "vllm":
-        engine = GRPORollouts(inputs.policy, tokenizer, group_size=sampling.attempts,
-                              temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens,
-                              seed=seed, engine=config.engine,
-                              max_model_len=context_length(tokenizer, dataset["prompt"], budget),
-                              trust_remote_code=inputs.trust_remote_code)
+        engine = GRPORollouts(lambda: open_rollout_engine(config, inputs.policy, tokenizer, dataset["prompt"],
+                                                          inputs.trust_remote_code),
+                              tokenizer, group_size=sampling.attempts, temperature=sampling.temperature,
+                              top_p=sampling.top_p, max_tokens=sampling.max_tokens, seed=seed)
     if env is None:
         return engine
     from stages.environments import build_environment

@@ -330,10 +330,9 @@ def pair_rows(pairs, prompts, groups, totals, batch) -> list[dict]:
 def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     import torch
 
-    from stages.generation import VLLMBackend
     from stages.lora import save_trained
     from stages.rl_common import log_curves
-    from stages.rollouts import context_length, rollout_backend
+    from stages.rollouts import open_rollout_engine, rollout_backend
 
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
@@ -341,10 +340,8 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     state = OnlineDPORun.load(config, inputs, seed, ctx)
     backend, why = rollout_backend(config, inputs.model)
     if backend == "vllm":
-        state.engine = VLLMBackend(inputs.model, trust_remote_code=inputs.trust_remote_code,
-                                   engine=config.engine, max_model_len=context_length(
-                                       state.tokenizer, [prompt_messages(r) for r in records],
-                                       config.sampling.max_tokens))
+        state.engine = open_rollout_engine(config, inputs.model, state.tokenizer,
+                                           [prompt_messages(r) for r in records], inputs.trust_remote_code)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why, "resolved_seed": seed,
                     "prompts": len(records), "samples_per_step": config.prompts_per_step * config.sampling.attempts})
     history, started = train_steps(config, state, records, seed, ctx)

@@ -114,7 +114,7 @@ from stages.rl_math import (
     ppo_policy_loss,
     ppo_value_loss,
 )
-from stages.rollouts import context_length, rollout_backend, sync_policy
+from stages.rollouts import open_rollout_engine, rollout_backend, sync_policy
 from stages.scoring import RewardErrorPolicy, Scorer
 
 SAMPLE_TABLE_ROWS = 16
@@ -524,11 +524,8 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     records = read_materialized(inputs.data)
     backend, why = rollout_backend(config, inputs.policy)
     if backend == "vllm":
-        env = config.environment  # an episode's budget after its prompt, + 64: the tools' line in the prompt
-        budget = config.sampling.max_tokens if env is None else env.max_episode_tokens + 64
-        run.engine = VLLMBackend(inputs.policy, trust_remote_code=inputs.trust_remote_code,
-                                 engine=config.engine, max_model_len=context_length(
-                                     run.tokenizer, [prompt_messages(r) for r in records], budget))
+        run.engine = open_rollout_engine(config, inputs.policy, run.tokenizer, [prompt_messages(r) for r in records],
+                                         inputs.trust_remote_code)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why})
     batches = (shard(batch) for batch in prompt_batches(records, config.prompts_per_step, seed))
     generator = torch.Generator().manual_seed(seed)  # minibatch order

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.generation import EngineSettings, SamplingSettings, VLLMBackend, choose_backend, prompt_token_ids
+from stages.generation import SamplingSettings, VLLMBackend, choose_backend, prompt_token_ids
 
 
 def merged_named_weights(model):
@@ -70,6 +70,21 @@ def context_length(tokenizer, prompts: list[list[dict]], max_tokens: int) -> int
     return longest + max_tokens + 8
 
 
+def rollout_budget(config) -> int:
+    """Tokens a stage's rollout may add after its prompt: ``sampling.max_tokens``, or with an environment an
+    episode's ``max_episode_tokens`` + 64 (the tools' line in the prompt)."""
+    environment = getattr(config, "environment", None)
+    return config.sampling.max_tokens if environment is None else environment.max_episode_tokens + 64
+
+
+def open_rollout_engine(config, checkpoint: Path, tokenizer, prompts: list[list[dict]],
+                        trust_remote_code: bool = False) -> VLLMBackend:
+    """The one place an RL or online DPO stage builds its in-process vLLM engine: the stage's ``engine``
+    settings, a context sized for its longest prompt plus its rollout budget."""
+    return VLLMBackend(checkpoint, trust_remote_code=trust_remote_code, engine=config.engine,
+                       max_model_len=context_length(tokenizer, prompts, rollout_budget(config)))
+
+
 class GRPORollouts:
     """TRL ``rollout_func``: one group of ``group_size`` samples per distinct prompt from the vLLM engine.
 
@@ -78,14 +93,11 @@ class GRPORollouts:
     ``seed + call * 100_003 + prompt index``, so a rerun draws the same rollouts.
     """
 
-    def __init__(self, checkpoint: Path, tokenizer, *, group_size: int, temperature: float, top_p: float,
-                 max_tokens: int, seed: int, engine: EngineSettings, max_model_len: int,
-                 trust_remote_code: bool = False):
-        self.checkpoint, self.tokenizer = Path(checkpoint), tokenizer
+    def __init__(self, open_engine, tokenizer, *, group_size: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: int):
+        self.open_engine, self.tokenizer = open_engine, tokenizer  # open_engine: () -> VLLMBackend, on first use
         self.group_size, self.seed = group_size, seed
         self.settings = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, attempts=group_size)
-        self.engine_settings, self.max_model_len = engine, max_model_len
-        self.trust_remote_code = trust_remote_code
         self.backend: VLLMBackend | None = None
         self.synced_step: int | None = None
         self.syncs = 0
@@ -93,8 +105,7 @@ class GRPORollouts:
 
     def open(self) -> VLLMBackend:
         if self.backend is None:
-            self.backend = VLLMBackend(self.checkpoint, trust_remote_code=self.trust_remote_code,
-                                       engine=self.engine_settings, max_model_len=self.max_model_len)
+            self.backend = self.open_engine()
         return self.backend
 
     def close(self) -> None:
