@@ -17,8 +17,11 @@ kills the worker:
 - the worker runs the reward in its main thread, so math-verify's own timeouts work there;
 - the worker exits when its stage process goes (its stdin closes), and is killed with it.
 
-The worker imports the reward by name from the stage process's ``sys.path``; a reward
-keeps module-level state per worker (it lives as long as the stage's process), not per call.
+The worker imports the reward by name from the stage process's ``sys.path`` and runs it in
+that process's environment variables (both sent with every call); a reward keeps
+module-level state per worker (it lives as long as the stage's process), not per call.
+``code_tests`` is not run here: it runs every completion in its own sandboxed process
+under its own time limit already.
 """
 
 from __future__ import annotations
@@ -99,8 +102,9 @@ class RewardWorker:
         with self.lock:
             process = self.process if self.process is not None and self.process.poll() is None else self._start()
             try:
-                # with this process's sys.path as it is now: the worker imports what this process can import
-                _send(process.stdin, (list(sys.path), fn, completions, columns, kwargs))
+                # with this process's sys.path and environment as they are now: the worker imports what this
+                # process can import and reads the variables it reads
+                _send(process.stdin, (list(sys.path), dict(os.environ), fn, completions, columns, kwargs))
                 status, value = _receive(process.stdout.fileno(), time.monotonic() + seconds)
             except RewardTimeout:
                 self.stop()
@@ -182,7 +186,7 @@ def _die_with_parent() -> None:
 
 
 def _serve() -> None:
-    """The worker's loop: read (sys.path, fn, completions, columns, kwargs), answer ("ok", result) or
+    """The worker's loop: read (sys.path, environment, fn, completions, columns, kwargs), answer ("ok", result) or
     ("raised", (class name, message, whether it is a RewardError))."""
     import signal
 
@@ -199,12 +203,15 @@ def _serve() -> None:
 
     while True:
         try:
-            path, fn, completions, columns, kwargs = _receive(stdin.fileno())
+            path, environment, fn, completions, columns, kwargs = _receive(stdin.fileno())
         except EOFError:
             return
         if path != sys.path:
             sys.path[:] = path
             importlib.invalidate_caches()
+        if environment != os.environ:
+            os.environ.clear()
+            os.environ.update(environment)
         try:
             result = load_reward_fn(fn)(completions, **columns, **kwargs)
             if not hasattr(result, "scores") and not isinstance(result, tuple):

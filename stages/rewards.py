@@ -32,6 +32,9 @@ REASONING_GYM_FN = "reasoning_gym"  # the built-in that scores reasoning_gym dat
 JUDGE_FN = "judge"  # the built-in that asks a generative model (or a judge function) to score against a rubric
 ENVIRONMENT_FN = "environment"  # the built-in that is an environment's own score of an episode (stages/environments.py)
 BOUND_ONLY_FNS = (REWARD_MODEL_FN, JUDGE_FN, ENVIRONMENT_FN)  # scorers a stage binds in its own process
+# built-ins that bound every completion themselves, in a sandboxed process with its own time limit: run in
+# the stage's process (where its sandbox is checked), not in the reward worker
+SELF_BOUNDED_FNS = ("code_tests",)
 RUBRIC_PLACEHOLDERS = ("{prompt}", "{completion}", "{answer}")  # what stages/judge.py render_rubric fills
 # a placeholder: a name in braces, with whatever attribute, index, conversion or format spec follows it
 # (`{prompt.__class__}`, `{x[0]}`, `{answer!r}`); JSON such as {"score": 1} does not start with a name
@@ -102,9 +105,11 @@ class RewardSpec(SpecModel):
         if misplaced:
             users = " or ".join(f"fn {fn}" for fn, fields in own.items() if set(misplaced) <= fields) or "other fns"
             raise ValueError(f"{', '.join(misplaced)} only apply to {users}, not {self.fn!r}")
-        if "max_seconds" in self.model_fields_set and self.fn in BOUND_ONLY_FNS:
-            raise ValueError(f"max_seconds bounds rewards run in the reward worker; fn {self.fn} runs in the stage's "
-                             "own process: remove max_seconds")
+        if "max_seconds" in self.model_fields_set and self.fn in BOUND_ONLY_FNS + SELF_BOUNDED_FNS:
+            bounded = ("bounds each completion itself (kwargs: {timeout_s: ...})" if self.fn in SELF_BOUNDED_FNS
+                       else "runs in the stage's own process")
+            raise ValueError(f"max_seconds bounds rewards run in the reward worker; fn {self.fn} {bounded}: remove "
+                             "max_seconds")
         if self.fn == REWARD_MODEL_FN:
             if not self.stage:
                 raise ValueError("fn reward_model needs `stage:`, the reward_model stage whose checkpoint scores")
@@ -365,9 +370,10 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
     """Score a batch; if the function raises (or passes its time bound), isolate the failing samples one by one.
 
     ``fn`` is a bound scorer (a loaded reward model, a judge, an environment's score), called in this
-    process. Every other reward runs in the stage's reward worker (stages/reward_worker.py) under the
-    wall-clock bound ``spec.max_seconds`` per call, in chunks of ``CHUNK`` completions."""
-    if fn is None and spec.fn not in BOUND_ONLY_FNS:
+    process, as is ``code_tests`` (each completion in its own sandboxed process, under its own time limit).
+    Every other reward runs in the stage's reward worker (stages/reward_worker.py) under the wall-clock
+    bound ``spec.max_seconds`` per call, in chunks of ``CHUNK`` completions."""
+    if fn is None and spec.fn not in BOUND_ONLY_FNS + SELF_BOUNDED_FNS:
         from stages.reward_worker import CHUNK
 
         call, chunk = _bounded_call(spec), CHUNK

@@ -132,3 +132,16 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def reads_the_environment(completions, **_):
+    import os
+
+    return [float(os.environ.get("POSTTRAIN_TEST_REWARD_VALUE", "-1"))] * len(completions)
+
+
+def test_the_worker_reads_the_stage_process_environment_as_it_is_at_each_call(monkeypatch):
+    spec = RewardSpec(fn="test_scoring:reads_the_environment")
+    assert score_component("env", spec, ["x"], {"answer": [None]}).scores == [-1.0]
+    monkeypatch.setenv("POSTTRAIN_TEST_REWARD_VALUE", "0.5")  # set after the worker started
+    assert score_component("env", spec, ["x"], {"answer": [None]}).scores == [0.5]
