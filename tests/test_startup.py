@@ -1,7 +1,8 @@
 """A posttrain program starts up without garbage collection and its stages work with it on (flows/startup.py).
 
-Real processes: the real CLI running a real eval stage, whose reward function (a user's module)
-reports the collector's state from inside the stage's work."""
+Real processes: the real CLI running a real eval stage, whose judge function (a user's module; a judge runs
+in the stage's own process, where other rewards run in the reward worker) reports the collector's state
+from inside the stage's work."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ data:
   heldout: {generator: arithmetic, n: 4, seed: 9, role: heldout}
 rewards:
   correct: {fn: exact_answer}
-  probe: {fn: "gc_probe:score", weight: 0.0}
+  probe: {fn: judge, judge_fn: "gc_probe:ask", rubric: "{completion}", weight: 0.0}
 stages:
   eval: {kind: eval, model: base, data: heldout, rewards: [correct, probe], sampling: {attempts: 2, max_tokens: 4}}
 """
@@ -30,10 +31,10 @@ stages:
 PROBE = """\
 import gc, json, os
 
-def score(completions, **columns):
+def ask(conversations):
     with open(os.environ["GC_PROBE_OUT"], "a") as out:
         out.write(json.dumps({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}) + "\\n")
-    return [0.0] * len(completions)
+    return ["yes"] * len(conversations)
 """
 
 
