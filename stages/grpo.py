@@ -347,18 +347,8 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     _prepare(trainer, config, dataset, seed)
     trainer.step_metrics = step_metrics
     history: list[dict] = []
-    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
-
-    def on_metrics(state, metrics):
-        if "reward/mean" not in metrics:  # the end-of-training summary log, or a reused batch's update
-            return
-        history.append({"step": state.global_step, **metrics})
-        watch.report(ctx, state.global_step, metrics)
-        if state.global_step % config.sample_every == 0 or state.global_step == state.max_steps:
-            ctx.log_table(sample_rows(trainer._logs), f"samples/step_{state.global_step:05d}.json")
-
-    trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps", on_metrics,
-                                           step_metrics))
+    trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps",
+                                           _step_logger(config, trainer, history, ctx), step_metrics))
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed, "world_size": args.world_size,
                     "generation_batch": args.generation_batch_size,
@@ -379,6 +369,22 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
     outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
+
+
+def _step_logger(config, trainer, history: list[dict], ctx):
+    """What happens at each step's log: its metrics kept for the curves, the silent-failure watch
+    (stages/alerts.py), and every ``sample_every`` steps a table of sample completions."""
+    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
+
+    def on_metrics(state, metrics):
+        if "reward/mean" not in metrics:  # the end-of-training summary log, or a reused batch's update
+            return
+        history.append({"step": state.global_step, **metrics})
+        watch.report(ctx, state.global_step, metrics)
+        if state.global_step % config.sample_every == 0 or state.global_step == state.max_steps:
+            ctx.log_table(sample_rows(trainer._logs), f"samples/step_{state.global_step:05d}.json")
+
+    return on_metrics
 
 
 def _prompt_rows(config, records: list[dict]) -> list[dict]:

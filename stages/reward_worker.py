@@ -17,9 +17,10 @@ kills the worker:
 - the worker runs the reward in its main thread, so math-verify's own timeouts work there;
 - the worker exits when its stage process goes (its stdin closes), and is killed with it.
 
-The worker imports the reward by name from the stage process's ``sys.path`` and runs it in
-that process's environment variables (both sent with every call); a reward keeps
-module-level state per worker (it lives as long as the stage's process), not per call.
+The worker process (stages/reward_worker_process.py) imports the reward by name from the
+stage process's ``sys.path`` and runs it in that process's environment variables (both sent
+with every call); a reward keeps module-level state per worker (it lives as long as the
+stage's process), not per call.
 ``code_tests`` is not run here: it runs every completion in its own sandboxed process
 under its own time limit already.
 """
@@ -51,7 +52,7 @@ class RewardRaised(Exception):
         self.kind, self.contract = kind, contract  # contract: a RewardError (a broken reward, not a bad sample)
 
 
-def _send(stream, payload: Any) -> None:
+def send(stream, payload: Any) -> None:
     data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(struct.pack("<Q", len(data)) + data)
     stream.flush()
@@ -72,7 +73,7 @@ def _read_exactly(fd: int, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def _receive(fd: int, deadline: float | None = None) -> Any:
+def receive(fd: int, deadline: float | None = None) -> Any:
     (size,) = struct.unpack("<Q", _read_exactly(fd, 8, deadline))
     return pickle.loads(_read_exactly(fd, size, deadline))
 
@@ -104,8 +105,8 @@ class RewardWorker:
             try:
                 # with this process's sys.path and environment as they are now: the worker imports what this
                 # process can import and reads the variables it reads
-                _send(process.stdin, (list(sys.path), dict(os.environ), fn, completions, columns, kwargs))
-                status, value = _receive(process.stdout.fileno(), time.monotonic() + seconds)
+                send(process.stdin, (list(sys.path), dict(os.environ), fn, completions, columns, kwargs))
+                status, value = receive(process.stdout.fileno(), time.monotonic() + seconds)
             except RewardTimeout:
                 self.stop()
                 self.restarts += 1
@@ -135,8 +136,9 @@ class _Launcher:
             reply = self.requests.get()
             try:
                 env = dict(os.environ, PYTHONSAFEPATH="1")  # the caller's directory never shadows posttrain's
-                reply.put(subprocess.Popen([sys.executable, "-m", "stages.reward_worker"], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, env=env, cwd=os.getcwd()))
+                command = [sys.executable, "-m", "stages.reward_worker_process"]
+                reply.put(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                           cwd=os.getcwd()))
             except Exception as error:  # handed to the caller
                 reply.put(error)
 
@@ -172,54 +174,3 @@ def worker() -> RewardWorker:
         if _WORKER is None:
             _WORKER = RewardWorker()
         return _WORKER
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills the worker when the stage process dies (even by SIGKILL, mid-call)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: the worker still exits at its next read, when its stdin closes
-        pass
-
-
-def _serve() -> None:
-    """The worker's loop: read (sys.path, environment, fn, completions, columns, kwargs), answer ("ok", result) or
-    ("raised", (class name, message, whether it is a RewardError))."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the stage's to handle; it stops the worker
-    _die_with_parent()
-    stdin = sys.stdin.buffer
-    # answers go out on a private copy of fd 1; fd 1 itself (prints, a subprocess's output) goes to stderr
-    stdout = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    import importlib
-
-    from stages.rewards import RewardError, load_reward_fn
-
-    while True:
-        try:
-            path, environment, fn, completions, columns, kwargs = _receive(stdin.fileno())
-        except EOFError:
-            return
-        if path != sys.path:
-            sys.path[:] = path
-            importlib.invalidate_caches()
-        if environment != os.environ:
-            os.environ.clear()
-            os.environ.update(environment)
-        try:
-            result = load_reward_fn(fn)(completions, **columns, **kwargs)
-            if not hasattr(result, "scores") and not isinstance(result, tuple):
-                result = list(result)  # a generator or an array: what pickles
-            _send(stdout, ("ok", result))
-        except Exception as error:
-            _send(stdout, ("raised", (type(error).__name__, str(error), isinstance(error, RewardError))))
-
-
-if __name__ == "__main__":
-    _serve()

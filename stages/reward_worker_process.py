@@ -1,0 +1,56 @@
+"""The reward worker's own process (``python -m stages.reward_worker_process``): the loop that runs rewards
+for a stage process, which starts, bounds and stops it (stages/reward_worker.py)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+
+from stages.reward_worker import receive, send
+from stages.rewards import RewardError, load_reward_fn
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills the worker when the stage process dies (even by SIGKILL, mid-call)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the worker still exits at its next read, when its stdin closes
+        pass
+
+
+def serve() -> None:
+    """The worker's loop: read (sys.path, environment, fn, completions, columns, kwargs), answer ("ok", result) or
+    ("raised", (class name, message, whether it is a RewardError))."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the stage's to handle; it stops the worker
+    _die_with_parent()
+    stdin = sys.stdin.buffer
+    # answers go out on a private copy of fd 1; fd 1 itself (prints, a subprocess's output) goes to stderr
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    while True:
+        try:
+            path, environment, fn, completions, columns, kwargs = receive(stdin.fileno())
+        except EOFError:
+            return
+        if path != sys.path:
+            sys.path[:] = path
+            importlib.invalidate_caches()
+        if environment != os.environ:
+            os.environ.clear()
+            os.environ.update(environment)
+        try:
+            result = load_reward_fn(fn)(completions, **columns, **kwargs)
+            if not hasattr(result, "scores") and not isinstance(result, tuple):
+                result = list(result)  # a generator or an array: what pickles
+            send(stdout, ("ok", result))
+        except Exception as error:
+            send(stdout, ("raised", (type(error).__name__, str(error), isinstance(error, RewardError))))
+
+
+if __name__ == "__main__":
+    serve()
