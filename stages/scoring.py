@@ -24,7 +24,6 @@ from typing import Any, Callable, Iterable
 from stages.rewards import ComponentScores, RewardSpec, ScoredBatch, score_component, score_completions
 
 
-
 @dataclass
 class RewardErrorPolicy:
     """A stage's ``reward_errors`` policy over every reward exception it meets."""
