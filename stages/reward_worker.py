@@ -85,7 +85,6 @@ class RewardWorker:
         self.process: subprocess.Popen | None = None
         self.lock = threading.Lock()  # one call at a time (the stage's threads share the worker)
         self.launcher = _Launcher()
-        self.restarts = 0
 
     def _start(self) -> subprocess.Popen:
         self.process = self.launcher.start()
@@ -109,7 +108,6 @@ class RewardWorker:
                 status, value = receive(process.stdout.fileno(), time.monotonic() + seconds)
             except RewardTimeout:
                 self.stop()
-                self.restarts += 1
                 raise
             except (EOFError, BrokenPipeError, OSError) as error:  # the worker died (killed, out of memory)
                 self.stop()
@@ -122,8 +120,9 @@ class RewardWorker:
 
 class _Launcher:
     """Starts workers from one thread that lives as long as the process. The kernel's parent-death
-    signal (``_die_with_parent``) fires when the *thread* that started a child ends, and stages run
-    in threads that end (Prefect's task threads), so no stage thread starts a worker itself."""
+    signal (stages/reward_worker_process.py ``_die_with_parent``) fires when the *thread* that
+    started a child ends, and stages run in threads that end (Prefect's task threads), so no stage
+    thread starts a worker itself."""
 
     def __init__(self):
         import queue

@@ -94,7 +94,7 @@ class RewardSpec(SpecModel):
         "then on one completion when a call fails and its completions are retried one by one), in any thread: "
         "the reward runs in a worker process that is killed past the bound, and a completion that still passes "
         "it is a reward error under the stage's reward_errors policy. Not for reward_model, judge and "
-        "environment rewards, which the stage runs itself.")
+        "environment rewards, which the stage runs itself, nor code_tests, which bounds each completion itself.")
 
     @model_validator(mode="after")
     def _reward_model_fields(self):
