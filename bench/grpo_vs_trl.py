@@ -120,9 +120,9 @@ class Race:
 
     def ours(self) -> float:
         from stages import rl
-        from stages.rl import RLStageConfig
+        from stages.rl_common import rl_stage_config
 
-        config = RLStageConfig(**STAGE, max_steps=self.steps)
+        config = rl_stage_config(**STAGE, max_steps=self.steps)
         ctx = self.contexts.make("grpo", SEED)
         tracking = _common.time_tracking_calls(ctx)
         started = time.perf_counter()
@@ -180,9 +180,9 @@ def main() -> None:
     _common.one_thread()
     time_trainer_train()
     from stages.grpo import build_grpo_config
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
-    check_same_settings(build_grpo_config(RLStageConfig(**STAGE, max_steps=args.steps), home / "x", SEED),
+    check_same_settings(build_grpo_config(rl_stage_config(**STAGE, max_steps=args.steps), home / "x", SEED),
                         plain_grpo_config(str(home / "x"), args.steps))
     race = Race(home, args.steps)
     completions = STAGE["prompts_per_step"] * SAMPLING["attempts"]

@@ -123,16 +123,16 @@ def main() -> None:
     from stages.data import read_materialized
     from stages.rewards import RewardSpec
     from stages.context import StageInputs
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     checkpoint = _common.tiny_checkpoint(home, SEED)
     data = _common.arithmetic_data(home, SHARED["prompts_per_step"])  # exactly one batch of prompts
     inputs = StageInputs(policy=checkpoint, reference=checkpoint, datasets={"train": data},
                          rewards={"correct": RewardSpec(fn="exact_answer")})
     total_steps = args.steps + WARMUP
-    ppo_config = RLStageConfig(**SHARED, algorithm="ppo", max_steps=total_steps, ppo_epochs=args.ppo_epochs,
+    ppo_config = rl_stage_config(**SHARED, algorithm="ppo", max_steps=total_steps, ppo_epochs=args.ppo_epochs,
                                minibatch_size=args.minibatch_size)
-    grpo_config = RLStageConfig(**SHARED, algorithm="grpo", max_steps=total_steps, loss="dapo",
+    grpo_config = rl_stage_config(**SHARED, algorithm="grpo", max_steps=total_steps, loss="dapo",
                                 advantage="group_centered")
     ppo_steps = PPOSteps(ppo_config, inputs, read_materialized(data))
 

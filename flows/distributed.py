@@ -29,16 +29,19 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_CONFIGS = ROOT / "infra" / "accelerate"
-TRAINING_KINDS = ("sft", "reward_model", "dpo", "kto", "rl")  # the kinds that train on several processes
 
 
 def world_issues(config, resources, runs_here: bool) -> list[str]:
     """Why ``config`` cannot train on ``resources.world_size()`` processes (empty when it can).
 
     ``runs_here``: the stage runs on this machine (no work pool), so what it needs installed is checked here."""
+    from stages.registry import STAGE_KINDS
+
     world = resources.world_size()
-    if config.kind not in TRAINING_KINDS:
-        return [f"more than one process or GPU is for training stages ({', '.join(TRAINING_KINDS)}); "
+    kind = STAGE_KINDS[config.kind]
+    if kind.world_issues is None:
+        several = [k.name for k in STAGE_KINDS.values() if k.world_issues is not None]
+        return [f"more than one process or GPU is for training stages ({', '.join(several)}); "
                 f"{config.kind} runs on one"]
     issues = node_issues(config, resources)
     if resources.strategy != "ddp" and resources.gpus * resources.nodes <= 1:
@@ -51,12 +54,7 @@ def world_issues(config, resources, runs_here: bool) -> list[str]:
     if isinstance(batch, int) and batch % world:
         issues.append(f"batch_size {batch} must divide evenly over {world} processes (each takes an equal "
                       "share of the global batch)")
-    elif config.kind == "kto" and isinstance(batch, int) and batch // world < 2:
-        issues.append(f"kto estimates its KL reference point within each process's share of the batch: "
-                      f"batch_size {batch} over {world} processes leaves fewer than 2 per process")
-    if config.kind == "rl":
-        issues += _rl_world_issues(config, resources)
-    return issues
+    return issues + kind.world_issues(config, world, resources)
 
 
 def node_issues(config, resources) -> list[str]:
@@ -76,31 +74,6 @@ def node_issues(config, resources) -> list[str]:
     if resources.processes > 1:
         issues.append("`processes` counts CPU processes on one machine; on several nodes the processes are the "
                       "`gpus` of each node")
-    return issues
-
-
-def _rl_world_issues(config, resources) -> list[str]:
-    world = resources.world_size()
-    issues = []
-    completions = config.prompts_per_step * config.sampling.attempts
-    if config.algorithm == "grpo" and completions % world:
-        issues.append(f"grpo samples prompts_per_step x sampling.attempts = {completions} "
-                      f"completions per step, which must divide evenly over {world} processes")
-    if config.algorithm == "ppo":
-        if config.prompts_per_step % world or config.minibatch_size % world:
-            issues.append(f"ppo shards each step's prompts and each minibatch over the processes: prompts_per_step "
-                          f"({config.prompts_per_step}) and minibatch_size ({config.minibatch_size}) must divide "
-                          f"evenly over {world}")
-        if resources.gpus > 1 or resources.nodes > 1 or resources.strategy != "ddp":
-            issues.append("ppo trains on several CPU processes (`processes: N`, DDP) only: its own loop has no "
-                          "FSDP/ZeRO-3 sharding and was not run on several GPUs")
-    for field, value, why in (
-            ("dynamic_sampling", config.dynamic_sampling, "it regroups rollouts that TRL splits over the processes"),
-            ("difficulty_filter", config.difficulty_filter, "every process would sample the filter again"),
-            ("backend", "vllm" if config.backend == "vllm" else None,
-             "every process would start its own in-process engine; `auto` uses HF generate on each process")):
-        if value is not None:
-            issues.append(f"`{field}` is not supported on several processes: {why}")
     return issues
 
 

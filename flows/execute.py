@@ -37,7 +37,7 @@ from flows.tracking import MlflowStageContext, Tracker
 from stages.context import SCORER_PREFIX, StageInputs, StageTimeLimit
 from stages.data import MixtureData, materialize, mixture_report_path
 from stages.models import resolve_base_checkpoint
-from stages.registry import HEADLINE_METRICS, stage_runner
+from stages.registry import STAGE_KINDS, stage_runner
 from stages.rewards import JUDGE_FN
 
 TIME_LIMIT_GRACE = 30.0
@@ -296,9 +296,9 @@ def time_limit(stage: str, seconds: float | None, ctx):
 
 
 def headline_metrics(metrics: dict[str, float], kind: str) -> dict[str, float]:
-    """The metrics of a stage run worth a column in the summary (``HEADLINE_METRICS``)."""
+    """The metrics of a stage run worth a column in the summary (its kind's ``headline_metrics``)."""
     chosen = {}
-    for pattern in HEADLINE_METRICS.get(kind, []):
+    for pattern in STAGE_KINDS[kind].headline_metrics if kind in STAGE_KINDS else ():
         if pattern.endswith("*"):
             matches = [k for k in metrics if k.startswith(pattern[:-1]) and k not in chosen]
             if matches:  # the widest k

@@ -1,11 +1,11 @@
 """Checkpoints as MLflow logged models and registered model versions, with eval metrics linked.
 
-Naming. Every policy checkpoint of a pipeline (sft, rl, dpo, kto: whatever
-``produces_checkpoint`` and is sampled from) becomes one *version* of one registered model
+Naming. Every policy checkpoint of a pipeline (sft, rl, dpo, kto, online_dpo: every kind whose
+``StageKind.produces`` is ``policy``) becomes one *version* of one registered model
 named after the pipeline (``quickstart``): versions are numbered in the order checkpoints
 were published, the alias ``champion`` (``posttrain compare --promote``) points at the best
 one, and that version's ``posttrain.checkpoint_uri`` tag says where its files are. A kind
-that is not a policy (``produces = "reward_model"``) goes to its own registered model,
+that is not a policy (``produces="reward_model"``) goes to its own registered model,
 ``<pipeline>-reward_model``, so a scorer is never ranked against policies nor made champion.
 
 What is written, per checkpoint-producing stage run (``register_checkpoint``):
@@ -59,6 +59,7 @@ from flows.tags import (
     TAG_RUN_ID,
     TAG_STAGE,
 )
+from stages.registry import STAGE_KINDS
 
 
 CHAMPION = "champion"
@@ -84,9 +85,9 @@ def record_stage_model(recorder, pipeline: str, stage: str, config, upstream_run
     Never raises for a registration problem (the stage has finished): an unreachable store
     journals the operation, anything else is recorded in ``posttrain.model_error``.
     """
-    if getattr(config, "produces_checkpoint", False) and "checkpoint" in published:
-        op = {"op": "model.register", "pipeline": pipeline, "stage": stage, "kind": config.kind,
-              "produces": getattr(type(config), "produces", POLICY),
+    produces = STAGE_KINDS[config.kind].produces
+    if produces is not None and "checkpoint" in published:
+        op = {"op": "model.register", "pipeline": pipeline, "stage": stage, "kind": config.kind, "produces": produces,
               "artifact": f"outputs/{published['checkpoint'].rstrip('/').rsplit('/', 1)[-1]}"}
     elif config.kind == "eval" and getattr(config, "model", None) in upstream_runs:
         op = {"op": "model.link_eval", "checkpoint_run_id": upstream_runs[config.model], "data": config.data}
@@ -206,7 +207,7 @@ def ensure_registered(client, checkpoint_run_id: str) -> str | None:
         return None
     pipeline = client.get_experiment(run.info.experiment_id).name
     kind = tags.get(TAG_KIND, "")
-    produces = "reward_model" if kind == "reward_model" else POLICY
+    produces = STAGE_KINDS[kind].produces if kind in STAGE_KINDS else POLICY
     artifact = f"outputs/{outputs['checkpoint'].rstrip('/').rsplit('/', 1)[-1]}"
     return register_checkpoint(client, run, pipeline, produces, artifact)
 

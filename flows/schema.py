@@ -33,7 +33,7 @@ def stage_kind(value) -> str | None:
 
 
 StageSpec = Annotated[
-    Union[tuple(Annotated[config, Tag(kind)] for kind, config in STAGE_KINDS.items())],
+    Union[tuple(Annotated[kind.config, Tag(name)] for name, kind in STAGE_KINDS.items())],
     Discriminator(stage_kind),
 ]
 

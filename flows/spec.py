@@ -32,6 +32,7 @@ from flows.schema import (  # the schema, re-exported: flows.spec is where calle
 )
 from flows.validate import semantic_issues
 from stages.registry import STAGE_KINDS
+from stages.rl_common import RL_ALGORITHMS
 from stages.spec_model import NAME_PATTERN, name_problem
 
 __all__ = ["BASE", "LoadedPipeline", "Pipeline", "SpecError", "SpecIssue", "did_you_mean", "load_pipeline"]
@@ -326,6 +327,15 @@ def _describe(error: dict, model_cls) -> str:
         return f"unknown key{did_you_mean(error['loc'][-1], options)}{allowed}"
     if kind == "missing":
         return "required key is missing"
+    if kind in ("union_tag_invalid", "union_tag_not_found") and "algorithm" in str(ctx.get("discriminator")):
+        known = sorted(RL_ALGORITHMS)
+        if kind == "union_tag_invalid":
+            return (f"unknown rl algorithm {ctx.get('tag')!r}{did_you_mean(ctx.get('tag'), known)}; "
+                    f"algorithms: {', '.join(known)}")
+        given = value.get("algorithm") if isinstance(value, dict) else None
+        if given is not None:
+            return f"`algorithm:` must be one of {', '.join(known)} (got {given!r})"
+        return f"an rl stage needs `algorithm:` (one of {', '.join(known)})"
     if kind == "union_tag_invalid":
         known = sorted(STAGE_KINDS)
         return f"unknown stage kind {ctx.get('tag')!r}{did_you_mean(ctx.get('tag'), known)}; known kinds: {', '.join(known)}"

@@ -98,8 +98,9 @@ def _lenient_stages(raw_stages: dict) -> dict:
         try:
             stages[name] = adapter.validate_python(value)
         except ValidationError:
-            config_cls = STAGE_KINDS.get(stage_kind(value))
-            if config_cls is not None:
+            kind = STAGE_KINDS.get(stage_kind(value))
+            if kind is not None:
+                config_cls = kind.model_for(value)
                 stages[name] = config_cls.model_construct(**_valid_fields(config_cls, value))
     return stages
 
@@ -187,7 +188,7 @@ def _reference_issues(d: _Draft) -> Issues:
             if data_name not in d.raw_data:
                 issues.append((where, f"unknown dataset {data_name!r}{did_you_mean(data_name, d.raw_data)}; "
                                       f"datasets: {', '.join(map(str, d.raw_data)) or 'none declared'}"))
-            elif (config.trains and isinstance(d.raw_data[data_name], dict)
+            elif (STAGE_KINDS[config.kind].trains and isinstance(d.raw_data[data_name], dict)
                   and d.raw_data[data_name].get("role") == "heldout"):
                 issues.append((where, f"dataset {data_name!r} has role heldout and cannot feed training stage "
                                       f"{name!r} (leakage guard: heldout data is only ever evaluated)"))
@@ -212,7 +213,7 @@ def _stage_reference_issues(d: _Draft, name: str, config) -> Issues:
             options = [BASE, *d.raw_stages]
             issues.append((where, f"unknown stage {target!r}{did_you_mean(target, options)}; stages: "
                                   f"{', '.join(options)}"))
-        elif target in d.stages and not d.stages[target].produces_checkpoint:
+        elif target in d.stages and STAGE_KINDS[d.stages[target].kind].produces is None:
             issues.append((where, f"stage {target!r} ({d.stages[target].kind}) produces no checkpoint to use here"))
     return issues
 
@@ -269,8 +270,7 @@ def _judge_issues(d: _Draft) -> Issues:
             options = [BASE, *d.raw_stages]
             issues.append((where, f"unknown stage {spec.stage!r}{did_you_mean(spec.stage, options)}; the judge is "
                                   f"{BASE} or a stage: {', '.join(options)}"))
-        elif spec.stage in d.stages and (not d.stages[spec.stage].produces_checkpoint
-                                         or d.stages[spec.stage].kind == "reward_model"):
+        elif spec.stage in d.stages and STAGE_KINDS[d.stages[spec.stage].kind].produces != "policy":
             issues.append((where, f"stage {spec.stage!r} ({d.stages[spec.stage].kind}) has no generative checkpoint "
                                   "to judge with"))
         if name in d.raw_checks and spec.stage != BASE:  # (a judge_fn or a model of its own exists now)
@@ -451,10 +451,11 @@ class _DatasetRecords:
 # What each stage kind reads from a conversation record, beyond its schema.
 def _record_shape_problem(kind: str, record: dict) -> str | None:
     messages = record.get("messages") or []
-    if kind == "sft" and not any(m.get("role") == "assistant" for m in messages):
-        return "has no assistant turn (`completion`, or a `messages` turn with role assistant), and sft trains " \
-               "on the assistant's turns"
-    if kind in ("rl", "online_dpo", "eval") and not prompt_messages(record):
+    reads = STAGE_KINDS[kind].reads if kind in STAGE_KINDS else None
+    if reads == "demonstrations" and not any(m.get("role") == "assistant" for m in messages):
+        return f"has no assistant turn (`completion`, or a `messages` turn with role assistant), and {kind} " \
+               "trains on the assistant's turns"
+    if reads == "prompts" and not prompt_messages(record):
         return "has no prompt (only an assistant turn), and the stage samples replies to the prompt"
     return None
 

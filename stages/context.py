@@ -81,6 +81,36 @@ SCORER_PREFIX = "rewards."  # ``rewards.<name>``: the checkpoint a reward scores
 
 
 @dataclass(frozen=True)
+class StageKind:
+    """One kind of stage, declared once, in its own module (``KIND = StageKind(...)``), and listed in
+    ``stages/registry.py``: everything the orchestrator needs to know about it and cannot read from a
+    config instance (references, datasets and rewards are the config's methods)."""
+
+    name: str  # the `kind:` a pipeline writes
+    config: Any  # its config model, or a discriminated union of them (rl: one model per algorithm)
+    run: Any  # run(config, inputs: StageInputs, ctx: StageContext) -> published outputs
+    headline_metrics: tuple[str, ...]  # the summary's columns, most telling first (`pass_at_*`: a prefix)
+    produces: Literal["policy", "reward_model"] | None = None  # the registered model its checkpoint becomes
+    trains: bool = True  # reads training data: a heldout dataset is refused, a failure set may feed it
+    reads: Literal["demonstrations", "prompts"] | None = None  # what it needs of a conversation record
+    # Why it cannot train on `world` processes of `resources` (the generic rules are the orchestrator's);
+    # None: it runs on one process only.
+    world_issues: Any = None
+
+    # For a union config: the model a raw stage mapping validates into (their common base when it names none)
+    choose: Any = None
+
+    def model_for(self, value) -> type:
+        """The config model of a raw stage mapping: what the lenient parse builds when it does not validate."""
+        return self.config if self.choose is None else self.choose(value)
+
+
+def no_world_issues(config, world: int, resources) -> list[str]:
+    """A kind that trains on any number of processes under the orchestrator's generic rules."""
+    return []
+
+
+@dataclass(frozen=True)
 class StageInputs:
     """Everything a stage reads, as local paths and typed specs; built by the orchestrator
     (``flows.execute.resolve_inputs``) before the stage runs, the same on every rank."""

@@ -38,7 +38,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import StageInputs
 from stages.data import prompt_messages, read_materialized
-from stages.generation import BackendName, SamplingSettings, open_backend
+from stages.generation import BackendName, SamplingSettings, open_backend, sampling_with
 from stages.spec_model import SpecModel
 
 KEPT_FILE = "difficulty_kept.jsonl"
@@ -49,20 +49,17 @@ class DifficultyFilterEmpty(RuntimeError):
     """The filter left too few prompts to train on."""
 
 
-class FilterSampling(SpecModel):
-    """How the filter samples; every unset field is the stage's rollout setting."""
+def _filter_rules(sampling: SamplingSettings) -> SamplingSettings:
+    if "temperature" in sampling.model_fields_set and sampling.temperature == 0:
+        raise ValueError("temperature must be above 0 for a difficulty filter: greedy attempts of a prompt are all "
+                         "alike, so every pass rate would be 0 or 1")
+    if sampling.attempts < 2:
+        raise ValueError(f"attempts must be at least 2 to measure a pass rate between 0 and 1 (got {sampling.attempts})")
+    return sampling
 
-    model_config = ConfigDict(extra="forbid")
 
-    temperature: float | None = Field(
-        None, gt=0.0, le=10.0, description="Sampling temperature; default the stage's `sampling.temperature`. Must be "
-        "above 0: greedy attempts are all alike, so every pass rate would be 0 or 1.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass; default the stage's `sampling.top_p`.")
-    max_tokens: int | None = Field(
-        None, ge=1, le=32768, description="Token budget per attempt; default the stage's `sampling.max_tokens`.")
-    attempts: int = Field(8, ge=2, le=1024, description="Samples per prompt (k) that measure its pass rate.")
-    seed: int | None = Field(None, description="Seed of the sampler; default the stage's seed.")
-    stop: list[str] = Field(default_factory=list, description="Strings that end an attempt where they first appear.")
+FILTER_DEFAULTS = {"attempts": 8}
+FILTER_SAMPLING = sampling_with(FILTER_DEFAULTS, _filter_rules)
 
 
 class DifficultyFilter(SpecModel):
@@ -71,9 +68,10 @@ class DifficultyFilter(SpecModel):
     model_config = ConfigDict(extra="forbid")
     renamed: ClassVar[dict[str, str]] = {"attempts": "sampling.attempts"}
 
-    sampling: FilterSampling = Field(
-        default_factory=FilterSampling, description="attempts (k), temperature, top_p, max_tokens, seed, stop; every "
-        "field but attempts defaults to the stage's rollout setting (its `sampling:` and seed).")
+    sampling: FILTER_SAMPLING = Field(
+        default_factory=lambda: SamplingSettings(**FILTER_DEFAULTS), description="The sampling schema: attempts "
+        "(k, default 8), temperature, top_p, max_tokens, seed, stop; every field but attempts left out is the "
+        "stage's rollout setting (its `sampling:` and seed).")
     min_pass: float = Field(0.0, ge=0.0, le=1.0, description="Keep a prompt only if its pass rate is above this "
                             "(exclusive; 0 drops prompts never solved).")
     max_pass: float = Field(1.0, ge=0.0, le=1.0, description="Keep a prompt only if its pass rate is below this "
@@ -99,11 +97,7 @@ class DifficultyFilter(SpecModel):
     def settings(self, stage, seed: int) -> SamplingSettings:
         """The attempts' sampling settings, unset fields taken from the rl stage ``stage``."""
         own = self.sampling
-        return SamplingSettings(
-            temperature=stage.sampling.temperature if own.temperature is None else own.temperature,
-            top_p=stage.sampling.top_p if own.top_p is None else own.top_p,
-            max_tokens=stage.sampling.max_tokens if own.max_tokens is None else own.max_tokens,
-            attempts=own.attempts, seed=seed if own.seed is None else own.seed, stop=list(own.stop))
+        return stage.sampling.seeded(seed, **{name: getattr(own, name) for name in own.model_fields_set})
 
 
 def pass_rates(correct: list[bool], k: int) -> list[float]:

@@ -35,7 +35,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from stages.context import StageInputs
+from stages.context import StageInputs, StageKind, no_world_issues
 from stages.preference_training import PreferenceOptimisationConfig, train_on_preferences  # shared with kto
 from stages.trainer_callbacks import pooling_pair_metrics, schedule_arguments
 
@@ -84,3 +84,7 @@ def run(config: DPOStageConfig, inputs: StageInputs, ctx) -> dict:
 
     args = build_dpo_config(config, ctx.work_dir / "trainer", ctx.seed if config.seed is None else config.seed)
     return train_on_preferences(pooling_pair_metrics(DPOTrainer, POOLED_METRICS), args, config, inputs, ctx)
+
+
+KIND = StageKind("dpo", DPOStageConfig, run, ("heldout_pairwise_accuracy", "rewards/margin", "steps"),
+                 produces="policy", world_issues=no_world_issues)

@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from stages.context import ExecutionLimits, StageInputs
+from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.data import prompt_messages, read_materialized
 from stages.environments import EnvironmentSpec
 from stages.generation import BackendName, EngineSettings, SamplingSettings, open_backend
@@ -46,8 +46,6 @@ class EvalConfig(ExecutionLimits):
     """Evaluate a checkpoint on a dataset with rewards, at fixed sampling settings."""
 
     model_config = ConfigDict(extra="forbid")
-    trains: ClassVar[bool] = False
-    produces_checkpoint: ClassVar[bool] = False
 
     kind: Literal["eval"] = Field(description="Stage kind.")
     model: str = Field(description="Stage whose checkpoint is evaluated, or `base` for the pipeline's model.")
@@ -363,3 +361,7 @@ def select_best_of_n(selector: Path, prompts: list, texts: list[str], correct: l
     scores_P_K = [scores[i : i + k] for i in range(0, len(scores), k)]
     correct_P_K = [correct[i : i + k] for i in range(0, len(correct), k)]
     return best_of_n(scores_P_K), best_of_n_accuracy(scores_P_K, correct_P_K)
+
+
+KIND = StageKind("eval", EvalConfig, run, ("pass_at_1", "pass_at_*", "best_of_n_accuracy", "reward_mean",
+                                          "format_error_rate", "truncated_rate"), trains=False, reads="prompts")

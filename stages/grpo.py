@@ -300,20 +300,16 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
     if backend == "vllm":
         engine = GRPORollouts(lambda: open_rollout_engine(config, inputs.policy, tokenizer, dataset["prompt"],
                                                           inputs.trust_remote_code),
-                              tokenizer, group_size=sampling.attempts, temperature=sampling.temperature,
-                              top_p=sampling.top_p, max_tokens=sampling.max_tokens, seed=seed)
+                              tokenizer, sampling.seeded(seed))
     if env is None:
         return engine
     from stages.environments import build_environment
     from stages.episodes import EpisodeRunner
-    from stages.generation import SamplingSettings
     from stages.rollouts import EpisodeRollouts
 
     runner = EpisodeRunner(build_environment(env), env, tokenizer)
     runner.environment.check()
-    settings = SamplingSettings(temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_tokens, attempts=1, seed=seed)
-    return EpisodeRollouts(runner, tokenizer, settings, engine, step_metrics)
+    return EpisodeRollouts(runner, tokenizer, sampling.seeded(seed, attempts=1), engine, step_metrics)
 
 
 def train_grpo(config, inputs: StageInputs, ctx) -> dict:

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from stages.context import StageInputs
+from stages.context import StageInputs, StageKind
 from stages.preference_training import PreferenceOptimisationConfig, train_on_preferences
 
 
@@ -77,3 +77,14 @@ def unpaired(records: list[dict], seed: int):
             for r in records for side in ("chosen", "rejected")]
     random.Random(seed).shuffle(rows)
     return Dataset.from_list(rows)
+
+
+def _world_issues(config: KTOStageConfig, world: int, resources) -> list[str]:
+    if config.batch_size % world == 0 and config.batch_size // world < 2:
+        return [f"kto estimates its KL reference point within each process's share of the batch: "
+                f"batch_size {config.batch_size} over {world} processes leaves fewer than 2 per process"]
+    return []
+
+
+KIND = StageKind("kto", KTOStageConfig, run, ("heldout_reward_margin", "rewards/margin", "kl", "steps"),
+                 produces="policy", world_issues=_world_issues)

@@ -51,16 +51,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.alerts import AlertSettings
-from stages.context import ExecutionLimits, StageInputs
+from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.data import prompt_batches, prompt_messages, read_materialized
-from stages.generation import BackendName, EngineSettings
+from stages.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
 from stages.lora import LORA_DESCRIPTION, AdaptersOff, LoraSpec
-from stages.rl_common import RolloutSampling
 
 MAX_GRAD_NORM = 1.0
 SAMPLE_TABLE_ROWS = 16
@@ -70,8 +69,6 @@ class OnlineDPOStageConfig(ExecutionLimits):
     """Online DPO: pairs sampled from the current policy each step, ranked by rewards, trained with DPO."""
 
     model_config = ConfigDict(extra="forbid")
-    trains: ClassVar[bool] = True
-    produces_checkpoint: ClassVar[bool] = True
 
     kind: Literal["online_dpo"] = Field(description="Stage kind.")
     model: str = Field(description="Stage whose checkpoint the policy starts from, or `base`.")
@@ -81,8 +78,8 @@ class OnlineDPOStageConfig(ExecutionLimits):
     data: str = Field(description="Prompts to sample from (name under `data:`); must not be `heldout`.")
     rewards: list[str] = Field(min_length=1, description="Rewards that rank each prompt's samples (names under "
                                "`rewards:` or built-ins), summed by weight; weight 0 is logged, not ranked on.")
-    sampling: RolloutSampling = Field(
-        default_factory=lambda: RolloutSampling(attempts=2),
+    sampling: ROLLOUT_SAMPLING = Field(
+        default_factory=lambda: SamplingSettings(**ROLLOUT_DEFAULTS, attempts=2),
         description="How the pairs' candidates are sampled: temperature, top_p, max_tokens, attempts "
         "(completions per prompt, at least 2; chosen is the best, rejected the worst).")
     prompts_per_step: int = Field(16, ge=1, le=4096, description="Prompts sampled per step (at most one pair each).")
@@ -238,12 +235,10 @@ class OnlineDPORun:
                    Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor), seed)
 
     def sample(self, prompts: list[list[dict]], step: int):
-        from stages.generation import HFGenerateBackend, SamplingSettings
+        from stages.generation import HFGenerateBackend
         from stages.rollouts import sync_policy
 
-        s = self.config.sampling
-        settings = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                                    attempts=s.attempts, seed=self.seed + step)
+        settings = self.config.sampling.seeded(self.seed + step)
         if self.engine is not None:
             sync_policy(self.engine, self.policy)  # the policy the last update left (LoRA merged)
             self.engine_syncs += 1
@@ -379,3 +374,7 @@ def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed
         if state.engine is not None:
             state.engine.close()
     return history, started
+
+
+KIND = StageKind("online_dpo", OnlineDPOStageConfig, run, ("reward/mean", "rewards/margin", "tie_frac", "steps"),
+                 produces="policy", reads="prompts")

@@ -96,7 +96,7 @@ from stages.data_parallel import (
 )
 from stages.environments import build_environment
 from stages.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
-from stages.generation import HFGenerateBackend, Sample, SamplingSettings, VLLMBackend, prompt_token_ids
+from stages.generation import HFGenerateBackend, Sample, VLLMBackend, prompt_token_ids
 from stages.judge import batch_auditor
 from stages.lora import AdaptersOff, save_trained, wrap
 from stages.models import load_model_and_tokenizer
@@ -467,9 +467,7 @@ class PPORun:
         config = self.config
         answers = [r.get("answer") for r in batch]
         # each process samples its shard of the prompts with its own seed (rank 0's is the one-process seed)
-        settings = SamplingSettings(temperature=config.sampling.temperature, top_p=config.sampling.top_p,
-                                    seed=self.seed + step + 1_000_003 * rank(),
-                                    max_tokens=config.sampling.max_tokens, attempts=config.sampling.attempts)
+        settings = config.sampling.seeded(self.seed + step + 1_000_003 * rank())
         if self.engine is not None:
             sync_policy(self.engine, self.policy)  # the policy the last update left, merged LoRA included
         backend = self.engine or HFGenerateBackend(self.policy, self.tokenizer, len(batch) * settings.attempts)

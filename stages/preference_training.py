@@ -22,8 +22,6 @@ class PreferenceOptimisationConfig(ExecutionLimits):
     """What DPO and KTO stages share: a policy, a frozen reference, preference pairs."""
 
     model_config = ConfigDict(extra="forbid")
-    trains: ClassVar[bool] = True
-    produces_checkpoint: ClassVar[bool] = True
     data_records: ClassVar[str] = "preferences"
 
     model: str = Field(description="Stage whose checkpoint the policy starts from, or `base`.")

@@ -33,7 +33,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
-from stages.context import ExecutionLimits, StageInputs
+from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_issues
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 from stages.reward_model_scoring import (  # re-exported: stages.reward_model is where callers look
@@ -51,9 +51,6 @@ class RewardModelStageConfig(ExecutionLimits):
     """Train a Bradley-Terry reward model on preference pairs."""
 
     model_config = ConfigDict(extra="forbid")
-    trains: ClassVar[bool] = True
-    produces_checkpoint: ClassVar[bool] = True
-    produces: ClassVar[str] = "reward_model"  # a scorer, not a policy: it cannot be sampled from
     data_records: ClassVar[str] = "preferences"
 
     kind: Literal["reward_model"] = Field(description="Stage kind.")
@@ -184,3 +181,8 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
 
 
 # ---------------------------------------------------------------- the reward model as a reward
+
+
+KIND = StageKind("reward_model", RewardModelStageConfig, run,
+                 ("heldout_pairwise_accuracy", "heldout_reward_margin", "steps"), produces="reward_model",
+                 world_issues=no_world_issues)

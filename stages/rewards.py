@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import SCORER_PREFIX
+from stages.generation import JUDGE_DEFAULTS, JUDGE_SAMPLING, SamplingSettings
 from stages.models import ModelSpec
 from stages.spec_model import SpecModel
 
@@ -40,17 +41,6 @@ RUBRIC_PLACEHOLDERS = ("{prompt}", "{completion}", "{answer}")  # what stages/ju
 # (`{prompt.__class__}`, `{x[0]}`, `{answer!r}`); JSON such as {"score": 1} does not start with a name
 _PLACEHOLDER = re.compile(r"\{[A-Za-z_][^{}]*\}")
 JUDGE_SCALE = re.compile(r"(-?\d+)-(-?\d+)")  # a judge's numeric scale, e.g. 1-10
-
-
-class JudgeSampling(SpecModel):
-    """How a judge samples its reply: fixed, and part of the reward's hash and of the judge cache's key."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float = Field(0.0, ge=0.0, le=10.0, description="Sampling temperature; 0 (default) is greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    max_tokens: int = Field(8, ge=1, le=4096, description="Token budget of a judge reply.")
-    seed: int = Field(0, description="Seed of the judge's sampler.")
 
 
 class RewardSpec(SpecModel):
@@ -83,8 +73,10 @@ class RewardSpec(SpecModel):
     scale: str = Field("yes_no", description="fn judge: how the reply is read: `yes_no` (a reply starting with yes "
                        "scores 1, no 0) or `LOW-HIGH` integers such as `1-10` (the first number n of the reply, "
                        "scored (n - LOW) / (HIGH - LOW)). Any other reply is a judge error, counted, never a score.")
-    sampling: JudgeSampling = Field(default_factory=JudgeSampling, description="fn judge: the judge's sampling "
-                                    "settings (temperature 0 by default).")
+    sampling: JUDGE_SAMPLING = Field(
+        default_factory=lambda: SamplingSettings(**JUDGE_DEFAULTS), description="fn judge: the judge's sampling "
+        "settings, fixed and part of the reward's hash and of the reply cache's key: temperature 0 (greedy), "
+        "max_tokens 8 and attempts 1 (a judge's one reply) unless set.")
     backend: Literal["auto", "hf", "vllm"] = Field("auto", description="fn judge: generation backend of a model "
                                                    "judge (auto: vLLM where it can serve the judge, else HF).")
     audit_every: int = Field(10, ge=1, description="fn judge: a grpo stage audits the judge against its verifiers "

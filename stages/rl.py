@@ -13,8 +13,8 @@ its KL reference is itself with the adapters disabled, and the stage publishes t
 
 from __future__ import annotations
 
-from stages.context import StageInputs
-from stages.rl_common import RLStageConfig
+from stages.context import StageInputs, StageKind
+from stages.rl_common import RLStageConfig, rl_model_for
 
 __all__ = ["RLStageConfig", "RewardCheckFailed", "run", "verify_rewards"]
 
@@ -65,3 +65,8 @@ def run(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     from stages.ppo import train_ppo
 
     return train_ppo(config, inputs, ctx)
+
+
+KIND = StageKind("rl", RLStageConfig, run, ("reward/mean", "kl", "steps"), produces="policy", reads="prompts",
+                 world_issues=lambda config, world, resources: config.world_issues(world, resources),
+                 choose=rl_model_for)

@@ -7,24 +7,18 @@ nor the stage that chooses between them.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from stages.alerts import AlertSettings
 from stages.context import ExecutionLimits
 from stages.difficulty import DifficultyFilter
 from stages.environments import EnvironmentSpec
-from stages.generation import BackendName, EngineSettings
+from stages.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 from stages.placement import Placement
 from stages.spec_model import SpecModel
-
-# Fields that mean something for one algorithm only; setting one for the other is an error.
-GRPO_ONLY = ("advantage", "loss", "updates_per_batch", "cispo_cap", "dynamic_sampling")
-PPO_ONLY = ("gamma", "lam", "cliprange_value", "ppo_epochs", "minibatch_size",
-            "whiten_advantages", "kl_target", "kl_horizon", "critic_lr", "critic")
-
 
 class DynamicSampling(SpecModel):
     """DAPO's dynamic sampling: groups whose completions all earn the same reward carry no signal."""
@@ -39,32 +33,18 @@ class DynamicSampling(SpecModel):
         "(advantage 0: no policy gradient), counted in `dynamic/kept_zero_variance_frac`.")
 
 
-class RolloutSampling(SpecModel):
-    """How rollouts are sampled: the eval stage's ``sampling:`` vocabulary, less ``seed`` (the stage's seed
-    seeds the sampler) and ``stop`` (a rollout ends at the end-of-turn token or its budget)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature of rollouts (above 0: "
-                               "greedy completions of a prompt are all alike, so a group would carry no signal).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass of rollouts.")
-    max_tokens: int = Field(8, ge=1, le=32768, description="Token budget per rollout; hitting it is truncation.")
-    attempts: int = Field(8, ge=1, le=256, description="Completions sampled per prompt: GRPO's group (>= 2), "
-                          "over which advantages are centred; PPO's samples per prompt.")
-
-
-class RLStageConfig(ExecutionLimits):
-    """Reinforcement learning against rewards with a KL anchor (GRPO or PPO)."""
+class RLCommon(ExecutionLimits):
+    """What every ``rl`` stage declares, whichever its algorithm: the two algorithms' configs
+    (``GRPOStageConfig``, ``PPOStageConfig``) add their own fields, and ``RLStageConfig`` is
+    their union, told apart by ``algorithm``."""
 
     model_config = ConfigDict(extra="forbid")
     renamed: ClassVar[dict[str, str]] = {
         "group_size": "sampling.attempts", "max_completion_tokens": "sampling.max_tokens",
         "temperature": "sampling.temperature", "top_p": "sampling.top_p"}
-    trains: ClassVar[bool] = True
-    produces_checkpoint: ClassVar[bool] = True
 
     kind: Literal["rl"] = Field(description="Stage kind.")
-    algorithm: Literal["grpo", "ppo"] = Field(description="grpo (TRL GRPOTrainer) or ppo (posttrain's, with a critic).")
+    algorithm: str = Field(description="grpo (TRL GRPOTrainer) or ppo (posttrain's, with a critic).")
     policy: str = Field(description="Stage whose checkpoint the policy starts from, or `base`.")
     reference: str | None = Field(
         None, description="Stage whose checkpoint anchors the KL penalty; default the policy's starting checkpoint."
@@ -76,9 +56,10 @@ class RLStageConfig(ExecutionLimits):
         "of the loss, beta times the per-token KL estimate (k3) added to the policy-gradient loss. PPO: a penalty "
         "in the reward, beta times the per-token log-ratio subtracted from each token's reward before GAE (and "
         "adapted toward `kl_target` when set). The same beta is not the same pull in the two.")
-    sampling: RolloutSampling = Field(
-        default_factory=RolloutSampling,
-        description="Rollout sampling: temperature, top_p, max_tokens, attempts (completions per prompt).")
+    sampling: ROLLOUT_SAMPLING = Field(
+        default_factory=lambda: SamplingSettings(**ROLLOUT_DEFAULTS),
+        description="Rollout sampling: temperature (above 0), top_p, max_tokens (default 8), attempts "
+        "(completions per prompt); the stage's `seed` seeds the sampler.")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per step (each sampled `sampling.attempts` times).")
     max_steps: int = Field(100, ge=1, description="Training steps: GRPO optimizer steps; PPO rollout batches, "
                            "each followed by ppo_epochs passes of minibatch updates.")
@@ -117,7 +98,83 @@ class RLStageConfig(ExecutionLimits):
         "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "
         "`max_pass` (stages/difficulty.py); training reads the kept set, published as `difficulty_kept.jsonl`.")
 
-    # GRPO
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_fields(cls, data):
+        if isinstance(data, dict) and "use_vllm" in data:
+            raise ValueError("use_vllm was replaced by `backend: vllm` (or `auto`, the default: vLLM wherever it "
+                             "can serve the model); remove use_vllm")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_vf_coef(cls, data):
+        if isinstance(data, dict) and "vf_coef" in data:
+            raise ValueError(
+                "vf_coef has no effect in posttrain's PPO and is not a field: the critic is a separate network "
+                "with its own Adam optimiser, and Adam is invariant to a constant weight on its loss; remove "
+                "vf_coef, and set critic_lr to change how fast the critic learns")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _other_algorithms_fields(cls, data):
+        """A field of the other algorithm is named as such, not as an unknown key."""
+        if not isinstance(data, dict) or cls is RLCommon:
+            return data
+        own = set(cls.model_fields)
+        wrong = {name: algorithm for algorithm, config in RL_ALGORITHMS.items() if config is not cls
+                 for name in config.model_fields if name in data and name not in own}
+        if wrong:
+            raise ValueError("; ".join(f"{name} only applies to algorithm {algorithm}" for name, algorithm in wrong.items())
+                             + f", not {data.get('algorithm')}")
+        return data
+
+    @model_validator(mode="after")
+    def _placement(self):
+        if self.placement.reference != "policy" and self.lora is not None:
+            raise ValueError("with lora the KL reference is the policy itself with its adapters off: "
+                             "placement.reference must be left at `policy`")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_rules(self):
+        if self.lora is not None and self.reference not in (None, self.policy):
+            raise ValueError(f"with lora the KL reference is the policy's own starting weights (adapters off); "
+                             f"reference {self.reference!r} must be left out or equal policy {self.policy!r}")
+        if self.difficulty_filter is not None and self.difficulty_filter.verifier not in (None, *self.rewards):
+            raise ValueError(f"difficulty_filter.verifier {self.difficulty_filter.verifier!r} must be one of the "
+                             f"stage's rewards {self.rewards}")
+        if self.environment is not None and self.difficulty_filter is not None:
+            raise ValueError("difficulty_filter samples single completions, not an environment's episodes; "
+                             "remove one of environment and difficulty_filter")
+        return self
+
+    def references(self) -> dict[str, str]:
+        refs = {"policy": self.policy}
+        if self.reference is not None:
+            refs["reference"] = self.reference
+        return refs
+
+    def world_issues(self, world: int, resources) -> list[str]:
+        """Why this stage cannot train on ``world`` processes (empty when it can)."""
+        return [f"`{field}` is not supported on several processes: {why}" for field, value, why in (
+            ("difficulty_filter", self.difficulty_filter, "every process would sample the filter again"),
+            ("backend", "vllm" if self.backend == "vllm" else None,
+             "every process would start its own in-process engine; `auto` uses HF generate on each process"))
+            if value is not None]
+
+    def dataset_names(self) -> list[str]:
+        return [self.data]
+
+    def reward_names(self) -> list[str]:
+        return list(self.rewards)
+
+
+class GRPOStageConfig(RLCommon):
+    """``algorithm: grpo``: TRL's GRPOTrainer, advantages centred within each prompt's group (stages/grpo.py)."""
+
+    algorithm: Literal["grpo"] = Field(description="grpo (TRL GRPOTrainer) or ppo (posttrain's, with a critic).")
     advantage: Literal["group_centered", "group_normalized"] = Field(
         "group_centered",
         description="group_centered: reward minus the group mean (the seeds' unstandardised centring); "
@@ -138,7 +195,33 @@ class RLStageConfig(ExecutionLimits):
         "(the importance ratio is exactly 1); more reuse samples and make the ratio and its clipping matter.",
     )
 
-    # PPO
+    def world_issues(self, world: int, resources) -> list[str]:
+        issues = []
+        completions = self.prompts_per_step * self.sampling.attempts
+        if completions % world:
+            issues.append(f"grpo samples prompts_per_step x sampling.attempts = {completions} completions per "
+                          f"step, which must divide evenly over {world} processes")
+        if self.dynamic_sampling is not None:
+            issues.append("`dynamic_sampling` is not supported on several processes: it regroups rollouts that TRL "
+                          "splits over the processes")
+        return issues + super().world_issues(world, resources)
+
+    @model_validator(mode="after")
+    def _grpo_rules(self):
+        if self.placement.reference != "policy" and self.kl_beta == 0:
+            raise ValueError("kl_beta 0 loads no KL reference: remove placement.reference")
+        if "cispo_cap" in self.model_fields_set and self.loss != "cispo":
+            raise ValueError(f"cispo_cap only applies to loss cispo, not {self.loss}; remove it or set loss: cispo")
+        if self.sampling.attempts < 2:
+            raise ValueError(f"grpo needs sampling.attempts >= 2 to compare completions of a prompt "
+                             f"(got {self.sampling.attempts})")
+        return self
+
+
+class PPOStageConfig(RLCommon):
+    """``algorithm: ppo``: posttrain's PPO, a critic and GAE over per-token rewards (stages/ppo.py)."""
+
+    algorithm: Literal["ppo"] = Field(description="grpo (TRL GRPOTrainer) or ppo (posttrain's, with a critic).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda.")
     cliprange_value: float = Field(0.2, gt=0.0, description="PPO: clip range of value predictions.")
@@ -152,74 +235,50 @@ class RLStageConfig(ExecutionLimits):
         None, description="PPO: a `reward_model` stage whose checkpoint (backbone and score head) initialises "
         "the critic; default the policy's backbone with a zero value head.")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed_fields(cls, data):
-        if isinstance(data, dict) and "use_vllm" in data:
-            raise ValueError("use_vllm was replaced by `backend: vllm` (or `auto`, the default: vLLM wherever it "
-                             "can serve the model); remove use_vllm")
-        return data
+    # references that must name a reward_model stage (the spec checks the kind)
+    reward_model_references: ClassVar[tuple[str, ...]] = ("critic",)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_vf_coef(cls, data):
-        if isinstance(data, dict) and "vf_coef" in data:
-            raise ValueError(
-                "vf_coef has no effect in posttrain's PPO and is not a field: the critic is a separate network "
-                "with its own Adam optimiser, and Adam is invariant to a constant weight on its loss; remove "
-                "vf_coef, and set critic_lr to change how fast the critic learns")
-        return data
-
-    @model_validator(mode="after")
-    def _placement(self):
-        if self.placement.reference != "policy":
-            if self.lora is not None:
-                raise ValueError("with lora the KL reference is the policy itself with its adapters off: "
-                                 "placement.reference must be left at `policy`")
-            if self.algorithm == "grpo" and self.kl_beta == 0:
-                raise ValueError("kl_beta 0 loads no KL reference: remove placement.reference")
-        return self
-
-    @model_validator(mode="after")
-    def _algorithm_fields(self):
-        defaults = type(self).model_fields
-        wrong = PPO_ONLY if self.algorithm == "grpo" else GRPO_ONLY
-        set_wrong = [name for name in wrong if name in self.model_fields_set and getattr(self, name) != defaults[name].default]
-        if set_wrong:
-            raise ValueError(f"{', '.join(set_wrong)} only apply to algorithm "
-                             f"{'ppo' if self.algorithm == 'grpo' else 'grpo'}, not {self.algorithm}")
-        if self.lora is not None and self.reference not in (None, self.policy):
-            raise ValueError(f"with lora the KL reference is the policy's own starting weights (adapters off); "
-                             f"reference {self.reference!r} must be left out or equal policy {self.policy!r}")
-        if "cispo_cap" in self.model_fields_set and self.algorithm == "grpo" and self.loss != "cispo":
-            raise ValueError(f"cispo_cap only applies to loss cispo, not {self.loss}; remove it or set loss: cispo")
-        if self.difficulty_filter is not None and self.difficulty_filter.verifier not in (None, *self.rewards):
-            raise ValueError(f"difficulty_filter.verifier {self.difficulty_filter.verifier!r} must be one of the "
-                             f"stage's rewards {self.rewards}")
-        if self.environment is not None and self.difficulty_filter is not None:
-            raise ValueError("difficulty_filter samples single completions, not an environment's episodes; "
-                             "remove one of environment and difficulty_filter")
-        if self.algorithm == "grpo" and self.sampling.attempts < 2:
-            raise ValueError(f"grpo needs sampling.attempts >= 2 to compare completions of a prompt "
-                             f"(got {self.sampling.attempts})")
-        return self
+    def world_issues(self, world: int, resources) -> list[str]:
+        issues = []
+        if self.prompts_per_step % world or self.minibatch_size % world:
+            issues.append(f"ppo shards each step's prompts and each minibatch over the processes: prompts_per_step "
+                          f"({self.prompts_per_step}) and minibatch_size ({self.minibatch_size}) must divide "
+                          f"evenly over {world}")
+        if resources.gpus > 1 or resources.nodes > 1 or resources.strategy != "ddp":
+            issues.append("ppo trains on several CPU processes (`processes: N`, DDP) only: its own loop has no "
+                          "FSDP/ZeRO-3 sharding and was not run on several GPUs")
+        return issues + super().world_issues(world, resources)
 
     def references(self) -> dict[str, str]:
-        refs = {"policy": self.policy}
-        if self.reference is not None:
-            refs["reference"] = self.reference
+        refs = super().references()
         if self.critic is not None:
             refs["critic"] = self.critic
         return refs
 
-    # references that must name a reward_model stage (the spec checks the kind)
-    reward_model_references: ClassVar[tuple[str, ...]] = ("critic",)
 
-    def dataset_names(self) -> list[str]:
-        return [self.data]
+RL_ALGORITHMS: dict[str, type[RLCommon]] = {"grpo": GRPOStageConfig, "ppo": PPOStageConfig}
 
-    def reward_names(self) -> list[str]:
-        return list(self.rewards)
+
+def _algorithm(value) -> str | None:
+    algorithm = value.get("algorithm") if isinstance(value, dict) else getattr(value, "algorithm", None)
+    return algorithm if isinstance(algorithm, str) else None
+
+
+# The rl stage's config: one model per algorithm, chosen by the `algorithm:` key.
+RLStageConfig = Annotated[
+    Union[tuple(Annotated[config, Tag(algorithm)] for algorithm, config in RL_ALGORITHMS.items())],
+    Discriminator(_algorithm),
+]
+
+
+def rl_model_for(value) -> type[RLCommon]:
+    """The config model of a raw rl stage: its algorithm's, or the common part when it names none."""
+    return RL_ALGORITHMS.get(_algorithm(value), RLCommon)
+
+
+def rl_stage_config(**fields) -> GRPOStageConfig | PPOStageConfig:
+    """An rl stage's config from its fields, as a pipeline's `stages:` entry validates into it."""
+    return TypeAdapter(RLStageConfig).validate_python(fields)
 
 
 def log_curves(ctx, history: list[dict[str, float]], name: str = "curves.png") -> None:

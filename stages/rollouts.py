@@ -93,11 +93,9 @@ class GRPORollouts:
     ``seed + call * 100_003 + prompt index``, so a rerun draws the same rollouts.
     """
 
-    def __init__(self, open_engine, tokenizer, *, group_size: int, temperature: float, top_p: float,
-                 max_tokens: int, seed: int):
+    def __init__(self, open_engine, tokenizer, settings: SamplingSettings):
         self.open_engine, self.tokenizer = open_engine, tokenizer  # open_engine: () -> VLLMBackend, on first use
-        self.group_size, self.seed = group_size, seed
-        self.settings = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, attempts=group_size)
+        self.settings, self.group_size = settings, settings.attempts  # seeded with the stage's seed
         self.backend: VLLMBackend | None = None
         self.synced_step: int | None = None
         self.syncs = 0
@@ -129,8 +127,7 @@ class GRPORollouts:
             raise RuntimeError(f"expected each prompt {self.group_size} times in a row from TRL's sampler; "
                                f"got {len(prompts)} prompts that are not so grouped")
         prompt_ids = prompt_token_ids(self.tokenizer, distinct)
-        settings = SamplingSettings(**self.settings, seed=self.seed)
-        groups = backend.generate_ids(prompt_ids, settings, seed_offset=self.calls * 100_003)
+        groups = backend.generate_ids(prompt_ids, self.settings, seed_offset=self.calls * 100_003)
         self.calls += 1
         samples = [(ids, sample) for ids, group in zip(prompt_ids, groups) for sample in group]
         return {"prompt_ids": [list(ids) for ids, _ in samples],

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from stages.context import ExecutionLimits, StageInputs
+from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_issues
 from stages.data import read_materialized
 from stages.lora import LORA_DESCRIPTION, LoraSpec
 
@@ -31,8 +31,6 @@ class SFTStageConfig(ExecutionLimits):
     """Supervised fine-tuning on demonstrations."""
 
     model_config = ConfigDict(extra="forbid")
-    trains: ClassVar[bool] = True
-    produces_checkpoint: ClassVar[bool] = True
 
     kind: Literal["sft"] = Field(description="Stage kind.")
     model: str = Field("base", description="Stage whose checkpoint to start from, or `base` for the pipeline's model.")
@@ -216,3 +214,7 @@ def packed_sft_trainer_class():
             return result
 
     return PackedSFTTrainer
+
+
+KIND = StageKind("sft", SFTStageConfig, run, ("first_loss", "final_loss", "steps"), produces="policy",
+                 reads="demonstrations", world_issues=no_world_issues)

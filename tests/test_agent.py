@@ -238,12 +238,12 @@ def test_eval_stage_runs_episodes_hashes_their_settings_and_keeps_transcripts(ti
 def test_environment_is_refused_with_a_difficulty_filter():
     from pydantic import ValidationError
 
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     base = dict(kind="rl", policy="base", data="train", rewards=["correct"], environment={"fn": "calculator"})
-    assert RLStageConfig(algorithm="ppo", **base).environment.fn == "calculator"
+    assert rl_stage_config(algorithm="ppo", **base).environment.fn == "calculator"
     with pytest.raises(ValidationError, match="difficulty_filter samples single completions"):
-        RLStageConfig(algorithm="grpo", difficulty_filter={"sampling": {"attempts": 2}}, **base)
+        rl_stage_config(algorithm="grpo", difficulty_filter={"sampling": {"attempts": 2}}, **base)
 
 
 def test_ppo_loss_kl_and_gae_ignore_observation_tokens(tiny_checkpoint):
@@ -254,7 +254,7 @@ def test_ppo_loss_kl_and_gae_ignore_observation_tokens(tiny_checkpoint):
     from stages.episodes import Episode
     from stages.models import load_model_and_tokenizer
     from stages.ppo import ValueModel, build_episode_rollout, compute_targets, load_frozen_reference, minibatch_losses
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     torch.manual_seed(0)
     policy, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
@@ -265,7 +265,7 @@ def test_ppo_loss_kl_and_gae_ignore_observation_tokens(tiny_checkpoint):
             p.add_(0.05 * torch.randn_like(p))
         torch.nn.init.normal_(critic.head.weight, std=0.5)
     policy.eval(), critic.eval()
-    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["correct"], kl_beta=0.3,
+    config = rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["correct"], kl_beta=0.3,
                            gamma=0.9, lam=0.8, clip_epsilon=0.1, environment={"fn": "calculator"})
 
     def ids(text):
@@ -342,11 +342,11 @@ def test_ppo_loss_kl_and_gae_ignore_observation_tokens(tiny_checkpoint):
 
 def test_grpo_trains_in_the_environment(tiny_checkpoint, ctx_factory, home):
     from stages import rl
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     data = materialize(ArithmeticData(generator="arithmetic_calculator", n=20, role="train", ops=["*"],
                                       min_operand=10, max_operand=99), Path("."), home / "data")
-    config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train",
+    config = rl_stage_config(kind="rl", algorithm="grpo", policy="base", data="train",
                            rewards=["correct", "environment"], prompts_per_step=2, max_steps=2, backend="hf",
                            sampling={"attempts": 2, "max_tokens": 6},
                            environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 12})
@@ -362,11 +362,11 @@ def test_grpo_trains_in_the_environment(tiny_checkpoint, ctx_factory, home):
 
 def test_ppo_trains_in_the_environment_on_its_own_score(tiny_checkpoint, ctx_factory, home):
     from stages import rl
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     data = materialize(ArithmeticData(generator="arithmetic_calculator", n=20, role="train", ops=["*"],
                                       min_operand=10, max_operand=99), Path("."), home / "data")
-    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["environment", "correct"],
+    config = rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["environment", "correct"],
                            prompts_per_step=2, max_steps=2, backend="hf", minibatch_size=2, ppo_epochs=1,
                            sampling={"attempts": 2, "max_tokens": 6},
                            environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 12})

@@ -12,7 +12,7 @@ from stages.alerts import AlertSettings, SilentFailureWatch
 from stages.context import StageInputs
 from stages.data import ArithmeticData, materialize
 from stages.rewards import RewardSpec
-from stages.rl import RLStageConfig
+from stages.rl_common import rl_stage_config
 
 ALERT = "posttrain.alert"
 
@@ -48,9 +48,9 @@ def rl_inputs(home, checkpoint, rewards):
     return StageInputs(policy=checkpoint, datasets={"train": data}, rewards=rewards)
 
 
-def rl_config(algorithm: str, **fields) -> RLStageConfig:
+def rl_config(algorithm: str, **fields):
     extra = {"minibatch_size": 8, "ppo_epochs": 1} if algorithm == "ppo" else {}
-    return RLStageConfig(**{"kind": "rl", "algorithm": algorithm, "policy": "base", "data": "train",
+    return rl_stage_config(**{"kind": "rl", "algorithm": algorithm, "policy": "base", "data": "train",
                             "rewards": ["correct"], "prompts_per_step": 4, "max_steps": 3, "lr": 1e-3, **extra,
                             **fields})
 

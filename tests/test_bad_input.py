@@ -120,6 +120,13 @@ CASES = [
           "max_completion_tokens was renamed (did you mean sampling.max_tokens?)"]),
     Case("online_dpo_one_attempt", append(ONLINE_DPO.replace("]}", "], sampling: {attempts: 1}}")),
          ["p.yaml:12: stages.odpo: online_dpo needs sampling.attempts >= 2", "(got 1)"]),
+    # one sampling schema, each place refusing what it cannot honour
+    Case("greedy_rollouts", append(GRPO.replace("]}", "], sampling: {temperature: 0}}")),
+         ["p.yaml:12: stages.grpo.sampling: temperature must be above 0 for rollouts"]),
+    Case("rollout_seed", append(GRPO.replace("]}", "], sampling: {seed: 3}}")),
+         ["p.yaml:12: stages.grpo.sampling: seed is not a rollout setting: the stage's own `seed`"]),
+    Case("rollout_stop", append(ONLINE_DPO.replace("]}", "], sampling: {stop: [x]}}")),
+         ["p.yaml:12: stages.odpo.sampling: stop is not a rollout setting"]),
     Case("online_dpo_lora_with_other_reference", append(ONLINE_DPO.replace("]}", "], reference: base, lora: {r: 4}}")),
          ["p.yaml:12: stages.odpo: with lora the reference is the policy's own starting weights",
           "reference 'base' must be left out or equal model 'sft'"]),

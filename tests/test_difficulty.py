@@ -12,7 +12,7 @@ from conftest import QUICKSTART, run_cli, torch_threads, write
 from stages.data import read_materialized
 from stages.difficulty import DifficultyFilterEmpty, filter_prompts
 from stages.rewards import RewardSpec
-from stages.rl import RLStageConfig
+from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 
 
@@ -44,11 +44,11 @@ def known_answers() -> list[str]:
     return [f"{KINDS[i % 3]}-{i}" for i in range(N_PROMPTS)]  # easy-0, hard-1, mixed-2, easy-3, ...
 
 
-def rl_config(**overrides) -> RLStageConfig:
+def rl_config(**overrides):
     fields = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["verdict"],
                   sampling={"attempts": 4, "max_tokens": 3}, prompts_per_step=2, max_steps=2, sample_every=1,
                   difficulty_filter={"sampling": {"attempts": 4}})
-    return RLStageConfig(**(fields | overrides))
+    return rl_stage_config(**(fields | overrides))
 
 
 def stage_inputs(checkpoint, data: Path, rewards=None, seen: Path | None = None) -> dict:
@@ -168,9 +168,9 @@ FILTER_LINE = "    max_steps: 150\n"
      "min_pass (0.6) must be below max_pass (0.4)"),
     ("{max_pass: 1.5}", "stages.grpo.difficulty_filter.max_pass", "1"),
     ("{min_pass: -0.1}", "stages.grpo.difficulty_filter.min_pass", "0"),
-    ("{sampling: {attempts: 1}}", "stages.grpo.difficulty_filter.sampling.attempts", "2"),
+    ("{sampling: {attempts: 1}}", "stages.grpo.difficulty_filter.sampling", "attempts must be at least 2"),
     ("{attempts: 4}", "stages.grpo.difficulty_filter", "attempts was renamed (did you mean sampling.attempts?)"),
-    ("{sampling: {temperature: 0}}", "stages.grpo.difficulty_filter.sampling.temperature", "0"),
+    ("{sampling: {temperature: 0}}", "stages.grpo.difficulty_filter.sampling", "temperature must be above 0"),
     ("{verifier: nope}", "stages.grpo", "difficulty_filter.verifier 'nope' must be one of the stage's rewards"),
 ])
 def test_validate_refuses_a_bad_filter(tmp_path, capsys, block, path, message):

@@ -114,13 +114,13 @@ def _ppo_update(rank: int, world: int, port: int, shared: str) -> None:
     from stages.context import StageInputs
     from stages.data_parallel import join_process_group, shard
     from stages.ppo import PPORun, build_rollout, compute_targets, ppo_update
-    from stages.rl_common import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     join_process_group()
     fixed = torch.load(Path(shared) / "rollout.pt", weights_only=False)
-    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["r"],
+    config = rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["r"],
                            sampling={"attempts": 2}, prompts_per_step=4, minibatch_size=8, ppo_epochs=2, kl_beta=0.1)
     torch.manual_seed(0)
     run = PPORun.load(config, StageInputs(policy=fixed["checkpoint"]), seed=0)

@@ -11,7 +11,7 @@ import torch
 
 from conftest import run_cli, write
 from stages.rewards import RewardSpec
-from stages.rl import RLStageConfig
+from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 
 
@@ -33,7 +33,7 @@ def prompts_file(path: Path, kinds: list[str], n: int = 12) -> Path:
 def run_grpo(tiny_checkpoint, ctx, data: Path, max_rounds: int):
     from stages import rl
 
-    config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["verdict"],
+    config = rl_stage_config(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["verdict"],
                            sampling={"attempts": 4, "max_tokens": 3}, prompts_per_step=2, max_steps=3,
                            dynamic_sampling={"max_rounds": max_rounds})
     inputs = StageInputs(policy=tiny_checkpoint, datasets={"train": data},

@@ -11,17 +11,18 @@ import torch
 from conftest import QUICKSTART, run_cli
 from stages.data import ArithmeticData, materialize
 from stages.rewards import RewardCase, RewardSpec
-from stages.rl import RewardCheckFailed, RLStageConfig
+from stages.rl import RewardCheckFailed
+from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 
 RL_METRICS = ["reward/mean", "reward/correct/mean", "reward/zero_variance_group_frac", "kl", "entropy",
               "clip_frac", "ratio/mean", "completion/mean_tokens", "completion/truncated_frac"]
 
 
-def grpo_config(**overrides) -> RLStageConfig:
+def grpo_config(**overrides):
     fields = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"], kl_beta=0.05,
                   sampling={"attempts": 4, "max_tokens": 3}, prompts_per_step=4, max_steps=3, sample_every=2)
-    return RLStageConfig(**(fields | overrides))
+    return rl_stage_config(**(fields | overrides))
 
 
 def inputs_for(home, checkpoint, rewards=None, checks=None):
@@ -117,8 +118,17 @@ def test_reward_exception_fails_the_stage_with_the_sample(tiny_checkpoint, ctx_f
 
 
 def test_algorithm_specific_fields_are_checked():
-    with pytest.raises(ValueError, match="gamma only apply to algorithm ppo"):
-        grpo_config(gamma=0.9)
+    """The rl config is a union told apart by `algorithm`: each algorithm's model holds its own fields only,
+    and a field of the other algorithm is named as such (even at its default value)."""
+    from stages.rl_common import GRPOStageConfig, PPOStageConfig
+
+    assert type(grpo_config()) is GRPOStageConfig and not hasattr(grpo_config(), "gamma")
+    ppo = rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["correct"])
+    assert type(ppo) is PPOStageConfig and not hasattr(ppo, "loss")
+    with pytest.raises(ValueError, match="gamma only applies to algorithm ppo, not grpo"):
+        grpo_config(gamma=1.0)
+    with pytest.raises(ValueError, match="advantage only applies to algorithm grpo, not ppo"):
+        rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["c"], advantage="group_centered")
     with pytest.raises(ValueError, match="sampling.attempts >= 2"):
         grpo_config(sampling={"attempts": 1})
 
@@ -165,8 +175,8 @@ def test_cispo_cap_is_validated():
             grpo_config(loss="cispo", cispo_cap=bad)
     with pytest.raises(ValueError, match="cispo_cap only applies to loss cispo"):
         grpo_config(loss="dapo", cispo_cap=3.0)
-    with pytest.raises(ValueError, match="cispo_cap only apply to algorithm grpo"):
-        RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["correct"], cispo_cap=3.0)
+    with pytest.raises(ValueError, match="cispo_cap only applies to algorithm grpo"):
+        rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["correct"], cispo_cap=3.0)
 
 
 def test_grpo_samples_without_the_checkpoints_generation_config(tiny_checkpoint, ctx_factory, home, tmp_path):

@@ -141,6 +141,8 @@ def test_check_reward_runs_the_judge_on_its_known_cases(home, tmp_path, capsys):
      "{completion}, {answer} only"),
     ('{fn: judge, stage: base, rubric: "{completion} {x[0]} {answer!r}"}', "placeholder(s) {answer!r}, {x[0]} are not"),
     ('{fn: math_answer, max_seconds: 0}', "rewards.bad.max_seconds: must be > 0.0 (got 0)"),
+    ('{fn: judge, stage: base, rubric: "{completion}", sampling: {attempts: 3}}',
+     "rewards.bad.sampling: attempts must be 1 for a judge, which reads one reply per conversation (got 3)"),
 ])
 def test_bad_judges_are_refused_with_exit_2(tmp_path, capsys, reward, fragment):
     pipeline = PIPELINE.replace("rewards:\n", f"rewards:\n  bad: {reward}\n")
@@ -219,3 +221,7 @@ def test_rewards_other_than_judges_hash_as_before_judges_existed():
                                                               "batch_size"}
     judged = RewardSpec(fn="judge", judge_fn="judges:lenient", rubric="{completion}").identity()
     assert judged["rubric"] == "{completion}" and judged["sampling"]["temperature"] == 0.0
+    # the one sampling schema with a judge's defaults: greedy, 8 tokens, one reply; set fields kept
+    assert {k: judged["sampling"][k] for k in ("max_tokens", "attempts")} == {"max_tokens": 8, "attempts": 1}
+    short = RewardSpec(fn="judge", judge_fn="judges:lenient", rubric="{completion}", sampling={"max_tokens": 3})
+    assert (short.sampling.temperature, short.sampling.max_tokens, short.sampling.attempts) == (0.0, 3, 1)

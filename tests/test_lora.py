@@ -138,11 +138,11 @@ def test_preference_optimisation_with_lora(kind, tiny_checkpoint, ctx_factory, h
 
 
 def rl_config(algorithm: str, **overrides):
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     fields = dict(kind="rl", algorithm=algorithm, policy="base", data="train", rewards=["score"], kl_beta=0.05,
                   sampling={"attempts": 2, "max_tokens": 4}, prompts_per_step=2, max_steps=1, lr=1e-2, lora=LORA)
-    return RLStageConfig(**(fields | overrides))
+    return rl_stage_config(**(fields | overrides))
 
 
 def rl_inputs(home, checkpoint):

@@ -116,6 +116,20 @@ def test_stage_kinds_do_not_import_each_other():
     assert not crossings, crossings
 
 
+def test_each_stage_kind_is_declared_once_in_its_own_module():
+    """A kind is one ``StageKind``: its module's ``KIND``, with that module's ``run``; the registry lists it."""
+    import importlib
+
+    from stages.registry import STAGE_KINDS
+
+    for name, kind in STAGE_KINDS.items():
+        module = importlib.import_module(f"stages.{name}")
+        assert module.KIND is kind and kind.name == name
+        assert kind.run is module.run and kind.headline_metrics
+    assert {k for k, kind in STAGE_KINDS.items() if kind.world_issues is None} == {"online_dpo", "eval"}
+    assert {k for k, kind in STAGE_KINDS.items() if kind.produces != "policy"} == {"reward_model", "eval"}
+
+
 MAX_FUNCTION_LINES = 60
 
 

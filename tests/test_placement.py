@@ -58,9 +58,9 @@ def test_a_device_the_machine_lacks_is_refused_before_anything_loads(tiny_checkp
     """On a pool worker the validator cannot see the devices: the stage refuses before loading a model."""
     from stages import dpo
     from stages.ppo import PPORun
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
-    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["r"], prompts_per_step=4,
+    config = rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["r"], prompts_per_step=4,
                            sampling={"attempts": 2}, minibatch_size=8, placement={"reference": "cuda:3"})
     with pytest.raises(ValueError, match=r"placement.reference: cuda:3 does not exist on this machine \(no GPU\)"):
         PPORun.load(config, StageInputs(policy="/nonexistent"), seed=0)  # refused before the path is read

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stages.rewards import RewardSpec
-from stages.rl import RLStageConfig
+from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 
 STEP_METRICS = ["reward/mean", "reward/digits/mean", "reward/errors", "kl", "entropy", "clip_frac", "ratio/mean",
@@ -47,11 +47,11 @@ def prompts_file(tmp_path):
     return path
 
 
-def ppo_config(**overrides) -> RLStageConfig:
+def ppo_config(**overrides):
     fields = dict(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["digits"],
                   prompts_per_step=4, ppo_epochs=2, minibatch_size=8, lr=1e-3, kl_beta=0.05, sample_every=2)
     sampling = {"attempts": 4, "max_tokens": 6, **overrides.pop("sampling", {})}
-    return RLStageConfig(**{**fields, **overrides, "sampling": sampling})
+    return rl_stage_config(**{**fields, **overrides, "sampling": sampling})
 
 
 def run_inputs(checkpoint, data, rewards=None):

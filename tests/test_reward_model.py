@@ -77,7 +77,7 @@ def test_reward_model_training_raises_heldout_accuracy(tiny_checkpoint, ctx_fact
 def test_the_reward_model_as_ppo_reward_and_critic(tiny_checkpoint, ctx_factory, home, tmp_path):
     from stages.ppo import ValueModel, train_ppo
     from stages.reward_model import RewardModelReward, RewardModelScorer, load_sequence_scorer
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     _, outputs = train_reward_model(tiny_checkpoint, ctx_factory("rm"), preference_file(home, n=160), max_steps=10)
     rm_path = outputs["checkpoint"]
@@ -102,7 +102,7 @@ def test_the_reward_model_as_ppo_reward_and_critic(tiny_checkpoint, ctx_factory,
 
     prompts_file = materialize(ArithmeticData(generator="arithmetic", n=20, role="train"), Path("."), home / "data")
     rewards = {"rm": spec, "digits": RewardSpec(fn="test_reward_model:digit_share", weight=0.0)}
-    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["rm", "digits"],
+    config = rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["rm", "digits"],
                            critic="rm", sampling={"attempts": 4, "max_tokens": 6}, prompts_per_step=4, max_steps=2,
                            minibatch_size=8, lr=1e-3)
     ctx = ctx_factory("ppo-rm")

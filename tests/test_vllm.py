@@ -191,10 +191,10 @@ def test_grpo_rolls_out_through_vllm_on_policy(vllm_tiny, ctx_factory, home):
     """Weights reach the engine before every step's rollouts; the trainer's log-probs of what the
     engine sampled match the engine's own (ratio/mean is trainer over sampler here)."""
     from stages import rl
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
-    config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["short"], kl_beta=0.05,
+    config = rl_stage_config(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["short"], kl_beta=0.05,
                            sampling={"attempts": 4, "max_tokens": 4}, prompts_per_step=4, max_steps=3, lr=5e-3,
                            engine={"dtype": "float32", "kv_cache_gib": 0.25})
     ctx = ctx_factory("grpo-vllm")
@@ -212,10 +212,10 @@ def test_ppo_rolls_out_through_vllm_and_records_the_engine_logprobs(vllm_tiny, c
     both are float32 forwards of the same weights, so the tolerance is float error (1e-4 nats),
     not the ~1e-2 a bfloat16 engine would show."""
     from stages import rl
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
 
     rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
-    config = RLStageConfig(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["short"], kl_beta=0.05,
+    config = rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["short"], kl_beta=0.05,
                            sampling={"attempts": 2, "max_tokens": 4}, prompts_per_step=4, max_steps=2, lr=5e-3,
                            minibatch_size=4, engine={"dtype": "float32", "kv_cache_gib": 0.25})
     ctx = ctx_factory("ppo-vllm")
@@ -254,7 +254,7 @@ def test_grpo_on_vllm_climbs_like_grpo_on_hf_on_the_quickstart_task(ctx_factory,
     from conftest import torch_threads
     from stages import rl, sft
     from stages.models import TinyModelSpec, resolve_base_checkpoint
-    from stages.rl import RLStageConfig
+    from stages.rl_common import rl_stage_config
     from stages.sft import SFTStageConfig
 
     cache = tmp_path_factory.mktemp("quickstart-vllm")
@@ -268,7 +268,7 @@ def test_grpo_on_vllm_climbs_like_grpo_on_hf_on_the_quickstart_task(ctx_factory,
                         StageInputs(model=base, datasets={"data": demos}), ctx_factory("sft"))["checkpoint"]
         gains = {}
         for backend in ("vllm", "hf"):
-            config = RLStageConfig(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"],
+            config = rl_stage_config(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"],
                                    kl_beta=0.01, sampling={"attempts": 8, "max_tokens": 4}, prompts_per_step=16,
                                    max_steps=100, lr=5e-4, backend=backend, sample_every=100,
                                    engine={"dtype": "float32", "kv_cache_gib": 0.25})
