@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _ui_parser(commands) -> None:
+    schema = commands.add_parser("schema", help="print the pipeline's JSON Schema (editors), or with --reference "
+                                 "the reference page of every stage kind and field")
+    schema.add_argument("--reference", action="store_true", help="print the reference page (Markdown) instead")
     ui = commands.add_parser("ui", help="serve MLflow's UI on this home's runs (127.0.0.1) until Ctrl-C")
     ui.add_argument("--port", type=int, metavar="PORT", help="port to listen on (default 5000, else a free one)")
 
@@ -158,6 +161,11 @@ def _command(args) -> int:
     home = configure_environment(create=False)
     console = Console() if sys.stdout.isatty() else Console(width=160)  # logs and CI get full rows
 
+    if args.command == "schema":
+        from flows.reference import reference_markdown, schema_text
+
+        sys.stdout.write(reference_markdown() if args.reference else schema_text())
+        return EXIT_OK
     if args.command == "ui":
         return _ui(args, console)
     if args.command == "server":

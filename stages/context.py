@@ -6,6 +6,7 @@ it a protocol is what lets ``stages/`` stay free of Prefect and of pipeline YAML
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -99,6 +100,13 @@ class StageKind:
 
     # For a union config: the model a raw stage mapping validates into (their common base when it names none)
     choose: Any = None
+
+    def config_models(self) -> tuple[type, ...]:
+        """Its config models: the one, or each member of its union (Annotated[Union[Annotated[M, Tag]...], ...])."""
+        if isinstance(self.config, type):
+            return (self.config,)
+        union = typing.get_args(self.config)[0]
+        return tuple(typing.get_args(member)[0] for member in typing.get_args(union))
 
     def model_for(self, value) -> type:
         """The config model of a raw stage mapping: what the lenient parse builds when it does not validate."""
