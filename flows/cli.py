@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     deploy.add_argument("--name", metavar="NAME", help="deployment name (default: the pipeline name)")
 
     commands.add_parser("sync", help="record in MLflow what a tracking outage left waiting in $POSTTRAIN_HOME/pending")
-    _ui_parser(commands)
+    _schema_and_ui_parsers(commands)
 
     server = commands.add_parser("server", help="the Prefect API server and warm process posttrain keeps for this home "
                                  "between runs")
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ui_parser(commands) -> None:
+def _schema_and_ui_parsers(commands) -> None:
     schema = commands.add_parser("schema", help="print the pipeline's JSON Schema (editors), or with --reference "
                                  "the reference page of every stage kind and field")
     schema.add_argument("--reference", action="store_true", help="print the reference page (Markdown) instead")

@@ -114,12 +114,27 @@ def _address(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
     return found.group(1), banner
 
 
-@pytest.mark.slow
-def test_posttrain_ui_shows_the_runs_their_scores_and_datasets_in_chromium(ran):
+def _need_chromium() -> None:
     if chromium_path() is None:  # CI (.ci/run) installs it and sets POSTTRAIN_REQUIRE_HOST_TOOLS=1
         if os.environ.get("POSTTRAIN_REQUIRE_HOST_TOOLS") == "1":
             pytest.fail("POSTTRAIN_REQUIRE_HOST_TOOLS=1 and chromium is not installed (apt-get install chromium)")
         pytest.skip("needs Debian's chromium (apt-get install chromium) [CI requires it]")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    # Launched as a background job of a non-interactive shell, `posttrain ui` once inherited SIGINT ignored
+    # and outlived Ctrl-C by 60 s (flows/ui.py now installs its own handler). Killed, its server dies with it.
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.slow
+def test_posttrain_ui_shows_the_runs_their_scores_and_datasets_in_chromium(ran):
+    _need_chromium()
     home, runs, pipeline, _ = ran
     experiment_id = pipeline.info.experiment_id
     env = dict(os.environ, POSTTRAIN_HOME=str(home), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
@@ -150,14 +165,34 @@ def test_posttrain_ui_shows_the_runs_their_scores_and_datasets_in_chromium(ran):
             text = browser.page_text(page, lambda text: score.search(text) and f"heldout ({digest})" in text)
             assert score.search(text) and f"heldout ({digest})" in text, text[:3000]
     finally:
-        # Launched as a background job of a non-interactive shell, `posttrain ui` once inherited SIGINT ignored
-        # and outlived Ctrl-C by 60 s (flows/ui.py now installs its own handler). Killed, its server dies with it.
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_posttrain_ui_names_prefects_ui_which_shows_the_pipelines_flow_run_in_chromium(tmp_path):
+    """A run on posttrain's own Prefect server (no PREFECT_API_URL): `posttrain ui` prints that server's UI
+    beside MLflow's, and the page lists the pipeline's flow and its run."""
+    _need_chromium()
+    env = dict(os.environ, POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    for name in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "POSTTRAIN_PREFECT_UI"):
+        env.pop(name, None)
+    cli = [sys.executable, "-m", "flows.cli"]
+    done = subprocess.run([*cli, "run", str(write(tmp_path / "looking.yaml", PIPELINE))], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    proc = subprocess.Popen([*cli, "ui", "--port", str(_free_port())], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _, banner = _address(proc)
+        server = json.loads((tmp_path / "home" / "prefect" / "server.json").read_text())
+        prefect = f"http://127.0.0.1:{server['port']}"
+        assert f"Prefect UI: {prefect}" in banner, banner
+        with Browser() as browser:
+            text = browser.page_text(f"{prefect}/runs", lambda text: "posttrain-pipeline" in text and "1 run" in text)
+            assert "posttrain-pipeline" in text and "1 run" in text, text[:2000]
+    finally:
+        _stop(proc)
+        subprocess.run([*cli, "server", "stop"], cwd=tmp_path, env=env, capture_output=True, timeout=120)
 
 
 def test_posttrain_ui_refuses_a_home_without_runs_and_a_busy_port(home, capsys):
