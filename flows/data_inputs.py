@@ -5,7 +5,8 @@ Every stage run records each dataset it read (``config.dataset_names()``) as a d
 - digest: the first 16 hex digits of the SHA-256 of the canonical JSONL the stage read, so
   two runs show the same digest exactly when they read the same records;
 - source: that file (``source_type`` ``local``: MLflow's ``{"uri": ...}`` form);
-- profile: ``{"num_rows": records, "spec": the declaration}`` (generator and seed, or path);
+- profile: ``{"num_rows": records, "spec": the declaration}`` (generator and seed, or path; a Hugging
+  Face dataset's adds ``resolved``: ``hub:ID@COMMIT`` or ``folder:DIGEST``);
 - context (the input tag ``mlflow.data.context``): the dataset's declared role, ``train``,
   ``probe`` or ``heldout``.
 
@@ -20,6 +21,8 @@ import json
 from pathlib import Path
 
 from flows.tags import TAG_DATA_CONTEXT
+from stages.data_specs import HubData
+from stages.hub_data import identity
 
 SOURCE_TYPE = "local"
 
@@ -32,8 +35,11 @@ def stage_datasets(loaded, inputs) -> list[dict]:
         path = path.resolve()
         digest, rows = digest_and_rows(path)
         declared = spec.data[name]
+        described = declared.model_dump(mode="json", exclude_none=True)
+        if isinstance(declared, HubData):  # the commit (or folder digest) read, not a moving branch name
+            described["resolved"] = identity(declared, loaded.base_dir)
         found.append({"name": name, "digest": digest, "source": path.as_uri(), "rows": rows,
-                      "role": declared.role, "spec": declared.model_dump(mode="json", exclude_none=True)})
+                      "role": declared.role, "spec": described})
     return found
 
 

@@ -31,6 +31,7 @@ from stages.data import (
     DataError,
     DataSpec,
     FileData,
+    HubData,
     MixtureData,
     ReasoningGymData,
     holds_preferences,
@@ -293,12 +294,17 @@ def _dataset_issues(d: _Draft) -> Issues:
         if isinstance(spec, MixtureData):
             issues += _mixture_issues(d, name, spec)
     for name, spec in d.data.items():
-        if isinstance(spec, FileData) and d.records.error(name):
-            issues.append((("data", name, "path"), d.records.error(name)))
+        if isinstance(spec, (FileData, HubData)) and d.records.error(name):
+            issues.append((("data", name, _source_key(spec)), d.records.error(name)))
         elif isinstance(spec, ReasoningGymData):
             for field_name, message in _reasoning_gym_task_issues(spec):
                 issues.append((("data", name, field_name), message))
     return issues
+
+
+def _source_key(spec) -> str:
+    """The key a file-read dataset's problems are reported at: ``path``, ``hub`` or ``folder``."""
+    return "path" if isinstance(spec, FileData) else "hub" if spec.hub is not None else "folder"
 
 
 def _mixture_issues(d: _Draft, name: str, spec: MixtureData) -> Issues:
@@ -433,7 +439,7 @@ class _DatasetRecords:
         if name not in self._records:
             spec = self.data.get(name)
             try:
-                if isinstance(spec, FileData):
+                if isinstance(spec, (FileData, HubData)):
                     self._records[name] = located_file_records(spec, self.base_dir)
                 elif spec is not None:
                     self._records[name] = [(f"data.{name} record {i + 1}", r)
@@ -484,7 +490,7 @@ def _consumer_issues(stages: dict, rewards: dict[str, RewardSpec], data: dict, r
             if spec is None or holds_preferences(spec, data) or isinstance(spec, ArithmeticData):
                 continue
             kind = getattr(config, "kind", "")
-            located = records.get(data_name) if isinstance(spec, (FileData, MixtureData)) else None
+            located = records.get(data_name) if isinstance(spec, (FileData, HubData, MixtureData)) else None
             if located and (problem := _first_problem(located, lambda r: _record_shape_problem(kind, r))):
                 issues.append((("stages", name, "data"), f"dataset {data_name!r} cannot feed stage {name!r} ({kind}): "
                                f"{problem}"))
@@ -519,7 +525,7 @@ def _leakage_issues(data: dict, records: _DatasetRecords) -> list[tuple[tuple, s
     for held_name, held in data.items():
         if held.role != "heldout":
             continue
-        where = ("data", held_name, "path" if isinstance(held, FileData) else "seed")
+        where = ("data", held_name, _source_key(held) if isinstance(held, (FileData, HubData)) else "seed")
         for other_name, other in data.items():
             if other_name == held_name or other.role == "heldout" or isinstance(other, MixtureData):
                 continue  # a mixture holds its components' records: they are compared themselves
@@ -530,7 +536,7 @@ def _leakage_issues(data: dict, records: _DatasetRecords) -> list[tuple[tuple, s
                                    f"as {other.role} dataset {other_name!r} (same generator, seed and ranges): "
                                    f"leakage guard; give it another seed"))
                 continue
-            if not (isinstance(held, FileData) or isinstance(other, FileData)):
+            if not (isinstance(held, (FileData, HubData)) or isinstance(other, (FileData, HubData))):
                 continue
             held_records, other_records = records.get(held_name), records.get(other_name)
             if held_records is None or other_records is None or holds_preferences(held) != holds_preferences(other):

@@ -43,6 +43,7 @@ from stages.data_specs import (  # the declarations, read here and by flows/spec
     DataError,
     DataSpec,
     FileData,
+    HubData,
     MixtureData,
     ReasoningGymData,
     holds_preferences,
@@ -78,7 +79,7 @@ def generate_arithmetic(spec: ArithmeticData) -> list[dict]:
 # ---------------------------------------------------------------- files
 
 
-def _normalise_record(raw, where: str) -> dict:
+def normalise_record(raw, where: str) -> dict:
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     answer = raw.get("answer")
@@ -102,11 +103,11 @@ def _normalise_record(raw, where: str) -> dict:
     raise DataError(f"{where}: a record needs `messages` (list of turns) or `prompt` (string)")
 
 
-def read_jsonl(path: Path, limit: int | None = None, normalise=_normalise_record) -> list[dict]:
+def read_jsonl(path: Path, limit: int | None = None, normalise=normalise_record) -> list[dict]:
     return [record for _, record in located_jsonl(path, limit, normalise)]
 
 
-def located_jsonl(path: Path, limit: int | None = None, normalise=_normalise_record) -> list[tuple[str, dict]]:
+def located_jsonl(path: Path, limit: int | None = None, normalise=normalise_record) -> list[tuple[str, dict]]:
     """(``file:line``, record) for every record of a JSONL file; DataError names the line that is wrong."""
     records = []
     try:
@@ -134,11 +135,11 @@ def located_jsonl(path: Path, limit: int | None = None, normalise=_normalise_rec
     return records
 
 
-def read_parquet(path: Path, limit: int | None = None, normalise=_normalise_record) -> list[dict]:
+def read_parquet(path: Path, limit: int | None = None, normalise=normalise_record) -> list[dict]:
     return [record for _, record in located_parquet(path, limit, normalise)]
 
 
-def located_parquet(path: Path, limit: int | None = None, normalise=_normalise_record) -> list[tuple[str, dict]]:
+def located_parquet(path: Path, limit: int | None = None, normalise=normalise_record) -> list[tuple[str, dict]]:
     from datasets import Dataset
 
     try:
@@ -192,13 +193,18 @@ def load_records(spec, base_dir: Path, datasets: dict | None = None) -> list[dic
     return [record for _, record in located_file_records(spec, base_dir)]
 
 
-def located_file_records(spec: FileData, base_dir: Path) -> list[tuple[str, dict]]:
-    """(``file:line`` or ``file: row i``, canonical record) for a file dataset; DataError names what is wrong."""
+def located_file_records(spec: FileData | HubData, base_dir: Path) -> list[tuple[str, dict]]:
+    """(``file:line``, ``file: row i`` or ``dataset record i``, canonical record) for a dataset read from files
+    (a JSONL / parquet file, or a Hugging Face dataset); DataError names what is wrong."""
+    if isinstance(spec, HubData):
+        from stages.hub_data import located_hub_records
+
+        return located_hub_records(spec, base_dir)
     path = resolve_path(spec, base_dir)
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist")
     fmt = spec.format if spec.format != "auto" else ("parquet" if path.suffix == ".parquet" else "jsonl")
-    normalise = _normalise_record
+    normalise = normalise_record
     if spec.records == "preferences":
         from stages.preferences import normalise_preference
 
@@ -228,7 +234,8 @@ def _component(spec: MixtureData, name: str, datasets: dict | None):
 
 
 def data_key(spec, base_dir: Path, datasets: dict | None = None) -> str:
-    """Content key of a dataset: its spec, plus the file's bytes for file datasets, the installed
+    """Content key of a dataset: its spec, plus the file's bytes for file datasets, a Hugging Face dataset's
+    resolved commit or folder digest (stages/hub_data.py), the installed
     reasoning-gym version for reasoning-gym tasks (an upgrade may generate other entries), and the
     components' keys for a mixture (``datasets``: every declared dataset by name)."""
     digest = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode())
@@ -243,6 +250,10 @@ def data_key(spec, base_dir: Path, datasets: dict | None = None) -> str:
         path = resolve_path(spec, base_dir)
         if path.is_file():
             digest.update(hashlib.sha256(path.read_bytes()).digest())
+    if isinstance(spec, HubData):  # the resolved commit or the folder's content: a new revision, a new key
+        from stages.hub_data import identity
+
+        digest.update(str(identity(spec, base_dir)).encode())
     return digest.hexdigest()[:16]
 
 

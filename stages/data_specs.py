@@ -150,6 +150,54 @@ class ReasoningGymData(SpecModel):
         return config
 
 
+CANONICAL_COLUMNS = ("prompt", "completion", "answer", "messages", "system", "chosen", "rejected")
+
+
+class HubData(SpecModel):
+    """A Hugging Face dataset: `hub: ID` through `datasets`, read from the local Hugging Face cache and
+    fetched from the hub only where it answers (stages/hub_data.py), or `folder: DIR`, a `save_to_disk`
+    folder or a dataset repository's folder of parquet / JSONL / CSV files."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hub: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$",
+                            description="Dataset id on the Hugging Face hub, e.g. `openai/gsm8k`.")
+    folder: str | None = Field(None, description="Instead of `hub`: a local dataset folder (relative paths are "
+                               "relative to the pipeline file); its files' content is its identity.")
+    config: str | None = Field(None, description="The dataset's configuration (subset), e.g. `main` for GSM8K.")
+    split: str = Field("train", description="The split to read.")
+    revision: str | None = Field(None, description="`hub`: a commit, branch or tag; default the cached `main`. "
+                                 "The resolved commit is part of the cache fingerprint and of the run's dataset "
+                                 "record, so a new revision reruns what depends on it.")
+    role: Role = Field(description=ROLE_HELP)
+    n: int | None = Field(None, ge=1, le=1_000_000, description="Read only the first N records (streamed: a large "
+                          "dataset is not read past them); default all.")
+    columns: dict[str, str] = Field(
+        default_factory=dict, description="Posttrain's record fields from the dataset's columns, e.g. "
+        "{prompt: question, completion: answer, answer: answer} (GSM8K): `prompt`, `completion`, `answer`, "
+        "`messages` (a chat column), `system`; for preferences `prompt`, `chosen`, `rejected`. A field not "
+        "mapped is read from the column of its own name when there is one.")
+    answer_from: Literal["gsm8k", "boxed"] | None = Field(
+        None, description="How the reference `answer` is extracted from its column: `gsm8k` takes what follows "
+        "`####` (commas dropped), `boxed` the content of the last \\boxed{}; default the column as it is.")
+    records: Literal["conversations", "preferences"] = Field(
+        "conversations", description="`conversations` (prompt + completion, or messages) or `preferences` "
+        "(prompt / chosen / rejected as strings or message lists, UltraFeedback's shape; HH-RLHF's "
+        "\\n\\nHuman: / \\n\\nAssistant: transcripts are split into the shared prompt and the two replies).")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.hub is None) == (self.folder is None):
+            raise ValueError("a Hugging Face dataset needs exactly one of `hub: ID` and `folder: DIR`")
+        if self.folder is not None and self.revision is not None:
+            raise ValueError("revision applies to `hub:` datasets; a folder is identified by its files' content")
+        unknown = sorted(set(self.columns) - set(CANONICAL_COLUMNS))
+        if unknown:
+            raise ValueError(f"columns: {', '.join(unknown)} are not record fields; the fields are "
+                             f"{', '.join(CANONICAL_COLUMNS)}")
+        return self
+
+
 class MixtureData(SpecModel):
     """A weighted mixture of other datasets: each of its `n` records is drawn from component c with
     probability weight_c / (sum of weights), then taken from that component's own shuffled order (a
@@ -189,12 +237,16 @@ def _data_source(value) -> str | None:
         return "reasoning_gym"
     if isinstance(value, MixtureData):
         return "mixture"
+    if isinstance(value, HubData):
+        return "hub"
     if isinstance(value, dict):
         if value.get("generator") == "arithmetic_preferences":
             return "preference_generator"
         for key in ("generator", "path", "reasoning_gym", "mixture"):
             if key in value:
                 return key
+        if "hub" in value or "folder" in value:
+            return "hub"
     return None
 
 
@@ -205,12 +257,13 @@ DataSpec = Annotated[
         Annotated[FileData, Tag("path")],
         Annotated[ReasoningGymData, Tag("reasoning_gym")],
         Annotated[MixtureData, Tag("mixture")],
+        Annotated[HubData, Tag("hub")],
     ],
     Discriminator(
         _data_source,
         custom_error_type="data_source",
         custom_error_message="a dataset needs a source: `generator: arithmetic`, "
-        "`generator: arithmetic_preferences`, `path: FILE`, `reasoning_gym: TASK` or `mixture: {NAME: WEIGHT, ...}`",
+        "`generator: arithmetic_preferences`, `path: FILE`, `reasoning_gym: TASK`, `hub: ID`, `folder: DIR` or `mixture: {NAME: WEIGHT, ...}`",
     ),
 ]
 
@@ -221,7 +274,8 @@ def holds_preferences(spec, datasets: dict | None = None) -> bool:
     if isinstance(spec, MixtureData):
         components = [(datasets or {}).get(name) for name in spec.mixture]
         return any(c is not None and not isinstance(c, MixtureData) and holds_preferences(c) for c in components)
-    return isinstance(spec, ArithmeticPreferenceData) or (isinstance(spec, FileData) and spec.records == "preferences")
+    return isinstance(spec, ArithmeticPreferenceData) or (isinstance(spec, (FileData, HubData))
+                                                          and spec.records == "preferences")
 
 
 class DataError(ValueError):
