@@ -9,7 +9,9 @@ through here, so three things are written once:
   exception a reward raised (stages/rewards.py isolates it to the completion that caused
   it, and a call past its time bound is one too) is counted across the whole stage; under
   ``fail`` the stage stops once the count passes the limit, naming the reward, its error
-  and the completion; under ``score`` the completion scores 0 and the count is logged.
+  and the completion; under ``score`` the completion scores 0 and the count is logged. An error
+  carried on (under ``score``, or within the limit) is written to the stage's log with its
+  completion (the first 20): a judge's unreadable reply is such an error, the reply quoted.
 - ``Scorer``: scores a batch with the stage's rewards and bound scorers (reward models,
   judges, an environment's own score), applies the policy, and hands judged batches to
   the judge auditor (stages/judge.py) so judges are audited against verifiers wherever
@@ -31,6 +33,7 @@ class RewardErrorPolicy:
     policy: str  # "fail" or "score"
     limit: int  # max_reward_errors
     count: int = 0
+    shown: int = 0  # errors written to the stage's log so far (the first SHOWN_ERRORS)
 
     @classmethod
     def of(cls, config) -> "RewardErrorPolicy":
@@ -43,6 +46,7 @@ class RewardErrorPolicy:
         new = sum(len(c.errors) for c in components)
         self.count += new
         if not new or self.policy != "fail" or self.count <= self.limit:
+            self._show([(c.name, message, completions[i]) for c in components for i, message in c.errors])
             return
         component = next(c for c in components if c.errors)
         index, message = component.errors[0]
@@ -50,6 +54,21 @@ class RewardErrorPolicy:
             f"reward {component.name!r} raised {message} on completion {completions[index]!r} "
             f"({self.count} reward errors so far, max_reward_errors is {self.limit}); fix the reward, or set "
             "reward_errors: score to score such completions 0 and go on")
+
+
+    def _show(self, errors: list[tuple[str, str, str]]) -> None:
+        """Each error counted and carried on (a judge's unreadable reply, a reward's exception) goes to the
+        stage's log with its completion, the first SHOWN_ERRORS of the stage; the rest are counted only."""
+        for name, message, completion in errors:
+            self.shown += 1
+            if self.shown <= SHOWN_ERRORS:
+                print(f"reward error (scored 0, reward_errors: {self.policy}): reward {name!r} {message} on "
+                      f"completion {completion[:300]!r}", flush=True)
+            elif self.shown == SHOWN_ERRORS + 1:
+                print(f"reward errors after the first {SHOWN_ERRORS} are counted only (reward/errors)", flush=True)
+
+
+SHOWN_ERRORS = 20
 
 
 class Scorer:

@@ -26,3 +26,9 @@ def lenient(conversations: list[list[dict]]) -> list[str]:
     """A judge that passes everything."""
     CALLS.append(len(conversations))
     return ["yes"] * len(conversations)
+
+
+def unsure(conversations: list[list[dict]]) -> list[str]:
+    """A judge whose every reply is off its scale."""
+    CALLS.append(len(conversations))
+    return ["I cannot tell"] * len(conversations)

@@ -245,6 +245,58 @@ def test_same_pipeline_twice_at_once_runs_each_stage_once(home, tmp_path):
         assert json.loads(parent.data.tags["posttrain.stage_runs"])["sft"] == sft_run
 
 
+LOADED = """\
+name: loaded
+model: {init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}
+data:
+  train: {generator: arithmetic, n: 64, role: train}
+  heldout: {generator: arithmetic, n: 8, seed: 5, role: heldout}
+stages:
+  sft: {kind: sft, data: train, max_steps: 2, batch_size: 8}
+""" + "".join(f"  eval_{i}: {{kind: eval, model: sft, data: heldout, sampling: {{attempts: 2, max_tokens: 3, seed: {i}}}}}\n"
+              for i in range(10))
+
+
+def test_ten_evals_and_another_pipeline_at_once_on_one_home_and_its_prefect_server(home, tmp_path):
+    """Ten `posttrain run --only eval_i` of one pipeline and a run of another, all at once, on one home and the
+    Prefect server it keeps: every run recorded once in MLflow and in Prefect, no stage run twice, no
+    database-locked error anywhere."""
+    import sqlite3
+    from contextlib import closing
+
+    from mlflow.tracking import MlflowClient
+
+    path, other = write(tmp_path / "loaded.yaml", LOADED), write(tmp_path / "other.yaml",
+                                                                   SMALL.replace("name: faults", "name: other"))
+    home.mkdir()
+    assert finish(launch(home, "run", str(path), "--only", "sft", log=tmp_path / "sft.log"), tmp_path / "sft.log") == 0
+    logs = [tmp_path / f"eval_{i}.log" for i in range(10)] + [tmp_path / "other.log"]
+    started = time.monotonic()
+    procs = [launch(home, "run", str(path), "--only", f"eval_{i}", log=logs[i]) for i in range(10)]
+    procs.append(launch(home, "run", str(other), log=logs[10]))
+    try:
+        codes = [finish(proc, log, timeout=900) for proc, log in zip(procs, logs)]
+        wall = time.monotonic() - started
+        texts = [log.read_text() for log in logs] + [p.read_text(errors="replace") for p in home.rglob("*.log")]
+        assert codes == [0] * 11, "\n".join(text[-1500:] for code, text in zip(codes, texts) if code)
+        assert not [t for t in texts if "database is locked" in t.lower()]
+
+        client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+        for stage in ["sft", *(f"eval_{i}" for i in range(10))]:
+            assert [r.info.status for r in stage_runs(client, "loaded", stage)] == ["FINISHED"], stage
+        for stage in ("sft", "eval_sft"):
+            assert [r.info.status for r in stage_runs(client, "other", stage)] == ["FINISHED"], stage
+        parents = client.search_runs([client.get_experiment_by_name("loaded").experiment_id],
+                                     "tags.`posttrain.role` = 'pipeline'")
+        assert sorted(r.info.status for r in parents) == ["FINISHED"] * 11
+        with closing(sqlite3.connect(home / "prefect" / "prefect.db")) as db:  # the one server all twelve used
+            states = db.execute("SELECT state_type, count(*) FROM flow_run GROUP BY state_type").fetchall()
+        assert states == [("COMPLETED", 12)], states
+        print(f"\nten evals and another pipeline at once: {wall:.0f} s wall, 12 flow runs, 0 errors")
+    finally:
+        finish(launch(home, "server", "stop", log=tmp_path / "stop.log"), tmp_path / "stop.log")
+
+
 def test_two_pipelines_at_once_against_one_mlflow_server_keep_their_lineage_apart(home, tmp_path):
     from mlflow.tracking import MlflowClient
 

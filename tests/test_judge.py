@@ -172,6 +172,34 @@ def test_grpo_audits_its_judge_every_n_reward_batches(tiny_checkpoint, ctx_facto
     assert "audit/lenient_vs_correct_batch_00001.json" in tables
 
 
+@pytest.mark.parametrize("policy", ["score", "fail"])
+def test_an_unreadable_judge_reply_is_a_reward_error_with_the_reply_logged(tiny_checkpoint, ctx_factory, home,
+                                                                          capsys, policy):
+    """A reply off the judge's scale is never a score: under `score` it is counted and written to the stage's
+    log with its completion, and the stage goes on; under `fail` it fails the stage naming the reply."""
+    from test_grpo import grpo_config, inputs_for
+
+    from stages import rl
+
+    rewards = {"correct": RewardSpec(fn="exact_answer"),
+               "unsure": RewardSpec(fn="judge", judge_fn="judges:unsure", rubric="Reply: {completion}", weight=0.0)}
+    inputs = replace(inputs_for(home, tiny_checkpoint, rewards), judge_cache=home / "judge-cache")
+    config = grpo_config(max_steps=2, rewards=["correct", "unsure"], reward_errors=policy)
+    if policy == "fail":
+        with pytest.raises(RuntimeError, match="reward 'unsure' raised judge reply 'I cannot tell' is not on scale "
+                                               "yes_no on completion"):
+            rl.run(config, inputs, ctx_factory("unsure-fail"))
+        return
+    ctx = ctx_factory("unsure-score")
+    outputs = rl.run(config, inputs, ctx)
+    assert outputs["metrics"]["reward_errors"] == 32  # 2 steps x 4 prompts x 4 completions, every one
+    out = capsys.readouterr().out
+    logged = [line for line in out.splitlines() if line.startswith("reward error (")]
+    assert len(logged) == 20 and all("judge reply 'I cannot tell' is not on scale yes_no on completion" in line
+                                     for line in logged), logged[:3]
+    assert "reward errors after the first 20 are counted only (reward/errors)" in out
+
+
 def test_ppo_audits_its_judge_every_n_reward_batches(tiny_checkpoint, ctx_factory, home):
     """posttrain's PPO scores a batch on every reward at once; its judge is audited like GRPO's."""
     from test_grpo import grpo_config, inputs_for
