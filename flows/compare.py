@@ -35,6 +35,7 @@ from flows.tags import (
     TAG_STAGE,
     TAG_UPSTREAM,
 )
+from stages.registry import STAGE_KINDS
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 SHOWN_METRICS = ("reward_mean", "format_error_rate")
@@ -80,6 +81,10 @@ class Group:
 
 
 def _settings_text(params: dict[str, str]) -> str:
+    if "harness" in params:  # a benchmark stage (stages/benchmark.py)
+        return (f"{params['harness']} tasks={params.get('tasks')} fewshot={params.get('num_fewshot')} "
+                f"limit={params.get('limit')} chat_template={params.get('apply_chat_template')} "
+                f"backend={params.get('backend')}")
     parts = [f"T={params.get('sampling.temperature', '?')}", f"top_p={params.get('sampling.top_p', '?')}",
              f"tokens={params.get('sampling.max_tokens', '?')}", f"attempts={params.get('sampling.attempts', '?')}",
              f"seed={params.get('sampling.seed', '?')}", f"data={params.get('data', '?')}",
@@ -93,12 +98,12 @@ def _settings_text(params: dict[str, str]) -> str:
 
 def evaluated_checkpoints(client, experiment_id: str, register_missing: bool = True) -> list[Row]:
     """One row per (checkpoint, settings): the latest FINISHED eval run of it, newest first."""
-    runs = client.search_runs(
+    runs = sorted((run for kind in STAGE_KINDS.values() if kind.evaluates for run in client.search_runs(
         [experiment_id],
-        filter_string="tags.`posttrain.role` = 'stage' and tags.`posttrain.kind` = 'eval' "
+        filter_string=f"tags.`posttrain.role` = 'stage' and tags.`posttrain.kind` = '{kind.name}' "
                       "and attributes.status = 'FINISHED'",
         order_by=["attributes.start_time DESC"], max_results=5000,
-    )
+    )), key=lambda run: run.info.start_time, reverse=True)  # eval and benchmark runs, newest first
     rows, seen = [], set()
     for run in runs:
         tags, params = run.data.tags, run.data.params
@@ -307,6 +312,8 @@ def _select(args, experiment_name: str):
     if not any(args.metric in r.metrics for g in groups for r in g.rows):
         names = sorted({k for g in groups for r in g.rows for k in r.metrics})
         raise _Refused(f"no evaluated checkpoint has metric {args.metric!r}; the eval runs log: {', '.join(names)}")
+    # a group that never measured the metric (a benchmark's, ranking by pass_at_1) has nothing to rank
+    groups = [g for g in groups if any(args.metric in r.metrics for r in g.rows)]
     return client, experiment, rows, groups
 
 

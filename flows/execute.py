@@ -96,7 +96,8 @@ def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[st
         datasets=datasets, **checkpoints, scorer_checkpoints=scorers, rewards=rewards,
         # replies by (judge, rubric, prompt, completion)
         judge_cache=home / "cache" / "judge" if any(r.fn == JUDGE_FN for r in rewards.values()) else None,
-        reward_checks={n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks})
+        reward_checks={n: spec.reward_checks[n] for n in config.reward_names() if n in spec.reward_checks},
+        base_dir=loaded.base_dir)
 
 
 def judge_model_inputs(rewards: dict, seed: int, home: Path, base_dir: Path) -> dict[str, Path]:

@@ -115,6 +115,8 @@ def fingerprint(loaded: LoadedPipeline, stage: str, upstream_runs: dict[str, str
         "rewards": {name: r.identity() for name, r in loaded.rewards_for(config.reward_names()).items()},
         "version": __version__,
     }
+    if hasattr(config, "file_identity"):  # files a stage reads beside its datasets (a benchmark's task folder)
+        payload["files"] = config.file_identity(loaded.base_dir)
     payload.update(round_fingerprint(spec, stage))  # iterate: the mix of round r's data (empty otherwise)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 

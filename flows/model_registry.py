@@ -89,8 +89,9 @@ def record_stage_model(recorder, pipeline: str, stage: str, config, upstream_run
     if produces is not None and "checkpoint" in published:
         op = {"op": "model.register", "pipeline": pipeline, "stage": stage, "kind": config.kind, "produces": produces,
               "artifact": f"outputs/{published['checkpoint'].rstrip('/').rsplit('/', 1)[-1]}"}
-    elif config.kind == "eval" and getattr(config, "model", None) in upstream_runs:
-        op = {"op": "model.link_eval", "checkpoint_run_id": upstream_runs[config.model], "data": config.data}
+    elif STAGE_KINDS[config.kind].evaluates and getattr(config, "model", None) in upstream_runs:
+        op = {"op": "model.link_eval", "checkpoint_run_id": upstream_runs[config.model],
+              "data": getattr(config, "data", None) or config.kind}
     else:
         return  # nothing produced, or the base model was evaluated (it is not a registered checkpoint)
     try:
@@ -216,7 +217,7 @@ def ensure_registered(client, checkpoint_run_id: str) -> str | None:
 
 
 def linked_metric_names(metrics: dict[str, float]) -> list[str]:
-    return [k for k in metrics if k.startswith("pass_at_") or k in LINKED_METRICS]
+    return [k for k in metrics if k.startswith(("pass_at_", "lm_eval/")) or k in LINKED_METRICS]
 
 
 def link_eval(client, eval_run, model_id: str, data: str | None = None) -> None:

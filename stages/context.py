@@ -93,6 +93,7 @@ class StageKind:
     headline_metrics: tuple[str, ...]  # the summary's columns, most telling first (`pass_at_*`: a prefix)
     produces: Literal["policy", "reward_model"] | None = None  # the registered model its checkpoint becomes
     trains: bool = True  # reads training data: a heldout dataset is refused, a failure set may feed it
+    evaluates: bool = False  # scores a checkpoint: its runs are ranked by `posttrain compare` and linked to the model
     reads: Literal["demonstrations", "prompts"] | None = None  # what it needs of a conversation record
     # Why it cannot train on `world` processes of `resources` (the generic rules are the orchestrator's);
     # None: it runs on one process only.
@@ -135,6 +136,7 @@ class StageInputs:
     judge_cache: Path | None = None  # judge replies by (judge, rubric, prompt, completion); None: no cache
     rewards: Mapping[str, Any] = field(default_factory=dict)  # reward name -> stages.rewards.RewardSpec
     reward_checks: Mapping[str, list] = field(default_factory=dict)  # reward name -> its known cases
+    base_dir: Path | None = None  # the pipeline file's folder, where a stage's own relative paths point
 
     def __post_init__(self):  # paths as Path, whatever the caller passed
         for name in _PATH_FIELDS:
@@ -180,7 +182,7 @@ class StageInputs:
         return flat
 
 
-_PATH_FIELDS = ("judge_cache", *CHECKPOINT_INPUTS)  # StageInputs' fields that hold one path
+_PATH_FIELDS = ("judge_cache", "base_dir", *CHECKPOINT_INPUTS)  # StageInputs' fields that hold one path
 
 
 class Progress(Protocol):

@@ -364,4 +364,5 @@ def select_best_of_n(selector: Path, prompts: list, texts: list[str], correct: l
 
 
 KIND = StageKind("eval", EvalConfig, run, ("pass_at_1", "pass_at_*", "best_of_n_accuracy", "reward_mean",
-                                          "format_error_rate", "truncated_rate"), trains=False, reads="prompts")
+                                          "format_error_rate", "truncated_rate"), trains=False, reads="prompts",
+                 evaluates=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from stages import dpo, kto, online_dpo, reward_model, rl, sft
+from stages import benchmark, dpo, kto, online_dpo, reward_model, rl, sft
 from stages import eval as evaluation
 from stages.context import StageKind
 
@@ -21,6 +21,7 @@ STAGE_KINDS: dict[str, StageKind] = {kind.name: kind for kind in (
     kto.KIND,
     online_dpo.KIND,
     evaluation.KIND,
+    benchmark.KIND,
 )}
 
 
