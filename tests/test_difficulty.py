@@ -160,7 +160,7 @@ def test_rl_stage_trains_only_on_the_kept_prompts(tiny_checkpoint, ctx_factory, 
     assert logged_metrics(ctx)["difficulty/kept"] == 4.0
 
 
-FILTER_LINE = "    max_steps: 150\n"
+FILTER_LINE = "    max_steps: 250\n"
 
 
 @pytest.mark.parametrize("block, path, message", [

@@ -40,7 +40,7 @@ def test_every_shipped_pipeline_names_the_schema_and_validates_against_it(pipeli
 
 @pytest.mark.parametrize("edit, fragment", [
     ("    kl_beta: 0.01\n", "    kl_beta: 0.01\n    klbeta: 0.01\n"),          # a typo'd key
-    ("    max_steps: 150\n", "    max_steps: many\n"),                        # a wrong type
+    ("    max_steps: 250\n", "    max_steps: many\n"),                        # a wrong type
     ("    algorithm: grpo\n", "    algorithm: grpa\n"),                        # not an algorithm
     ("    sampling: {temperature: 1.0, max_tokens: 4", "    sampling: {temperature: -1.0, max_tokens: 4"),  # a bound
 ])
