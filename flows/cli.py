@@ -113,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         if warm.enabled() and home.is_dir():  # the next run of this home skips the imports this one paid for
             warm.start_in_background(home, environment)
         return at_exit.status
+    if args.command == "schema":  # reads nothing and writes nothing: no home, no store
+        from flows.reference import reference_markdown, schema_text
+
+        sys.stdout.write(reference_markdown() if args.reference else schema_text())
+        return EXIT_OK
     return _command(args)
 
 
@@ -161,11 +166,6 @@ def _command(args) -> int:
     home = configure_environment(create=False)
     console = Console() if sys.stdout.isatty() else Console(width=160)  # logs and CI get full rows
 
-    if args.command == "schema":
-        from flows.reference import reference_markdown, schema_text
-
-        sys.stdout.write(reference_markdown() if args.reference else schema_text())
-        return EXIT_OK
     if args.command == "ui":
         return _ui(args, console)
     if args.command == "server":

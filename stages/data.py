@@ -199,7 +199,7 @@ def located_file_records(spec: FileData | HubData, base_dir: Path) -> list[tuple
     if isinstance(spec, HubData):
         from stages.hub_data import located_hub_records
 
-        return located_hub_records(spec, base_dir)
+        return located_hub_records(spec, base_dir, normalise_record)
     path = resolve_path(spec, base_dir)
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist")

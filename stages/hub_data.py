@@ -132,9 +132,9 @@ def _rows(spec: HubData, path: Path):
         raise DataError(f"dataset {describe(spec)} cannot be read: {type(error).__name__}: {error}") from None
 
 
-def located_hub_records(spec: HubData, base_dir: Path) -> list[tuple[str, dict]]:
-    """(``dataset record i``, canonical record) for the first ``n`` rows; DataError names what is wrong."""
-    from stages.data import normalise_record
+def located_hub_records(spec: HubData, base_dir: Path, normalise_record) -> list[tuple[str, dict]]:
+    """(``dataset record i``, canonical record) for the first ``n`` rows; DataError names what is wrong.
+    ``normalise_record``: stages/data.py's, for conversation rows (passed in: stages.data imports this module)."""
     from stages.preferences import normalise_preference
 
     path, _ = resolve(spec, base_dir)

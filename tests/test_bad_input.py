@@ -239,7 +239,7 @@ CASES = [
     Case("alias_recursion", append("loop: &loop [*loop]\n"),
          ["p.yaml:12: loop.0: a YAML alias refers to a collection that contains it"]),
     Case("kind_is_a_list", replace("{kind: sft,", "{kind: [sft],"),
-         ["p.yaml:10: stages.sft: `kind:` must be one of dpo, eval, kto, online_dpo, reward_model, rl, sft (got ['sft'])"]),
+         ["p.yaml:10: stages.sft: `kind:` must be one of benchmark, dpo, eval, kto, online_dpo, reward_model, rl, sft (got ['sft'])"]),
     Case("stage_key_null", append("  ~: {kind: sft, data: train}\n"),
          ["p.yaml:12: stages.~: key '~' is read by YAML as null, not a string", 'quote it ("~")']),
     Case("stage_key_integer", append("  1: {kind: sft, data: train}\n"),

@@ -13,7 +13,7 @@ import pytest
 from conftest import run_cli, write
 
 from stages.data_specs import DataError, HubData
-from stages.hub_data import located_hub_records
+from stages.data import located_file_records
 
 REV_1, REV_2 = "1a" * 20, "2b" * 20
 GSM8K_CARD = """---
@@ -140,7 +140,7 @@ def test_gsm8k_and_boxed_answers_are_extracted(hf_cache, tmp_path):
     gsm8k_cache(hf_cache)
     spec = HubData(hub="openai/gsm8k", config="main", split="train", role="train", n=3, answer_from="gsm8k",
                    columns={"prompt": "question", "answer": "answer"})
-    assert [r["answer"] for _, r in located_hub_records(spec, tmp_path)] == ["3", "5", "7"]
+    assert [r["answer"] for _, r in located_file_records(spec, tmp_path)] == ["3", "5", "7"]
     folder = tmp_path / "math"
     folder.mkdir()
     pq.write_table(pa.table({"problem": ["p1", "p2"], "solution": ["so \\boxed{\\frac{1}{2}}", "no box here"]}),
@@ -148,8 +148,8 @@ def test_gsm8k_and_boxed_answers_are_extracted(hf_cache, tmp_path):
     boxed = HubData(folder=str(folder), role="train", answer_from="boxed", columns={"prompt": "problem",
                                                                                    "answer": "solution"})
     with pytest.raises(DataError, match=r"record 1: answer_from boxed found no \\boxed\{\} in 'no box here'"):
-        located_hub_records(boxed, tmp_path)
-    assert located_hub_records(boxed.model_copy(update={"n": 1}), tmp_path)[0][1]["answer"] == "\\frac{1}{2}"
+        located_file_records(boxed, tmp_path)
+    assert located_file_records(boxed.model_copy(update={"n": 1}), tmp_path)[0][1]["answer"] == "\\frac{1}{2}"
 
 
 def test_ultrafeedback_and_hh_rlhf_preferences_map_to_a_shared_prompt_and_two_replies(hf_cache, tmp_path):
@@ -158,7 +158,7 @@ def test_ultrafeedback_and_hh_rlhf_preferences_map_to_a_shared_prompt_and_two_re
         "prompt": ["Name a prime."], "chosen": [[turn("user", "Name a prime."), turn("assistant", "7")]],
         "rejected": [[turn("user", "Name a prime."), turn("assistant", "8")]], "score_chosen": [9.0]}})
     spec = HubData(hub="HuggingFaceH4/ultrafeedback_binarized", split="train_prefs", role="train", records="preferences")
-    ((_, pair),) = located_hub_records(spec, tmp_path)
+    ((_, pair),) = located_file_records(spec, tmp_path)
     assert pair == {"prompt": [turn("user", "Name a prime.")], "chosen": [turn("assistant", "7")],
                     "rejected": [turn("assistant", "8")], "answer": None}
 
@@ -167,7 +167,7 @@ def test_ultrafeedback_and_hh_rlhf_preferences_map_to_a_shared_prompt_and_two_re
     shared = "\n\nHuman: What is 2+2?\n\nAssistant: Let me think.\n\nHuman: Well?\n\nAssistant:"
     (folder / "train.jsonl").write_text(json.dumps({"chosen": shared + " 4", "rejected": shared + " 5"}) + "\n")
     hh = HubData(folder=str(folder), role="train", records="preferences")
-    ((_, pair),) = located_hub_records(hh, tmp_path)
+    ((_, pair),) = located_file_records(hh, tmp_path)
     assert pair["prompt"] == [turn("user", "What is 2+2?"), turn("assistant", "Let me think."), turn("user", "Well?")]
     assert (pair["chosen"], pair["rejected"]) == ([turn("assistant", "4")], [turn("assistant", "5")])
 
@@ -180,9 +180,9 @@ def test_a_save_to_disk_folder_is_a_dataset_identified_by_its_content(tmp_path):
     folder = tmp_path / "saved"
     DatasetDict({"train": Dataset.from_dict({"prompt": ["a?", "b?"], "answer": ["1", "2"]})}).save_to_disk(folder)
     spec = HubData(folder=str(folder), role="train")
-    assert [r["answer"] for _, r in located_hub_records(spec, tmp_path)] == ["1", "2"]
+    assert [r["answer"] for _, r in located_file_records(spec, tmp_path)] == ["1", "2"]
     before = identity(spec, tmp_path)
     DatasetDict({"train": Dataset.from_dict({"prompt": ["a?", "b?"], "answer": ["1", "3"]})}).save_to_disk(folder)
     assert identity(spec, tmp_path) != before and before.startswith("folder:")
     with pytest.raises(DataError, match="no split 'test'; splits: train"):
-        located_hub_records(spec.model_copy(update={"split": "test"}), tmp_path)
+        located_file_records(spec.model_copy(update={"split": "test"}), tmp_path)

@@ -126,8 +126,9 @@ def test_each_stage_kind_is_declared_once_in_its_own_module():
         module = importlib.import_module(f"stages.{name}")
         assert module.KIND is kind and kind.name == name
         assert kind.run is module.run and kind.headline_metrics
-    assert {k for k, kind in STAGE_KINDS.items() if kind.world_issues is None} == {"online_dpo", "eval"}
-    assert {k for k, kind in STAGE_KINDS.items() if kind.produces != "policy"} == {"reward_model", "eval"}
+    assert {k for k, kind in STAGE_KINDS.items() if kind.world_issues is None} == {"online_dpo", "eval", "benchmark"}
+    assert {k for k, kind in STAGE_KINDS.items() if kind.produces != "policy"} == {"reward_model", "eval", "benchmark"}
+    assert {k for k, kind in STAGE_KINDS.items() if kind.evaluates} == {"eval", "benchmark"}
 
 
 MAX_FUNCTION_LINES = 60

@@ -173,9 +173,12 @@ def test_posttrain_ui_names_prefects_ui_which_shows_the_pipelines_flow_run_in_ch
     """A run on posttrain's own Prefect server (no PREFECT_API_URL): `posttrain ui` prints that server's UI
     beside MLflow's, and the page lists the pipeline's flow and its run."""
     _need_chromium()
-    env = dict(os.environ, POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    for name in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "POSTTRAIN_PREFECT_UI"):
-        env.pop(name, None)
+    # the server outlives the run until `server stop` below (the suite's 20 s idle stop could beat `posttrain ui`)
+    # and none of the session's Prefect settings (its test server's URL and database) reach it
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING_URI"))}
+    env.update(POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
+               POSTTRAIN_PREFECT_IDLE_SECONDS="600")
+    env.pop("POSTTRAIN_PREFECT_UI", None)
     cli = [sys.executable, "-m", "flows.cli"]
     done = subprocess.run([*cli, "run", str(write(tmp_path / "looking.yaml", PIPELINE))], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
