@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from flows.tags import TAG_DATA_CONTEXT
@@ -66,8 +67,22 @@ def log_datasets(client, run_id: str, datasets: list[dict]) -> None:
         )
         for d in datasets
     ]
-    if entries:
-        client.log_inputs(run_id, datasets=entries)
+    if not entries:
+        return
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(5):
+        try:
+            client.log_inputs(run_id, datasets=entries)
+            return
+        except MlflowException as error:
+            # MLflow's SQL store looks a dataset up, then inserts it: two runs logging the same dataset at
+            # once (ten `--only` evals of one pipeline) race, and the loser's insert breaks the unique key.
+            # Its transaction is rolled back, and the retry finds the winner's row and links to it.
+            duplicate = any(text in str(error) for text in ("UNIQUE constraint failed", "UniqueViolation", "Duplicate entry"))
+            if not duplicate or "dataset" not in str(error).lower() or attempt == 4:
+                raise
+            time.sleep(0.05 * (attempt + 1))
 
 
 def pipeline_datasets(client, stage_run_ids, offline: bool) -> list[dict]:
