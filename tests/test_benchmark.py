@@ -56,7 +56,7 @@ def task_folder(tmp_path):
     write(tmp_path / "tasks" / "sums.yaml", TASK.format(data=data))
 
 
-def test_benchmarks_are_logged_with_stderr_and_compared_like_for_like(home, tmp_path, capsys):
+def test_benchmarks_are_logged_with_stderr_and_compared_like_for_like(home, prefect_server, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     task_folder(tmp_path)

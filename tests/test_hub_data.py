@@ -82,7 +82,7 @@ stages:
 """
 
 
-def test_a_hub_dataset_in_the_cache_trains_sft_and_its_commit_is_recorded(home, tmp_path, hf_cache):
+def test_a_hub_dataset_in_the_cache_trains_sft_and_its_commit_is_recorded(home, prefect_server, tmp_path, hf_cache):
     from mlflow.tracking import MlflowClient
 
     gsm8k_cache(hf_cache)
