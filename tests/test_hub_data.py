@@ -186,3 +186,19 @@ def test_a_save_to_disk_folder_is_a_dataset_identified_by_its_content(tmp_path):
     assert identity(spec, tmp_path) != before and before.startswith("folder:")
     with pytest.raises(DataError, match="no split 'test'; splits: train"):
         located_file_records(spec.model_copy(update={"split": "test"}), tmp_path)
+
+
+def test_a_chat_dataset_maps_its_messages_column(tmp_path):
+    from stages.data import located_file_records
+
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    turns = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+              {"role": "assistant", "content": "4"}]]
+    pq.write_table(pa.table({"conversation": turns, "label": [4]}), folder / "train.parquet")
+    spec = HubData(folder=str(folder), role="train", columns={"messages": "conversation", "answer": "label"})
+    ((_, record),) = located_file_records(spec, tmp_path)
+    assert record == {"messages": turns[0], "answer": "4"}
+    not_chat = HubData(folder=str(folder), role="train", columns={"messages": "label"})  # a number, not turns
+    with pytest.raises(DataError, match=r"record 0: `messages` must be a non-empty list of \{role, content\} strings"):
+        located_file_records(not_chat, tmp_path)
