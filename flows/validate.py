@@ -182,8 +182,11 @@ def _reference_issues(d: _Draft) -> Issues:
     issues = []
     for name, config in d.stages.items():
         issues += _stage_reference_issues(d, name, config)
-        if hasattr(config, "here_problems"):  # what the stage needs of this machine and its files
-            issues += [(("stages", name, *where.split(".")), why) for where, why in config.here_problems(d.base_dir)]
+        if hasattr(config, "here_problems"):  # what the stage needs of its files, and of this machine if it runs here
+            resources = _stage_resources(d, config)
+            runs_here = resources is None or resources.pool is None
+            issues += [(("stages", name, *where.split(".")), why)
+                       for where, why in config.here_problems(d.base_dir, runs_here)]
         for data_name in config.dataset_names():
             if not isinstance(data_name, str):
                 continue

