@@ -61,14 +61,14 @@ def one_thread() -> None:
 
 def tiny_checkpoint(home: Path, seed: int = 0) -> Path:
     """The quickstart's base model (~0.34M parameters; its spec is the TinyModelSpec defaults)."""
-    from stages.models import TinyModelSpec, resolve_base_checkpoint
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
 
     return resolve_base_checkpoint(TinyModelSpec(init="tiny"), seed, home / "cache", home)
 
 
 def arithmetic_data(home: Path, n: int, role: str = "train", seed: int = 0) -> Path:
     """The quickstart's arithmetic questions, materialised to JSONL."""
-    from stages.data import ArithmeticData, materialize
+    from stages.data.sources import ArithmeticData, materialize
 
     spec = ArithmeticData(generator="arithmetic", n=n, seed=seed, role=role,
                           demo_error_rate=0.35 if role == "train" else 0.0)

@@ -62,9 +62,9 @@ def main() -> None:
     home = isolated_home()
     from pydantic import TypeAdapter
 
-    from stages.data import DataSpec, load_records, prompt_messages
-    from stages.generation import EngineSettings, SamplingSettings, open_backend
-    from stages.models import ModelSpec, resolve_base_checkpoint
+    from stages.data.sources import DataSpec, load_records, prompt_messages
+    from stages.rollout.generation import EngineSettings, SamplingSettings, open_backend
+    from stages.models.loading import ModelSpec, resolve_base_checkpoint
 
     checkpoint = resolve_base_checkpoint(TypeAdapter(ModelSpec).validate_python(SMOLLM2), 0, home / "cache", home)
     data = TypeAdapter(DataSpec).validate_python({**TASK, "n": args.prompts})

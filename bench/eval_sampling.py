@@ -39,7 +39,7 @@ def loop_generate(model, tokenizer, prompts: list[list[dict]], settings) -> list
     """One ``generate`` call per prompt per attempt, keeping what the backend keeps per sample."""
     import torch
 
-    from stages.generation import Sample
+    from stages.rollout.generation import Sample
 
     torch.manual_seed(settings.seed)
     tokenizer.padding_side = "left"
@@ -75,9 +75,9 @@ def main() -> None:
 
     home = _common.isolated_home()
     _common.one_thread()
-    from stages.data import prompt_messages, read_materialized
-    from stages.generation import HFGenerateBackend, SamplingSettings
-    from stages.models import load_model_and_tokenizer
+    from stages.data.sources import prompt_messages, read_materialized
+    from stages.rollout.generation import HFGenerateBackend, SamplingSettings
+    from stages.models.loading import load_model_and_tokenizer
 
     checkpoint = _common.tiny_checkpoint(home)
     heldout = read_materialized(_common.arithmetic_data(home, 200, role="heldout", seed=999))

@@ -25,8 +25,8 @@ def main() -> None:
     from flows.tracking import MlflowStageContext, Tracker
     from stages import sft
     from stages.context import StageInputs
-    from stages.data import ArithmeticData, materialize
-    from stages.models import TinyModelSpec, resolve_base_checkpoint
+    from stages.data.sources import ArithmeticData, materialize
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
     from stages.sft import SFTStageConfig
 
     configure_environment()

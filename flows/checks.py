@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from stages.context import StageInputs
-from stages.rewards import JUDGE_FN, check_reward_cases
+from stages.rewards.registry import JUDGE_FN, check_reward_cases
 
 
 def check_rewards_command(loaded, only: list[str], console) -> int:
@@ -49,7 +49,7 @@ def check_environments(loaded, stages: dict, console) -> int:
     """Replay every stage environment's known episodes; 0 if all hold, 1 on a violation."""
     from rich.table import Table
 
-    from stages.episode_checks import check_episode_cases
+    from stages.rollout.episode_checks import check_episode_cases
 
     table = Table(title=f"environment checks · {loaded.spec.name}")
     for column in ("stage", "case", "turns", "answer", "score", "ended", "tool errors", "verdict"):
@@ -77,8 +77,8 @@ def _bound_judges(loaded, judges: dict) -> dict:
     if not judges:
         return {}
     from flows.home import configure_environment, ensure_home
-    from stages.models import resolve_base_checkpoint
-    from stages.reward_model_scoring import bind_reward_models
+    from stages.models.loading import resolve_base_checkpoint
+    from stages.rewards.reward_model import bind_reward_models
 
     home = ensure_home(configure_environment())
     spec = loaded.spec

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from flows.tags import TAG_DATA_CONTEXT
-from stages.data_specs import HubData
-from stages.hub_data import identity
+from stages.data.specs import HubData
+from stages.data.hub import identity
 
 SOURCE_TYPE = "local"
 

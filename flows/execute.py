@@ -35,10 +35,10 @@ from flows.tags import TAG_ERROR, TAG_FINGERPRINT, TAG_KIND, TAG_SEED, TAG_UPSTR
 from flows.terminal import stage_output
 from flows.tracking import MlflowStageContext, Tracker
 from stages.context import SCORER_PREFIX, StageInputs, StageTimeLimit
-from stages.data import MixtureData, materialize, mixture_report_path
-from stages.models import resolve_base_checkpoint
+from stages.data.sources import MixtureData, materialize, mixture_report_path
+from stages.models.loading import resolve_base_checkpoint
 from stages.registry import STAGE_KINDS, stage_runner
-from stages.rewards import JUDGE_FN
+from stages.rewards.registry import JUDGE_FN
 
 TIME_LIMIT_GRACE = 30.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flows.iterate import downstream, failure_references, step_name
-from stages.rewards import reward_input_key
+from stages.rewards.registry import reward_input_key
 
 if TYPE_CHECKING:
     from flows.schema import Pipeline

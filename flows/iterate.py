@@ -9,7 +9,7 @@ reruns ``train`` and every stage downstream of it as *steps* named ``<stage>@<r>
 upstream of ``train`` (and those beside it) are shared by all rounds and run once.
 ``train@r`` starts from the same checkpoint as ``train`` (its upstream is shared) and
 trains on its own dataset mixed with the failure set that ``collect`` wrote in round
-r-1 (``stages/failures.py`` says how: ``mix`` is the share of examples drawn from the
+r-1 (``stages/data/failures.py`` says how: ``mix`` is the share of examples drawn from the
 failure set). The unrolled stages are ordinary stages to the graph, the planner and the
 Prefect flow: ``train@r`` reads ``collect@(r-1)`` as its input ``failures``, so that run id
 enters its fingerprint beside ``mix``, and a rerun of an unchanged pipeline is a cache hit
@@ -45,7 +45,7 @@ ROUND_SEPARATOR = "@"  # stage names cannot hold it, so a step name never collid
 FAILURES_INPUT = "failures"  # the input of train@r that names round r-1's collect step
 FAILURE_ARTIFACT = "outputs/failures.jsonl"  # where an eval run publishes its failure set
 ITERABLE_KINDS = ("sft", "rl")  # training kinds that read conversations / prompts a failure set can feed
-MIX_RECIPE = 1  # bump when stages/failures.py changes what a given mix produces (part of the fingerprint)
+MIX_RECIPE = 1  # bump when stages/data/failures.py changes what a given mix produces (part of the fingerprint)
 
 
 
@@ -207,7 +207,7 @@ def guard_failure_source(loaded, feed: FailureFeed, recorded_input: str | None) 
     what the collect run itself recorded in MLflow as its ``input.data`` (a content-keyed
     file name), so a failure set from any other dataset, heldout above all, is refused.
     """
-    from stages.data import data_key
+    from stages.data.sources import data_key
 
     spec = loaded.spec
     data_name = spec.stages[feed.collect].data
@@ -230,8 +230,8 @@ def guard_failure_source(loaded, feed: FailureFeed, recorded_input: str | None) 
 def build_round_data(loaded, feed: FailureFeed, failures_path: Path, recorded_input: str | None,
                      cache_dir: Path) -> RoundData:
     """Materialise train@r's mixed dataset, content-keyed under ``cache_dir`` (written atomically)."""
-    from stages.data import materialize, read_materialized
-    from stages.failures import (
+    from stages.data.sources import materialize, read_materialized
+    from stages.data.failures import (
         failure_training_records,
         mix_records,
         read_failures,

@@ -25,8 +25,8 @@ from flows.graph import (
 from flows.iterate import round_fingerprint
 from flows.spec import BASE, LoadedPipeline, did_you_mean
 from stages.context import EXECUTION_FIELDS
-from stages.data import data_key
-from stages.models import GGUFModelSpec, HubModelSpec, PathModelSpec, base_model_key
+from stages.data.sources import data_key
+from stages.models.loading import GGUFModelSpec, HubModelSpec, PathModelSpec, base_model_key
 
 
 class PlanError(Exception):
@@ -88,11 +88,11 @@ def base_model_identity(loaded: LoadedPipeline) -> str:
                 digest.update(f"{item.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
         return "path:" + digest.hexdigest()[:16]
     if isinstance(spec, GGUFModelSpec):  # the file's bytes, wherever it was installed
-        from stages.pretrained import file_sha256, locate_gguf
+        from stages.models.pretrained import file_sha256, locate_gguf
 
         return "gguf:" + file_sha256(locate_gguf(spec.gguf, loaded.base_dir))[:16]
     if isinstance(spec, HubModelSpec):  # the snapshot's commit, not a moving branch name
-        from stages.pretrained import hub_checkpoint
+        from stages.models.pretrained import hub_checkpoint
 
         return f"hub:{spec.hub}@{hub_checkpoint(spec.hub, spec.revision).name}"
     return "init:" + base_model_key(spec, loaded.spec.seed)

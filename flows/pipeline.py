@@ -186,7 +186,7 @@ def print_summary(report: PipelineReport, console) -> None:
         table.add_row(row.stage, row.kind, row.status, f"{row.seconds:.1f}",
                       _format_metrics(row.metrics) or row.note[:160], row.run_id or "", style=style)
     console.print(table)
-    for row in report.rows:  # stages that ran without learning, and the likely cause (stages/alerts.py)
+    for row in report.rows:  # stages that ran without learning, and the likely cause (stages/training/alerts.py)
         for alert in row.alerts:
             console.print(f"[bold yellow]alert[/bold yellow] {row.stage}: {escape(alert)}", highlight=False)
     print_rounds(report.rows, console)  # iterate: each round's evaluation side by side

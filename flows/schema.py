@@ -18,10 +18,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from flows.iterate import IterateSpec
 from stages.context import Resources
-from stages.data import DataSpec
-from stages.models import ModelSpec
+from stages.data.sources import DataSpec
+from stages.models.loading import ModelSpec
 from stages.registry import STAGE_KINDS
-from stages.rewards import RewardCase, RewardSpec
+from stages.rewards.registry import RewardCase, RewardSpec
 from stages.spec_model import NAME_PATTERN, SpecModel
 
 

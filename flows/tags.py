@@ -16,7 +16,7 @@ TAG_HOST = "posttrain.host"  # who runs the run: what the reaper of dead runs ch
 TAG_PID = "posttrain.pid"
 TAG_PROCESS_START = "posttrain.process_start"
 TAG_ERROR = "posttrain.error"  # why a run failed or was killed, in words
-TAG_ALERT = ALERT_TAG  # a stage that learns nothing, and the likely cause (stages/alerts.py)
+TAG_ALERT = ALERT_TAG  # a stage that learns nothing, and the likely cause (stages/training/alerts.py)
 TAG_PREFECT_FLOW_RUN = "posttrain.prefect_flow_run_id"
 
 # ------------------------------------------------------------------ an experiment (one per pipeline)

@@ -132,7 +132,7 @@ class StageLine:
         self._refresh()
 
     def alert(self, message: str) -> None:
-        """A stage that learns nothing (stages/alerts.py): a warning above the live line, now."""
+        """A stage that learns nothing (stages/training/alerts.py): a warning above the live line, now."""
         from rich.markup import escape
 
         self.terminal.console.print(f"[bold yellow]  {self.stage}: alert[/bold yellow] {escape(message)}",

@@ -233,7 +233,7 @@ class MlflowStageContext:
         self.seed = seed
         self.console = console
         self.staged: dict[str, str] = {}
-        self.alerts: list[str] = []  # what the stage said it is not learning, and why (stages/alerts.py)
+        self.alerts: list[str] = []  # what the stage said it is not learning, and why (stages/training/alerts.py)
         self.latest: dict[str, tuple[int, float]] = {}  # metric -> (step, value), as MLflow shows a run's metrics
         self.recorder = recorder or Recorder(tracker.client, run_id, tracker.home)
         self._staging = work_dir / "staging"

@@ -26,7 +26,7 @@ from flows.schema import (
     unwrap_type,
 )
 from stages.context import Resources
-from stages.data import (
+from stages.data.sources import (
     ArithmeticData,
     DataError,
     DataSpec,
@@ -40,7 +40,7 @@ from stages.data import (
     prompt_messages,
     prompt_text,
 )
-from stages.models import (
+from stages.models.loading import (
     GGUFModelSpec,
     HubModelSpec,
     ModelSpec,
@@ -48,7 +48,7 @@ from stages.models import (
     chat_template_problem,
     check_checkpoint_dir,
 )
-from stages.pretrained import (
+from stages.models.pretrained import (
     GGUF_SUFFIX,
     ModelSourceError,
     cached_hub_snapshot,
@@ -56,9 +56,9 @@ from stages.pretrained import (
     hub_problem,
     locate_gguf,
 )
-from stages.environments import EnvironmentLoadError, has_own_score, load_environment_class
+from stages.rollout.environments import EnvironmentLoadError, has_own_score, load_environment_class
 from stages.registry import STAGE_KINDS
-from stages.rewards import (
+from stages.rewards.registry import (
     BUILTIN_REWARDS,
     ENVIRONMENT_FN,
     JUDGE_FN,
@@ -69,8 +69,8 @@ from stages.rewards import (
     import_dotted,
     load_reward_fn,
 )
-from stages.reward_schemas import RECORD_READERS, kwargs_issues, record_problem
-from stages.sandbox import ISOLATION_MODES
+from stages.rewards.schemas import RECORD_READERS, kwargs_issues, record_problem
+from stages.rewards.sandbox import ISOLATION_MODES
 from stages.spec_model import KEY_NAME_PATTERN, name_problem
 
 
@@ -376,9 +376,9 @@ def _stage_resources(d: _Draft, config) -> Resources | None:
 
 
 def _placement_issues(d: _Draft) -> Issues:
-    """``placement:`` (stages/placement.py): a reward-model placement needs a reward model to place; a
+    """``placement:`` (stages/models/placement.py): a reward-model placement needs a reward model to place; a
     sharded strategy shards the reference itself; a stage that runs here needs the devices it names."""
-    from stages.placement import device_problem
+    from stages.models.placement import device_problem
 
     issues = []
     for name, config in d.stages.items():
@@ -561,7 +561,7 @@ def _sandbox_issues(stages: dict, rewards: dict[str, RewardSpec], raw_rewards: d
                     raw: dict) -> list[tuple[tuple, str]]:
     """A code_tests reward scored in this process (a stage without a work pool, or check-reward) needs its
     sandbox here: found now, not at scoring time after the training before it."""
-    from stages.sandbox import SandboxUnavailable, ensure_available
+    from stages.rewards.sandbox import SandboxUnavailable, ensure_available
 
     pooled_default = isinstance(raw.get("resources"), dict) and raw["resources"].get("pool")
     local_users: dict[str, list[str]] = {}
@@ -644,7 +644,7 @@ def _checkpoint_problems(path: Path | None, spec, stages: dict) -> list[str]:
 
 def _reasoning_gym_task_issues(spec: ReasoningGymData) -> list[tuple[str, str]]:
     """The task exists and reasoning-gym accepts its config (one entry is built, not all n)."""
-    from stages.reasoning_gym_tasks import config_problem, task_names
+    from stages.data.reasoning_gym import config_problem, task_names
 
     try:
         names = task_names()
@@ -663,7 +663,7 @@ def _reasoning_gym_issues(stages: dict, rewards: dict[str, RewardSpec], data: di
     """A ``reasoning_gym`` reward regenerates each entry from its record's ``task``: it scores
     reasoning_gym datasets only, and its known cases name their entry. A heldout reasoning_gym
     dataset shares no entry with another dataset of its task and config (leakage guard)."""
-    from stages.reasoning_gym_tasks import task_problem
+    from stages.data.reasoning_gym import task_problem
 
     def fn_of(reward_name):
         if reward_name in raw_rewards:
@@ -802,7 +802,7 @@ def _vllm_issues(stages: dict, raw: dict) -> list[tuple[tuple, str]]:
                             else pooled_default))]
     if not in_process:
         return []
-    from stages.generation import vllm_problem
+    from stages.rollout.generation import vllm_problem
 
     problem = vllm_problem()
     if problem is None:

@@ -1,8 +1,13 @@
-"""The ML half of posttrain: one module per stage kind, plus what stages share.
+"""The ML half of posttrain: one module per stage kind, and the packages the kinds share.
 
 A stage is a plain function ``run(config, inputs, ctx) -> outputs`` over its typed config,
 its ``stages.context.StageInputs`` (datasets, checkpoints and reward specs, resolved to local
 paths) and a tracking handle (``stages.context.StageContext``); ``outputs`` holds the paths it
-staged and its ``metrics``. Nothing in this package
-imports Prefect or reads pipeline YAML; ``flows`` does the orchestration.
+staged and its ``metrics``. A kind declares itself once, as ``KIND`` (a ``StageKind``) in its own
+module at this level (sft, reward_model, rl with grpo / ppo / difficulty, dpo and kto with
+preference_training, online_dpo, eval, benchmark), and ``registry`` lists the kinds. What they
+share lives in packages: ``data`` (what they read), ``models`` (what they load), ``rollout``
+(where a sample is made), ``rewards`` (where it is scored) and ``training`` (trainer callbacks,
+several processes, alerts). Nothing in this package imports Prefect or reads pipeline YAML;
+``flows`` does the orchestration.
 """

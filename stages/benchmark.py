@@ -33,8 +33,8 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from stages.context import ExecutionLimits, StageInputs, StageKind
-from stages.generation import vllm_distribution
-from stages.hub_data import folder_digest
+from stages.rollout.generation import vllm_distribution
+from stages.data.hub import folder_digest
 from stages.spec_model import SpecModel
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"

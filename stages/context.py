@@ -21,7 +21,7 @@ from stages.spec_model import SpecModel
 # fingerprint, so raising a time limit or checkpointing more often keeps the cache (and the
 # resume state, which is keyed by fingerprint).
 EXECUTION_FIELDS = frozenset({"save_steps", "time_limit_minutes", "resources", "placement", "alerts"})
-# The tag a stage sets when it is learning nothing and why (stages/alerts.py): the orchestrator shows it
+# The tag a stage sets when it is learning nothing and why (stages/training/alerts.py): the orchestrator shows it
 ALERT_TAG = "posttrain.alert"
 
 
@@ -134,7 +134,7 @@ class StageInputs:
     failures: Path | None = None  # iterate: the failure set of the previous round's eval
     scorer_checkpoints: Mapping[str, Path] = field(default_factory=dict)  # reward -> its reward model's / judge's
     judge_cache: Path | None = None  # judge replies by (judge, rubric, prompt, completion); None: no cache
-    rewards: Mapping[str, Any] = field(default_factory=dict)  # reward name -> stages.rewards.RewardSpec
+    rewards: Mapping[str, Any] = field(default_factory=dict)  # reward name -> stages.rewards.registry.RewardSpec
     reward_checks: Mapping[str, list] = field(default_factory=dict)  # reward name -> its known cases
     base_dir: Path | None = None  # the pipeline file's folder, where a stage's own relative paths point
 

@@ -10,7 +10,7 @@ serve the model, HF generate otherwise), scored by the verifier (the stage's fir
 or ``verifier``) exactly as the eval stage scores. A prompt's pass rate is the share of
 attempts the verifier scores at least ``success_threshold``; prompts with
 ``min_pass < pass < max_pass`` are kept (default 0 < pass < 1) and written, in dataset
-order and in the materialised record format (stages/data.py), to ``difficulty_kept.jsonl``,
+order and in the materialised record format (stages/data/sources.py), to ``difficulty_kept.jsonl``,
 a published output of the stage, which training then reads instead of the full dataset.
 The per-prompt pass rates are logged as the table ``difficulty.json``; the cost as
 ``difficulty/*`` metrics. A filter that keeps too few prompts to train on fails the stage
@@ -37,8 +37,8 @@ from typing import ClassVar
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import StageInputs
-from stages.data import prompt_messages, read_materialized
-from stages.generation import BackendName, SamplingSettings, open_backend, sampling_with
+from stages.data.sources import prompt_messages, read_materialized
+from stages.rollout.generation import BackendName, SamplingSettings, open_backend, sampling_with
 from stages.spec_model import SpecModel
 
 KEPT_FILE = "difficulty_kept.jsonl"
@@ -196,11 +196,11 @@ def score_attempts(config, inputs: StageInputs, records: list[dict], prompts: li
                    threshold: float) -> tuple[list[bool], list[tuple[int, str]]]:
     """(per attempt, prompt-major: whether the verifier calls it correct; the verifier's exceptions).
 
-    Scored as every stage scores (stages/scoring.py): an attempt whose reward raised is not correct,
+    Scored as every stage scores (stages/rewards/scoring.py): an attempt whose reward raised is not correct,
     and the stage's ``reward_errors`` policy decides whether the stage goes on."""
-    from stages.reward_model_scoring import bind_reward_models
-    from stages.rewards import reward_columns
-    from stages.scoring import RewardErrorPolicy, Scorer
+    from stages.rewards.reward_model import bind_reward_models
+    from stages.rewards.registry import reward_columns
+    from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
     k = len(samples[0]) if samples else 0
     texts = [s.text for group in samples for s in group]

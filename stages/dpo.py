@@ -4,7 +4,7 @@ The policy starts from ``model``; the reference is ``reference`` (default: the s
 starting checkpoint), loaded once and frozen. With ``lora`` no reference is loaded: the
 policy trains LoRA adapters and TRL scores the reference with them disabled (the starting
 checkpoint itself, so ``reference`` must be left out); the checkpoint has the adapters
-merged in, the ``adapter`` output holds them alone (stages/lora.py). Pairs are rendered with the chat template;
+merged in, the ``adapter`` output holds them alone (stages/models/lora.py). Pairs are rendered with the chat template;
 only the reply's tokens are scored. The loss is TRL's ``sigmoid`` DPO loss, -log
 sigmoid(beta * ((log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r)))) with
 sequence log-probs summed over reply tokens (stages/preference_math.py ``dpo_loss``
@@ -37,7 +37,7 @@ from pydantic import Field
 
 from stages.context import StageInputs, StageKind, no_world_issues
 from stages.preference_training import PreferenceOptimisationConfig, train_on_preferences  # shared with kto
-from stages.trainer_callbacks import pooling_pair_metrics, schedule_arguments
+from stages.training.callbacks import pooling_pair_metrics, schedule_arguments
 
 
 class DPOStageConfig(PreferenceOptimisationConfig):
@@ -51,7 +51,7 @@ class DPOStageConfig(PreferenceOptimisationConfig):
         "likelihood down with the rejected ones'. 0 is plain DPO.")
 
 
-# per-pair means TRL averages per batch: pooled over pairs instead (stages/trainer_callbacks.py)
+# per-pair means TRL averages per batch: pooled over pairs instead (stages/training/callbacks.py)
 POOLED_METRICS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected",
                   "logps/chosen", "logps/rejected")
 
@@ -59,7 +59,7 @@ POOLED_METRICS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "re
 def build_dpo_config(config: DPOStageConfig, output_dir: Path, seed: int):
     from trl import DPOConfig
 
-    from stages.trainer_callbacks import device_arguments
+    from stages.training.callbacks import device_arguments
 
     return DPOConfig(
         output_dir=str(output_dir),

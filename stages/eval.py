@@ -33,11 +33,11 @@ from pydantic import (
 )
 
 from stages.context import ExecutionLimits, StageInputs, StageKind
-from stages.data import prompt_messages, read_materialized
-from stages.environments import EnvironmentSpec
-from stages.generation import BackendName, EngineSettings, SamplingSettings, open_backend
-from stages.rewards import RewardSpec, reward_columns
-from stages.scoring import RewardErrorPolicy, Scorer
+from stages.data.sources import prompt_messages, read_materialized
+from stages.rollout.environments import EnvironmentSpec
+from stages.rollout.generation import BackendName, EngineSettings, SamplingSettings, open_backend
+from stages.rewards.registry import RewardSpec, reward_columns
+from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
 
@@ -76,7 +76,7 @@ class EvalConfig(ExecutionLimits):
         "different samples, so an HF and a vLLM evaluation never compare as like for like.")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM engine settings.")
     environment: EnvironmentSpec | None = Field(
-        None, description="Evaluate an agent: each attempt is an episode in this environment (stages/episodes.py) "
+        None, description="Evaluate an agent: each attempt is an episode in this environment (stages/rollout/episodes.py) "
         "and its final answer is scored; `sampling.max_tokens` is the budget of one turn. The environment's "
         "settings are part of the settings hash; metrics add env/turns_mean, env/tool_calls_mean, "
         "env/tool_error_rate and env/budget_hit_rate (episodes that ran out of turns or tokens, counted apart "
@@ -191,7 +191,7 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
     correct = [s >= config.success_threshold for s in verdict.scores]
     parsed = verdict.parsed
     if episodes is not None:  # a shortcut is never correct; a budget hit is not a format error
-        from stages.episodes import episode_metrics, shortcut
+        from stages.rollout.episodes import episode_metrics, shortcut
 
         correct = [c and not shortcut(e, config.environment) for c, e in zip(correct, episodes)]
         parsed = [p or e.budget_hit for p, e in zip(parsed, episodes)]
@@ -225,12 +225,12 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
 def _bound_scorers(config: EvalConfig, inputs: StageInputs, episodes) -> dict:
     """Reward models and judges bound to their checkpoints, and, for an agent's episodes, ``environment``
     rewards bound to them (the environment's own score of each episode)."""
-    from stages.reward_model_scoring import bind_reward_models
+    from stages.rewards.reward_model import bind_reward_models
 
     bound = bind_reward_models(inputs.rewards, inputs)
     if episodes is not None:
-        from stages.environments import build_environment
-        from stages.episodes import environment_scorers
+        from stages.rollout.environments import build_environment
+        from stages.rollout.episodes import environment_scorers
 
         bound.update(environment_scorers(inputs.rewards, build_environment(config.environment), episodes))
     return bound
@@ -238,8 +238,8 @@ def _bound_scorers(config: EvalConfig, inputs: StageInputs, episodes) -> dict:
 
 def _audit(ctx, rewards: dict[str, RewardSpec], scored, bound: dict, prompts: list, texts: list[str]) -> dict:
     """Judges against verifiers and reward models on these samples: agreement and confusion counts as
-    metrics, the disagreeing examples as tables (stages/judge.py)."""
-    from stages.judge import JudgeReward, audit_judges, log_audits
+    metrics, the disagreeing examples as tables (stages/rewards/judge.py)."""
+    from stages.rewards.judge import JudgeReward, audit_judges, log_audits
 
     judges = {name: fn for name, fn in bound.items() if isinstance(fn, JudgeReward)}
     return log_audits(ctx, audit_judges(rewards, scored, judges, prompts, texts)) if judges else {}
@@ -275,7 +275,7 @@ def _sample(config: EvalConfig, inputs: StageInputs, ctx, records: list[dict], v
 def start_messages(config: EvalConfig, records: list[dict]) -> list[list[dict]]:
     """Where each record's attempts start: the environment's start, else the conversation before the answer."""
     if config.environment is not None:
-        from stages.environments import build_environment
+        from stages.rollout.environments import build_environment
 
         return [build_environment(config.environment).start(r) for r in records]
     return [prompt_messages(r) for r in records]
@@ -284,9 +284,9 @@ def start_messages(config: EvalConfig, records: list[dict]) -> list[list[dict]]:
 def _run_episodes(config: EvalConfig, backend, records: list[dict]):
     """``attempts`` episodes per record; (per-record groups of samples holding each episode's final answer, its
     model tokens and whether it hit a budget; the episodes, flat in prompt-major order)."""
-    from stages.environments import build_environment
-    from stages.episodes import EpisodeRunner
-    from stages.generation import Sample
+    from stages.rollout.environments import build_environment
+    from stages.rollout.episodes import EpisodeRunner
+    from stages.rollout.generation import Sample
 
     environment = build_environment(config.environment)
     environment.check()
@@ -355,7 +355,7 @@ def select_best_of_n(selector: Path, prompts: list, texts: list[str], correct: l
                      trust_remote_code: bool = False) -> tuple[list[int], float]:
     """(per-prompt index of the attempt the reward model scores highest, share of picks that are correct)."""
     from stages.preference_math import best_of_n, best_of_n_accuracy
-    from stages.reward_model_scoring import RewardModelScorer
+    from stages.rewards.reward_model import RewardModelScorer
 
     scores = RewardModelScorer(selector, trust_remote_code=trust_remote_code).raw_scores(prompts, texts)
     scores_P_K = [scores[i : i + k] for i in range(0, len(scores), k)]

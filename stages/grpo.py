@@ -37,15 +37,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages.alerts import SilentFailureWatch
+from stages.training.alerts import SilentFailureWatch
 from stages.context import StageInputs
-from stages.data import prompt_messages, read_materialized
-from stages.generation import neutral_generation_config
-from stages.episodes import environment_scorers
-from stages.placement import check_devices, place, placement_params
-from stages.rewards import ENVIRONMENT_FN, RewardSpec, reward_columns
-from stages.rollouts import rollout_backend
-from stages.scoring import RewardErrorPolicy, Scorer
+from stages.data.sources import prompt_messages, read_materialized
+from stages.rollout.generation import neutral_generation_config
+from stages.rollout.episodes import environment_scorers
+from stages.models.placement import check_devices, place, placement_params
+from stages.rewards.registry import ENVIRONMENT_FN, RewardSpec, reward_columns
+from stages.rollout.training import rollout_backend
+from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
 # TRL's metric names -> the names every rl stage logs (stages/rl.py lists them)
 METRIC_NAMES = {
@@ -84,14 +84,14 @@ def rename_metrics(logs: dict) -> dict[str, float]:
 
 def make_reward_func(name: str, scorer: Scorer, step_metrics, environment=None):
     """A TRL reward function (``prompts, completions, **columns``) around reward ``name`` of the stage's
-    scorer (stages/scoring.py: its bound scorer, ``reward_errors`` policy and judge auditor);
+    scorer (stages/rewards/scoring.py: its bound scorer, ``reward_errors`` policy and judge auditor);
     ``environment``: the stage's environment, whose own score an ``environment`` reward is. Parse
-    rates and the error count go to ``step_metrics`` (stages/trainer_callbacks.py ``StepMetrics``)."""
+    rates and the error count go to ``step_metrics`` (stages/training/callbacks.py ``StepMetrics``)."""
     spec = scorer.specs[name]
 
     def reward(prompts, completions, completion_ids=None, episode_answer=None, episode_rewardable=None,
                episode=None, **columns):
-        # an environment's episodes (stages/rollouts.py EpisodeRollouts): the final answer is scored, not the
+        # an environment's episodes (stages/rollout/training.py EpisodeRollouts): the final answer is scored, not the
         # transcript, and a shortcut episode scores 0
         texts = episode_answer or [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         records = [{"answer": answer, "task": json.loads(task) if task else None}  # the task is JSON for Arrow
@@ -110,7 +110,7 @@ def make_reward_func(name: str, scorer: Scorer, step_metrics, environment=None):
 
     reward.__name__ = name
     bound = scorer.fns.get(name)
-    if hasattr(bound, "scorer"):  # a reward model: where it lives is logged (stages/placement.py placement_params)
+    if hasattr(bound, "scorer"):  # a reward model: where it lives is logged (stages/models/placement.py placement_params)
         reward.scorer = bound.scorer
     return reward
 
@@ -124,7 +124,7 @@ def _trainer_class():
         ``dynamic_sampling``) trains only on groups that carry signal."""
 
         dynamic = None  # (DynamicSampling, the training rows, random.Random) when the stage declares it
-        step_metrics = None  # stages/trainer_callbacks.py StepMetrics, set by train_grpo before training
+        step_metrics = None  # stages/training/callbacks.py StepMetrics, set by train_grpo before training
 
         def _generate_and_score_completions(self, inputs):
             batch = super()._generate_and_score_completions(inputs)
@@ -246,8 +246,8 @@ def sample_rows(logs, limit: int = 32) -> list[dict]:
 def build_grpo_config(config, output_dir: Path, seed: int):
     from trl import GRPOConfig
 
-    from stages.data_parallel import world_size
-    from stages.trainer_callbacks import device_arguments
+    from stages.training.data_parallel import world_size
+    from stages.training.callbacks import device_arguments
 
     return GRPOConfig(
         output_dir=str(output_dir),
@@ -284,12 +284,12 @@ def build_grpo_config(config, output_dir: Path, seed: int):
 
 
 def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: str, step_metrics=None):
-    """posttrain's rollouts for TRL (stages/rollouts.py): an environment's episodes (through vLLM or the
+    """posttrain's rollouts for TRL (stages/rollout/training.py): an environment's episodes (through vLLM or the
     training model's generate; their metrics go to ``step_metrics``), or vLLM samples when the backend
     resolved to vLLM, else None (TRL samples with generate on the training model)."""
     import os
 
-    from stages.rollouts import GRPORollouts, open_rollout_engine
+    from stages.rollout.training import GRPORollouts, open_rollout_engine
 
     if backend != "vllm" and config.environment is None:
         return None
@@ -303,9 +303,9 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
                               tokenizer, sampling.seeded(seed))
     if env is None:
         return engine
-    from stages.environments import build_environment
-    from stages.episodes import EpisodeRunner
-    from stages.rollouts import EpisodeRollouts
+    from stages.rollout.environments import build_environment
+    from stages.rollout.episodes import EpisodeRunner
+    from stages.rollout.training import EpisodeRollouts
 
     runner = EpisodeRunner(build_environment(env), env, tokenizer)
     runner.environment.check()
@@ -315,9 +315,9 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
 def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     from datasets import Dataset
 
-    from stages.lora import save_trained
+    from stages.models.lora import save_trained
     from stages.rl_common import log_curves
-    from stages.trainer_callbacks import StepMetrics, quiet_trainer, stop_gracefully, tracking_callback
+    from stages.training.callbacks import StepMetrics, quiet_trainer, stop_gracefully, tracking_callback
 
     seed = config.seed if config.seed is not None else ctx.seed
     check_devices(config.placement)  # before anything loads
@@ -363,13 +363,13 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
 
     trainer.model.config._name_or_path = str(inputs.policy)  # was the KL anchor's, for TRL
     model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
-    outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/lora.py: with lora, also the adapter alone
+    outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/models/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
 
 
 def _step_logger(config, trainer, history: list[dict], ctx):
     """What happens at each step's log: its metrics kept for the curves, the silent-failure watch
-    (stages/alerts.py), and every ``sample_every`` steps a table of sample completions."""
+    (stages/training/alerts.py), and every ``sample_every`` steps a table of sample completions."""
     watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
 
     def on_metrics(state, metrics):
@@ -388,7 +388,7 @@ def _prompt_rows(config, records: list[dict]) -> list[dict]:
     reference answer and the generated task (JSON, for Arrow)."""
     start = prompt_messages
     if config.environment is not None:
-        from stages.environments import build_environment
+        from stages.rollout.environments import build_environment
 
         start = build_environment(config.environment).start
     return [{"prompt": start(r), "answer": r.get("answer"),
@@ -397,7 +397,7 @@ def _prompt_rows(config, records: list[dict]) -> list[dict]:
 
 def _load_policy(inputs: StageInputs):
     """(model, tokenizer, the checkpoint's own generation config) of the policy, ready for TRL."""
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(inputs.policy,
                                                 trust_remote_code=inputs.trust_remote_code)
@@ -417,8 +417,8 @@ def _scorer(config, inputs: StageInputs, ctx) -> Scorer:
     """The stage's scorer: its rewards (reward models placed where ``placement.reward_model`` says, judges
     bound to their checkpoints), its ``reward_errors`` policy, and judges audited against the verifiers
     every ``audit_every`` batches."""
-    from stages.judge import batch_auditor
-    from stages.reward_model_scoring import bind_reward_models
+    from stages.rewards.judge import batch_auditor
+    from stages.rewards.reward_model import bind_reward_models
 
     bound = bind_reward_models(inputs.rewards, inputs, config.placement.reward_model)
     return Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, batch_auditor(inputs.rewards, bound, ctx))
@@ -434,7 +434,7 @@ def _final_metrics(history: list[dict], steps: int, reward_errors: int) -> dict[
 
 
 def _prepare(trainer, config, dataset, seed: int) -> None:
-    """Dropout off in the policy and the reference, the reference placed (stages/placement.py); dynamic
+    """Dropout off in the policy and the reference, the reference placed (stages/models/placement.py); dynamic
     sampling's pool of prompts, when declared."""
     for network in (trainer.model, trainer.ref_model):
         if network is not None:

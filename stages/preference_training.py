@@ -12,10 +12,10 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits, StageInputs
-from stages.data import read_materialized
-from stages.lora import LORA_DESCRIPTION, LoraSpec
-from stages.placement import ReferencePlacement, check_devices, place, placement_params
-from stages.trainer_callbacks import metric_renamer
+from stages.data.sources import read_materialized
+from stages.models.lora import LORA_DESCRIPTION, LoraSpec
+from stages.models.placement import ReferencePlacement, check_devices, place, placement_params
+from stages.training.callbacks import metric_renamer
 
 
 class PreferenceOptimisationConfig(ExecutionLimits):
@@ -29,7 +29,7 @@ class PreferenceOptimisationConfig(ExecutionLimits):
         None, description="Stage whose checkpoint is the frozen reference; default the policy's starting checkpoint "
         "(the only one allowed with `lora`).")
     placement: ReferencePlacement = Field(
-        default_factory=ReferencePlacement, description="Where the frozen reference lives (stages/placement.py): "
+        default_factory=ReferencePlacement, description="Where the frozen reference lives (stages/models/placement.py): "
         "on the policy's device (default), `cpu`, `cuda:N`, or `offload`.")
     data: str = Field(description="Preference pairs (name under `data:`); must not be `heldout`.")
     beta: float = Field(0.1, gt=0.0, description="Strength of the implicit KL anchor to the reference "
@@ -99,10 +99,10 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     conversational pairs)."""
     from transformers import AutoModelForCausalLM
 
-    from stages.lora import save_trained
-    from stages.models import load_model_and_tokenizer
-    from stages.preferences import check_preference_records, split_heldout, trl_dataset
-    from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
+    from stages.models.lora import save_trained
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.data.preferences import check_preference_records, split_heldout, trl_dataset
+    from stages.training.callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
     to_dataset = to_dataset or trl_dataset
     seed = ctx.seed if config.seed is None else config.seed
@@ -147,6 +147,6 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
         metrics["heldout_reward_margin"] = float(after["eval_rewards/margins"])
     ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith("heldout_")})
 
-    # stages/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
+    # stages/models/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
     outputs = save_trained(trainer.model, tokenizer, ctx, final_loss=metrics["final_loss"])
     return {**outputs, "metrics": metrics}

@@ -12,7 +12,7 @@ over all held-out pairs, not a mean of per-batch means) and mean reward margin b
 ``heldout_pairwise_accuracy`` and ``heldout_reward_margin``. With ``lora`` the backbone
 trains LoRA adapters (TRL wraps the classifier with PEFT, task ``SEQ_CLS``) while the new
 score head trains in full (PEFT's ``modules_to_save``); the checkpoint is the merged
-classifier, and the ``adapter`` output holds the adapters and the score head (stages/lora.py).
+classifier, and the ``adapter`` output holds the adapters and the score head (stages/models/lora.py).
 
 As a reward (``rewards: {rm: {fn: reward_model, stage: rm}}``): ``RewardModelScorer``
 scores (prompt, completion) pairs in batches, rendered exactly as in training and padded
@@ -34,9 +34,9 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, Field
 
 from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_issues
-from stages.data import read_materialized
-from stages.lora import LORA_DESCRIPTION, LoraSpec
-from stages.reward_model_scoring import (  # re-exported: stages.reward_model is where callers look
+from stages.data.sources import read_materialized
+from stages.models.lora import LORA_DESCRIPTION, LoraSpec
+from stages.rewards.reward_model import (  # re-exported: stages.reward_model is where callers look
     RewardModelReward,
     RewardModelScorer,
     bind_reward_models,
@@ -44,7 +44,7 @@ from stages.reward_model_scoring import (  # re-exported: stages.reward_model is
     load_sequence_scorer,
     reward_model_correlations,
 )
-from stages.trainer_callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments
+from stages.training.callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments
 
 
 class RewardModelStageConfig(ExecutionLimits):
@@ -99,7 +99,7 @@ METRIC_NAMES = {
 
 
 rename_metrics = metric_renamer(METRIC_NAMES)
-# per-pair means TRL averages per batch: pooled over pairs instead (stages/trainer_callbacks.py)
+# per-pair means TRL averages per batch: pooled over pairs instead (stages/training/callbacks.py)
 POOLED_METRICS = ("accuracy", "margin", "mean_reward")
 
 
@@ -107,7 +107,7 @@ def training_arguments(config: RewardModelStageConfig, ctx, seed: int, evaluate:
     """TRL's ``RewardConfig`` for this stage (``evaluate``: on the held-out pairs every ``eval_every`` steps)."""
     from trl import RewardConfig
 
-    from stages.trainer_callbacks import device_arguments
+    from stages.training.callbacks import device_arguments
 
     return RewardConfig(
         output_dir=str(ctx.work_dir / "trainer"),
@@ -130,9 +130,9 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
     import torch
     from trl import RewardTrainer
 
-    from stages.lora import save_trained
-    from stages.preferences import check_preference_records, split_heldout, trl_dataset
-    from stages.trainer_callbacks import quiet_trainer, stop_gracefully, tracking_callback
+    from stages.models.lora import save_trained
+    from stages.data.preferences import check_preference_records, split_heldout, trl_dataset
+    from stages.training.callbacks import quiet_trainer, stop_gracefully, tracking_callback
 
     seed = ctx.seed if config.seed is None else config.seed
     records = read_materialized(inputs.data)
@@ -175,7 +175,7 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
         metrics["heldout_reward_margin"] = float(after["eval_margin"])
     ctx.log_metrics({k: v for k, v in metrics.items() if not k.startswith("heldout_")})
 
-    # stages/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
+    # stages/models/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
     outputs = save_trained(trainer.model, tokenizer, ctx, padding_side="right", final_loss=metrics["final_loss"])
     return {**outputs, "metrics": metrics}
 

@@ -6,7 +6,7 @@ trainer. Both log the same metric names, so runs compare across algorithms: ``re
 ``reward/<component>/mean``, ``reward/zero_variance_group_frac``, ``kl``, ``entropy``,
 ``clip_frac``, ``ratio/mean``, ``completion/mean_tokens``, ``completion/truncated_frac``,
 plus sample-completion tables every ``sample_every`` steps and a PNG of the reward and KL
-curves at the end. Both take ``lora`` (stages/lora.py): the policy trains low-rank adapters,
+curves at the end. Both take ``lora`` (stages/models/lora.py): the policy trains low-rank adapters,
 its KL reference is itself with the adapters disabled, and the stage publishes the merged
 ``checkpoint`` and the ``adapter`` alone.
 """
@@ -26,8 +26,8 @@ class RewardCheckFailed(RuntimeError):
 def verify_rewards(inputs: StageInputs, ctx, environment=None) -> None:
     """Run the declared reward cases, and ``environment``'s known episodes; refuse to train on any
     violation (logged as tables)."""
-    from stages.reward_model_scoring import bind_reward_models
-    from stages.rewards import JUDGE_FN, check_reward_cases
+    from stages.rewards.reward_model import bind_reward_models
+    from stages.rewards.registry import JUDGE_FN, check_reward_cases
 
     checked = {n: inputs.rewards[n] for n in inputs.reward_checks}
     judges = bind_reward_models({n: s for n, s in checked.items() if s.fn == JUDGE_FN}, inputs)
@@ -39,7 +39,7 @@ def verify_rewards(inputs: StageInputs, ctx, environment=None) -> None:
     lines = [f"{r.reward} [{r.case.case}] {r.case.completion!r}: {'; '.join(r.violations)}"
              for r in results if r.violations]
     if environment is not None and environment.checks:  # known episodes, replayed through the environment
-        from stages.episode_checks import check_episode_cases
+        from stages.rollout.episode_checks import check_episode_cases
 
         episodes = check_episode_cases(environment, inputs.rewards, environment.checks)
         ctx.log_table([{"environment": r.environment, "case": r.case.case, "turns": repr(r.case.turns)[:200],

@@ -11,13 +11,13 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
-from stages.alerts import AlertSettings
+from stages.training.alerts import AlertSettings
 from stages.context import ExecutionLimits
 from stages.difficulty import DifficultyFilter
-from stages.environments import EnvironmentSpec
-from stages.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
-from stages.lora import LORA_DESCRIPTION, LoraSpec
-from stages.placement import Placement
+from stages.rollout.environments import EnvironmentSpec
+from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
+from stages.models.lora import LORA_DESCRIPTION, LoraSpec
+from stages.models.placement import Placement
 from stages.spec_model import SpecModel
 
 class DynamicSampling(SpecModel):
@@ -82,16 +82,16 @@ class RLCommon(ExecutionLimits):
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")
     placement: Placement = Field(default_factory=Placement, description="Where the frozen KL reference and the "
-                                 "reward models of `fn: reward_model` rewards live (stages/placement.py): on the "
+                                 "reward models of `fn: reward_model` rewards live (stages/models/placement.py): on the "
                                  "policy's device (default), `cpu`, `cuda:N`, or `offload`.")
     environment: EnvironmentSpec | None = Field(
-        None, description="Train on multi-turn episodes in this environment (stages/environments.py): the "
+        None, description="Train on multi-turn episodes in this environment (stages/rollout/environments.py): the "
         "model's turns and the tools' observations, observations never trained on (GRPO: TRL's tool_mask; PPO: "
         "the action mask of its losses, KL penalty and GAE); the rewards score each episode's final answer, and "
         "a reward `environment` is the environment's own score of the episode; `sampling.max_tokens` is then "
         "the budget of one turn.")
     alerts: AlertSettings = Field(default_factory=AlertSettings, description="When the stage says it is learning "
-                                  "nothing and why (stages/alerts.py): all rewards 0, a reward that cannot parse "
+                                  "nothing and why (stages/training/alerts.py): all rewards 0, a reward that cannot parse "
                                   "the replies, or replies cut by the token budget, for `after_steps` steps in a row.")
     difficulty_filter: DifficultyFilter | None = Field(
         None, description="Before training, sample `attempts` completions of each prompt from the starting "

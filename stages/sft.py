@@ -2,7 +2,7 @@
 
 Conversations are rendered with the tokenizer's chat template; with ``assistant_only_loss``
 only the assistant's tokens (its end-of-turn token included) carry loss. With ``packing``
-the packing is ours (``stages/packing.py``), not TRL's: conversations are packed best-fit
+the packing is ours (``stages/data/packing.py``), not TRL's: conversations are packed best-fit
 decreasing into ``batch_size x max_length`` rows whose documents cannot attend to each
 other (per-document positions, a block-diagonal causal mask). TRL's own default packing
 flattens a whole batch into one padding-free row, so with SDPA every layer attends over
@@ -11,7 +11,7 @@ the whole batch's length: 0.14x a plain training loop's tokens/s on CPU; ours ru
 to the stage's run, and the checkpoint is saved into a staging dir the orchestrator
 publishes only when training finished. With ``lora`` only low-rank adapters train
 (TRL wraps the model with PEFT); the checkpoint has them merged in and the ``adapter``
-output holds them alone (stages/lora.py).
+output holds them alone (stages/models/lora.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_issues
-from stages.data import read_materialized
-from stages.lora import LORA_DESCRIPTION, LoraSpec
+from stages.data.sources import read_materialized
+from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 
 
 class SFTStageConfig(ExecutionLimits):
@@ -83,9 +83,9 @@ def rename_metrics(logs: dict) -> dict[str, float]:
 def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
     from trl import SFTTrainer
 
-    from stages.lora import save_trained
-    from stages.models import load_model_and_tokenizer
-    from stages.trainer_callbacks import last_checkpoint, quiet_trainer, stop_gracefully, tracking_callback
+    from stages.models.lora import save_trained
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.training.callbacks import last_checkpoint, quiet_trainer, stop_gracefully, tracking_callback
 
     seed = ctx.seed if config.seed is None else config.seed
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 when launched data-parallel (flows/distributed.py)
@@ -129,7 +129,7 @@ def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
     }
     ctx.log_metrics(metrics)
 
-    # stages/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
+    # stages/models/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
     outputs = save_trained(trainer.model, tokenizer, ctx, final_loss=metrics["final_loss"])
     return {**outputs, "metrics": metrics}
 
@@ -138,7 +138,7 @@ def training_arguments(config: SFTStageConfig, ctx, seed: int, world_size: int, 
     """TRL's ``SFTConfig`` for this stage: resumable, the global batch split over ``world_size`` processes."""
     from trl import SFTConfig
 
-    from stages.trainer_callbacks import device_arguments, resumable_arguments
+    from stages.training.callbacks import device_arguments, resumable_arguments
 
     return SFTConfig(
         **resumable_arguments(ctx.resume_dir, config.save_steps),
@@ -150,7 +150,7 @@ def training_arguments(config: SFTStageConfig, ctx, seed: int, world_size: int, 
         warmup_steps=config.warmup_ratio,  # a float in [0, 1) is a ratio of total steps
         weight_decay=config.weight_decay,
         max_length=config.max_length,
-        packing=False,  # TRL's packing is padding-free: one batch-long row (see stages/packing.py)
+        packing=False,  # TRL's packing is padding-free: one batch-long row (see stages/data/packing.py)
         gradient_checkpointing=config.gradient_checkpointing,
         logging_steps=config.logging_steps,
         **device_arguments(),
@@ -171,7 +171,7 @@ def unpacked_dataset(conversations: list[list[dict]]):
 
 def packed_inputs(config: SFTStageConfig, conversations: list[list[dict]], tokenizer, model):
     """(packed rows, their collator, SFTConfig arguments, params to log) for ``packing: true``."""
-    from stages.packing import PackedRowCollator, pack_documents, tokenize_conversations
+    from stages.data.packing import PackedRowCollator, pack_documents, tokenize_conversations
 
     documents = tokenize_conversations(conversations, tokenizer, config.assistant_only_loss)
     rows = pack_documents(documents, config.max_length)

@@ -33,7 +33,7 @@ REQUIRE_HOST_TOOLS = "POSTTRAIN_REQUIRE_HOST_TOOLS"
 
 def sandbox_problem() -> str | None:
     """Why bubblewrap's sandbox cannot run on this host (bwrap's own words), or None if it can."""
-    from stages.sandbox import SandboxUnavailable, check_sandbox
+    from stages.rewards.sandbox import SandboxUnavailable, check_sandbox
 
     try:
         check_sandbox()
@@ -90,7 +90,7 @@ def prefect_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    from stages.models import TinyModelSpec, resolve_base_checkpoint
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
 
     cache = tmp_path_factory.mktemp("models")
     return resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=32, num_layers=1, num_heads=2,

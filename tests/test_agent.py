@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.data import ArithmeticData, materialize
-from stages.environments import Environment, EnvironmentSpec, build_environment, execute_tool_call, parse_tool_calls
-from stages.episodes import EpisodeRunner, episode_metrics, observation_ids, replay
-from stages.generation import HFGenerateBackend, Sample, SamplingSettings
-from stages.rewards import RewardSpec
+from stages.data.sources import ArithmeticData, materialize
+from stages.rollout.environments import Environment, EnvironmentSpec, build_environment, execute_tool_call, parse_tool_calls
+from stages.rollout.episodes import EpisodeRunner, episode_metrics, observation_ids, replay
+from stages.rollout.generation import HFGenerateBackend, Sample, SamplingSettings
+from stages.rewards.registry import RewardSpec
 from stages.context import StageInputs
 
 CALL = '<tool_call>calculator("47*86")</tool_call>'
@@ -45,7 +45,7 @@ def scripted(tokenizer, text: str) -> Sample:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint):
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
 
@@ -123,8 +123,8 @@ def test_python_tool_runs_in_the_sandbox_with_its_limits():
 
 
 def test_known_episodes_are_scored_before_training():
-    from stages.environments import EpisodeCase
-    from stages.episode_checks import check_episode_cases
+    from stages.rollout.environments import EpisodeCase
+    from stages.rollout.episode_checks import check_episode_cases
 
     spec = EnvironmentSpec(fn="calculator", max_turns=3, require_tool=True)
     cases = [EpisodeCase(case="success", prompt="What is 47*86?", answer="4042", turns=[CALL, "4042"], min=1.0),
@@ -158,7 +158,7 @@ def test_loss_kl_and_ratio_ignore_observation_tokens(tiny_checkpoint):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
     args = GRPOConfig(output_dir="/tmp/unused-agent-loss", per_device_train_batch_size=2, num_generations=2,
@@ -251,8 +251,8 @@ def test_ppo_loss_kl_and_gae_ignore_observation_tokens(tiny_checkpoint):
     its targets and losses equal a computation over the model tokens alone, each episode run unpadded through
     the networks and its observation positions then dropped; anything put at observation positions leaves the
     losses as they were, and counting observations as actions changes them."""
-    from stages.episodes import Episode
-    from stages.models import load_model_and_tokenizer
+    from stages.rollout.episodes import Episode
+    from stages.models.loading import load_model_and_tokenizer
     from stages.ppo import ValueModel, build_episode_rollout, compute_targets, load_frozen_reference, minibatch_losses
     from stages.rl_common import rl_stage_config
 
@@ -381,8 +381,8 @@ def test_ppo_trains_in_the_environment_on_its_own_score(tiny_checkpoint, ctx_fac
 
 
 def test_calculator_scores_its_own_episodes():
-    from stages.environments import EpisodeCase
-    from stages.episode_checks import check_episode_cases
+    from stages.rollout.environments import EpisodeCase
+    from stages.rollout.episode_checks import check_episode_cases
 
     spec = EnvironmentSpec(fn="calculator", max_turns=3)
     case = dict(prompt="What is 47*86?", answer="4042")
@@ -400,7 +400,7 @@ def test_calculator_scores_its_own_episodes():
     exact = check_episode_cases(spec, {"correct": RewardSpec(fn="exact_answer")}, cases)
     assert [r.score for r in exact] == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0]
     # unparsed (no integer answer) is apart from wrong, and an episode scored without a reference answer is an error
-    from stages.episodes import environment_scorers
+    from stages.rollout.episodes import environment_scorers
 
     env = build_environment(spec)
     episodes = [r.episode for r in results]

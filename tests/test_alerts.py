@@ -1,4 +1,4 @@
-"""Silent failures named (stages/alerts.py): a sampling stage that learns nothing says why, in its run's
+"""Silent failures named (stages/training/alerts.py): a sampling stage that learns nothing says why, in its run's
 ``posttrain.alert`` tag, on the terminal and in the summary."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stages.alerts import AlertSettings, SilentFailureWatch
+from stages.training.alerts import AlertSettings, SilentFailureWatch
 from stages.context import StageInputs
-from stages.data import ArithmeticData, materialize
-from stages.rewards import RewardSpec
+from stages.data.sources import ArithmeticData, materialize
+from stages.rewards.registry import RewardSpec
 from stages.rl_common import rl_stage_config
 
 ALERT = "posttrain.alert"

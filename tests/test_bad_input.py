@@ -444,8 +444,7 @@ def not_mlflow_server():
 @pytest.fixture()
 def no_bwrap(tmp_path, monkeypatch):
     """A PATH with prlimit and setpriv (util-linux) but no bubblewrap."""
-    from stages import sandbox
-
+    from stages.rewards import sandbox
     bin_dir = tmp_path / "bin-without-bwrap"
     bin_dir.mkdir()
     for tool in ("prlimit", "setpriv"):
@@ -525,8 +524,8 @@ def test_the_unbroken_inputs_are_accepted(tmp_path, home, capsys, monkeypatch, t
 def test_pass_k_within_attempts_chooses_the_reported_k():
     """The control for k_above_attempts: k <= attempts is accepted and decides which pass@k are logged."""
     from stages.eval import EvalConfig, summarise
-    from stages.generation import Sample
-    from stages.rewards import ComponentScores, ScoredBatch
+    from stages.rollout.generation import Sample
+    from stages.rewards.registry import ComponentScores, ScoredBatch
 
     config = EvalConfig(kind="eval", model="sft", data="heldout", sampling={"attempts": 4}, pass_k=[4, 1, 1])
     assert config.pass_k == [1, 4]
@@ -613,7 +612,7 @@ def test_a_diverged_model_or_loss_is_never_saved():
     """`weight_decay: .inf` once trained a NaN checkpoint that later runs reused; save_trained refuses one."""
     import torch
 
-    from stages.lora import TrainingDiverged, save_trained
+    from stages.models.lora import TrainingDiverged, save_trained
 
     class NoOutputs:  # any output dir asked for would mean something was saved
         def output_dir(self, name):
@@ -631,12 +630,12 @@ def test_a_diverged_model_or_loss_is_never_saved():
 def test_an_sft_stage_that_diverges_fails_and_says_which_value(tiny_checkpoint, ctx_factory, home):
     """Finite but huge settings can still diverge: the stage fails rather than publish the checkpoint."""
     from stages import sft
-    from stages.lora import TrainingDiverged
+    from stages.models.lora import TrainingDiverged
     from stages.sft import SFTStageConfig
 
     data = home / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "completion": str(i + 1)}) + "\n" for i in range(8)))
-    from stages.data import FileData, materialize
+    from stages.data.sources import FileData, materialize
 
     path = materialize(FileData(path=str(data), role="train"), home, home / "data")
     config = SFTStageConfig(kind="sft", data="train", max_steps=3, batch_size=4, lr=1.0, weight_decay=1e9,

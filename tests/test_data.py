@@ -8,7 +8,7 @@ import pytest
 
 from conftest import write
 from flows.spec import SpecError, load_pipeline
-from stages.data import DataError, FileData, load_records, materialize, read_materialized
+from stages.data.sources import DataError, FileData, load_records, materialize, read_materialized
 
 PIPELINE = """\
 name: files

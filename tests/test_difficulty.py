@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import QUICKSTART, run_cli, torch_threads, write
-from stages.data import read_materialized
+from stages.data.sources import read_materialized
 from stages.difficulty import DifficultyFilterEmpty, filter_prompts
-from stages.rewards import RewardSpec
+from stages.rewards.registry import RewardSpec
 from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 

@@ -112,7 +112,7 @@ def _ppo_update(rank: int, world: int, port: int, shared: str) -> None:
     import torch
 
     from stages.context import StageInputs
-    from stages.data_parallel import join_process_group, shard
+    from stages.training.data_parallel import join_process_group, shard
     from stages.ppo import PPORun, build_rollout, compute_targets, ppo_update
     from stages.rl_common import rl_stage_config
 
@@ -146,8 +146,8 @@ def test_ppo_update_on_two_processes_equals_one_process_on_the_same_rollout(tiny
     import torch
     import torch.multiprocessing as mp
 
-    from stages.generation import HFGenerateBackend, SamplingSettings, prompt_token_ids
-    from stages.models import load_model_and_tokenizer
+    from stages.rollout.generation import HFGenerateBackend, SamplingSettings, prompt_token_ids
+    from stages.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
     prompts = [[{"role": "user", "content": f"What is {i}+{i + 2}?"}] for i in range(4)]

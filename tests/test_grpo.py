@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import QUICKSTART, run_cli
-from stages.data import ArithmeticData, materialize
-from stages.rewards import RewardCase, RewardSpec
+from stages.data.sources import ArithmeticData, materialize
+from stages.rewards.registry import RewardCase, RewardSpec
 from stages.rl import RewardCheckFailed
 from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
@@ -33,7 +33,7 @@ def inputs_for(home, checkpoint, rewards=None, checks=None):
 
 def test_grpo_stage_trains_and_logs_the_design_metrics(tiny_checkpoint, ctx_factory, home):
     from stages import rl
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     ctx = ctx_factory("grpo")
     # an untrained model is never right, so add a length reward that varies within groups
@@ -182,7 +182,7 @@ def test_cispo_cap_is_validated():
 def test_grpo_samples_without_the_checkpoints_generation_config(tiny_checkpoint, ctx_factory, home, tmp_path):
     """A generation_config.json that suppresses every token but "7" must not steer GRPO's rollouts."""
     from stages import rl
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     from test_ppo import with_generation_config
 
@@ -250,7 +250,7 @@ def test_the_grpo_stage_computes_what_trl_computes_on_the_same_batches(tiny_chec
     from trl import GRPOConfig, GRPOTrainer
 
     from stages import rl
-    from stages.data import read_materialized
+    from stages.data.sources import read_materialized
     from stages.grpo import build_grpo_config
 
     steps, seed = 4, 0

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_cli, write
 
-from stages.data_specs import DataError, HubData
-from stages.data import located_file_records
+from stages.data.specs import DataError, HubData
+from stages.data.sources import located_file_records
 
 REV_1, REV_2 = "1a" * 20, "2b" * 20
 GSM8K_CARD = """---
@@ -104,7 +104,7 @@ def test_a_hub_dataset_in_the_cache_trains_sft_and_its_commit_is_recorded(home, 
 def test_a_new_revision_in_the_cache_reruns_the_stages_that_read_it(home, tmp_path, hf_cache):
     from flows.lineage import fingerprint
     from flows.spec import load_pipeline
-    from stages.hub_data import identity
+    from stages.data.hub import identity
 
     gsm8k_cache(hf_cache)
     file = write(tmp_path / "p.yaml", PIPELINE)
@@ -175,7 +175,7 @@ def test_ultrafeedback_and_hh_rlhf_preferences_map_to_a_shared_prompt_and_two_re
 def test_a_save_to_disk_folder_is_a_dataset_identified_by_its_content(tmp_path):
     from datasets import Dataset, DatasetDict
 
-    from stages.hub_data import identity
+    from stages.data.hub import identity
 
     folder = tmp_path / "saved"
     DatasetDict({"train": Dataset.from_dict({"prompt": ["a?", "b?"], "answer": ["1", "2"]})}).save_to_disk(folder)
@@ -189,7 +189,7 @@ def test_a_save_to_disk_folder_is_a_dataset_identified_by_its_content(tmp_path):
 
 
 def test_a_chat_dataset_maps_its_messages_column(tmp_path):
-    from stages.data import located_file_records
+    from stages.data.sources import located_file_records
 
     folder = tmp_path / "chat"
     folder.mkdir()

@@ -108,7 +108,7 @@ def original_records(n: int) -> list[dict]:
 
 
 def test_sft_failures_become_demonstrations_of_the_expected_answer():
-    from stages.failures import FailureSetError, failure_training_records
+    from stages.data.failures import FailureSetError, failure_training_records
 
     (record,) = failure_training_records([failure_case("What is 3+4?", "7")], demonstrations=True)
     assert record["messages"] == [{"role": "user", "content": "What is 3+4?"}, {"role": "assistant", "content": "7"}]
@@ -119,7 +119,7 @@ def test_sft_failures_become_demonstrations_of_the_expected_answer():
 
 
 def test_mix_is_the_share_of_examples_from_the_failure_set():
-    from stages.failures import failure_training_records, mix_records
+    from stages.data.failures import failure_training_records, mix_records
 
     original = original_records(10)
     failures = failure_training_records([failure_case(f"What is {i}+9?", str(i + 9)) for i in range(3)], True)
@@ -139,7 +139,7 @@ def test_mix_is_the_share_of_examples_from_the_failure_set():
 def test_a_failure_set_from_heldout_data_never_becomes_training_data(home, tmp_path):
     from flows.iterate import LeakageError, build_round_data, round_feed
     from flows.spec import load_pipeline
-    from stages.data import materialize
+    from stages.data.sources import materialize
 
     loaded = load_pipeline(write(tmp_path / "p.yaml", TINY))
     cache = home / "cache" / "data"
@@ -161,7 +161,7 @@ def test_a_failure_set_from_heldout_data_never_becomes_training_data(home, tmp_p
 
 
 def prompts_of(path: str) -> list[str]:
-    from stages.data import read_materialized
+    from stages.data.sources import read_materialized
 
     return [r["messages"][0]["content"] for r in read_materialized(Path(path))]
 
@@ -201,7 +201,7 @@ def test_two_rounds_train_on_probe_failures_and_never_on_heldout(home, prefect_s
     assert trained.params["iterate.failure_examples"] == "32"  # mix 0.5 of 64 examples
 
     # ... and its data holds those prompts, demonstrated with the expected answer
-    from stages.data import read_materialized
+    from stages.data.sources import read_materialized
 
     round2 = read_materialized(Path(trained.params["input.data"]))
     assert len(round2) == 64
@@ -242,7 +242,7 @@ def test_two_rounds_train_on_probe_failures_and_never_on_heldout(home, prefect_s
 def test_an_rl_stage_trains_on_failure_prompts_alone(home, tmp_path):
     from flows.iterate import build_round_data, round_feed
     from flows.spec import load_pipeline
-    from stages.data import materialize, read_materialized
+    from stages.data.sources import materialize, read_materialized
 
     text = TINY.replace("  eval_probe: {kind: eval, model: sft,", "  grpo: {kind: rl, algorithm: grpo, policy: sft, "
                         "data: train, rewards: [exact_answer], max_steps: 1}\n  eval_probe: {kind: eval, model: grpo,")

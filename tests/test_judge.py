@@ -13,9 +13,9 @@ import pytest
 import judges
 from conftest import run_cli, write
 from stages.context import StageInputs
-from stages.judge import audit_judges, read_judgement
-from stages.reward_model_scoring import bind_reward_models
-from stages.rewards import RewardSpec, score_completions
+from stages.rewards.judge import audit_judges, read_judgement
+from stages.rewards.reward_model import bind_reward_models
+from stages.rewards.registry import RewardSpec, score_completions
 
 RUBRIC = "Question: {prompt}\nReference: {answer}\nIs the reply correct? Answer yes or no.\nReply: {completion}"
 

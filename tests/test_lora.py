@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import torch_threads
-from stages.data import ArithmeticData, ArithmeticPreferenceData, materialize
-from stages.rewards import RewardSpec
+from stages.data.sources import ArithmeticData, ArithmeticPreferenceData, materialize
+from stages.rewards.registry import RewardSpec
 from stages.context import StageInputs
 
 LORA = {"r": 4, "alpha": 8}

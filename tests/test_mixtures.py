@@ -10,7 +10,7 @@ import math
 import pytest
 
 from conftest import run_cli, write
-from stages.data import ArithmeticData, MixtureData, materialize, mix_datasets, read_materialized
+from stages.data.sources import ArithmeticData, MixtureData, materialize, mix_datasets, read_materialized
 
 PIPELINE = """\
 name: mixtures

@@ -65,7 +65,7 @@ def test_hub_model_resolves_from_the_local_cache_offline(tmp_path, tiny_checkpoi
 
     from flows.lineage import base_model_identity
     from flows.spec import load_pipeline
-    from stages.models import resolve_base_checkpoint
+    from stages.models.loading import resolve_base_checkpoint
 
     cache = tmp_path / "hf-cache"
     commit = make_hub_cache(cache, "posttrain-tests/tiny-chat", tiny_checkpoint)
@@ -87,7 +87,7 @@ def test_hub_model_resolves_from_the_local_cache_offline(tmp_path, tiny_checkpoi
 def test_chatml_template_gets_generation_markers_that_render_nothing(tiny_checkpoint):
     from transformers import AutoTokenizer
 
-    from stages.pretrained import training_chat_template
+    from stages.models.pretrained import training_chat_template
 
     chatml = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
               "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -106,7 +106,7 @@ def test_chatml_template_gets_generation_markers_that_render_nothing(tiny_checkp
 
 
 def test_hf_backend_samples_carry_ids_logprobs_and_stop_strings(tiny_checkpoint):
-    from stages.generation import HFGenerateBackend, SamplingSettings, open_backend, resolve_backend
+    from stages.rollout.generation import HFGenerateBackend, SamplingSettings, open_backend, resolve_backend
 
     backend = open_backend("auto", tiny_checkpoint)
     # no GPU here, and vLLM's CPU kernels do not take this model's head size (16): HF generate
@@ -137,9 +137,9 @@ def test_hf_backend_samples_carry_ids_logprobs_and_stop_strings(tiny_checkpoint)
 def test_vllm_is_never_imported_unless_asked_and_asking_without_it_is_clear(tiny_checkpoint):
     code = textwrap.dedent("""
         import sys
-        import flows.cli, flows.pipeline, stages.eval, stages.generation, stages.grpo, stages.ppo
+        import flows.cli, flows.pipeline, stages.eval, stages.rollout.generation, stages.grpo, stages.ppo
         assert "vllm" not in sys.modules, "vllm imported"
-        from stages.generation import open_backend
+        from stages.rollout.generation import open_backend
         try:
             open_backend("vllm", sys.argv[1])
         except RuntimeError as error:
@@ -176,7 +176,7 @@ def test_use_vllm_is_refused_with_its_replacement(tmp_path, capsys):
 
 def test_eval_settings_hash_is_unchanged_by_an_unset_stop_list(tmp_path):
     from stages.eval import EvalConfig, settings_hash
-    from stages.rewards import RewardSpec
+    from stages.rewards.registry import RewardSpec
 
     base = dict(kind="eval", model="base", data="d", rewards=["c"], sampling={"attempts": 4})
     rewards = {"c": RewardSpec(fn="exact_answer")}

@@ -13,7 +13,7 @@ import torch
 from conftest import torch_threads
 from stages.context import StageInputs
 from stages.online_dpo import OnlineDPOStageConfig
-from stages.rewards import RewardSpec
+from stages.rewards.registry import RewardSpec
 
 
 def digit_share(completions, **_):
@@ -93,7 +93,7 @@ def test_the_loss_is_dpo_computed_by_hand_on_one_batch(tiny_checkpoint):
 
 
 def test_online_dpo_steps_change_the_policy_and_log_pairs_and_ties(tiny_checkpoint, prompts_file, ctx_factory):
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
     from stages.online_dpo import run
 
     ctx = ctx_factory("online-dpo")
@@ -120,7 +120,7 @@ def test_online_dpo_steps_change_the_policy_and_log_pairs_and_ties(tiny_checkpoi
 
 
 def test_a_step_whose_prompts_all_tie_trains_nothing(tiny_checkpoint, prompts_file, ctx_factory):
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
     from stages.online_dpo import run
 
     ctx = ctx_factory("online-dpo-ties")
@@ -138,7 +138,7 @@ def test_a_step_whose_prompts_all_tie_trains_nothing(tiny_checkpoint, prompts_fi
 
 def test_online_dpo_with_lora_trains_adapters_against_the_adapters_off_policy(tiny_checkpoint, prompts_file,
                                                                                ctx_factory):
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
     from stages.online_dpo import run
 
     ctx = ctx_factory("online-dpo-lora")

@@ -55,8 +55,9 @@ def _modules() -> dict[str, object]:
 
     found = {}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             found[name] = ast.parse(path.read_text(encoding="utf-8"), str(path))
     return found
 
@@ -104,7 +105,7 @@ def test_no_import_cycles_in_flows_or_stages():
 
 
 def test_stage_kinds_do_not_import_each_other():
-    """What two kinds share lives beside them (rl_common, reward_model_scoring, preference_training);
+    """What two kinds share lives beside them (rl_common, preference_training, the packages data, models, rollout, rewards, training);
     ``rl`` alone reaches into the two algorithms it dispatches to."""
     from stages.registry import STAGE_KINDS
 
@@ -113,6 +114,31 @@ def test_stage_kinds_do_not_import_each_other():
     allowed = {("stages.rl", "stages.grpo"), ("stages.rl", "stages.ppo")}
     crossings = sorted((name, target) for name in kinds for target in _imports(modules[name], modules) & kinds
                        if target != name and (name, target) not in allowed)
+    assert not crossings, crossings
+
+
+def test_the_shared_packages_of_stages_import_no_stage_kind():
+    """stages/data, models, rollout, rewards and training are what the kinds share: each imports only the
+    packages its docstring names, and no kind (the maths of preference_math aside, which the reward
+    model's scorer shares with DPO)."""
+    modules = _modules()
+    shared = ("data", "models", "rollout", "rewards", "training")
+    allowed = {"data": {"rewards"}, "models": set(), "training": set(), "rollout": {"models", "rewards", "training"},
+               "rewards": {"models", "rollout"}}
+    top = {"stages", "stages.context", "stages.spec_model"}
+    crossings = []
+    for name, tree in modules.items():
+        parts = name.split(".")
+        if len(parts) < 2 or parts[0] != "stages" or parts[1] not in shared:
+            continue
+        for target in _imports(tree, modules):
+            where = target.split(".")
+            if target in top or (len(where) > 2 or target in {f"stages.{p}" for p in shared}) and (
+                    where[1] == parts[1] or where[1] in allowed[parts[1]]):
+                continue
+            if (parts[1], target) == ("rewards", "stages.preference_math"):
+                continue
+            crossings.append((name, target))
     assert not crossings, crossings
 
 

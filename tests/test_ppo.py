@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.rewards import RewardSpec
+from stages.rewards.registry import RewardSpec
 from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 
@@ -60,7 +60,7 @@ def run_inputs(checkpoint, data, rewards=None):
 
 
 def test_ppo_smoke_changes_policy_logs_every_metric_and_saves(tiny_checkpoint, prompts_file, ctx_factory):
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
     from stages.ppo import train_ppo
 
     ctx = ctx_factory("ppo")
@@ -104,8 +104,8 @@ def test_ppo_fails_when_reward_errors_pass_the_limit(tiny_checkpoint, prompts_fi
 
 def test_rollouts_are_built_from_recorded_token_ids(tiny_checkpoint):
     """Training log-probs of the unchanged policy reproduce the sampler's, at temperature 0.7."""
-    from stages.generation import HFGenerateBackend, SamplingSettings
-    from stages.models import load_model_and_tokenizer
+    from stages.rollout.generation import HFGenerateBackend, SamplingSettings
+    from stages.models.loading import load_model_and_tokenizer
     from stages.ppo import build_rollout, completion_logits, prompt_token_ids, token_logprobs
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
@@ -157,8 +157,8 @@ def with_generation_config(checkpoint: Path, target: Path, **fields) -> Path:
 def test_the_checkpoints_generation_config_does_not_leak_into_sampling(tiny_checkpoint, tmp_path):
     """min_p, repetition_penalty and top_k in a checkpoint's generation_config.json are not our settings
     (not hashed, ignored by vLLM): the sampler's log-probs must be the tempered distribution's."""
-    from stages.generation import HFGenerateBackend, SamplingSettings
-    from stages.models import load_model_and_tokenizer
+    from stages.rollout.generation import HFGenerateBackend, SamplingSettings
+    from stages.models.loading import load_model_and_tokenizer
     from stages.ppo import build_rollout, completion_logits, prompt_token_ids, token_logprobs
 
     checkpoint = with_generation_config(tiny_checkpoint, tmp_path / "leaky", min_p=0.2, repetition_penalty=1.3,
@@ -213,8 +213,8 @@ def test_ppo_advantages_by_hand_with_and_without_whitening(tiny_checkpoint, whit
     """With the reference equal to the policy (KL 0) and the critic's zero head (values 0), each token's reward
     is the task score at the last action, so GAE(gamma 1, lambda 0.95) gives advantage 0.95^(last - t) * score;
     ``whiten_advantages: false`` keeps exactly that, ``true`` whitens it over the batch's actions."""
-    from stages.generation import HFGenerateBackend, SamplingSettings
-    from stages.models import load_model_and_tokenizer
+    from stages.rollout.generation import HFGenerateBackend, SamplingSettings
+    from stages.models.loading import load_model_and_tokenizer
     from stages.ppo import ValueModel, build_rollout, compute_targets, load_frozen_reference, prompt_token_ids
     from stages.rl_math import masked_whiten
 

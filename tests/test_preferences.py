@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import run_cli, write
 
-from stages.data import ArithmeticPreferenceData, DataError, FileData, load_records
+from stages.data.sources import ArithmeticPreferenceData, DataError, FileData, load_records
 from stages.preference_math import (
     RunningMeanStd,
     best_of_n,
@@ -20,7 +20,7 @@ from stages.preference_math import (
     pairwise_accuracy,
     pearson,
 )
-from stages.rewards import exact_answer
+from stages.rewards.registry import exact_answer
 
 # ---------------------------------------------------------------- maths
 

@@ -16,10 +16,10 @@ import pytest
 import reasoning_gym
 
 from conftest import run_cli, write
-from stages.data import ReasoningGymData, data_key, load_records, materialize, read_materialized
-from stages.failures import failure_training_records
-from stages.reasoning_gym_tasks import DEFAULT_INSTRUCTIONS, demonstration, last_boxed
-from stages.rewards import RewardError, RewardSpec, reward_columns, score_completions
+from stages.data.sources import ReasoningGymData, data_key, load_records, materialize, read_materialized
+from stages.data.failures import failure_training_records
+from stages.data.reasoning_gym import DEFAULT_INSTRUCTIONS, demonstration, last_boxed
+from stages.rewards.registry import RewardError, RewardSpec, reward_columns, score_completions
 from stages.context import StageInputs
 
 ONE_DIGIT_SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -134,7 +134,7 @@ def test_reward_refuses_data_without_a_task_and_data_it_did_not_generate():
 
 def test_grpo_reward_function_decodes_the_json_task_column():
     from stages.grpo import make_reward_func
-    from stages.scoring import RewardErrorPolicy, Scorer
+    from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
     records = load_records(gym(n=3), Path("."))
     reward = make_reward_func("rg", Scorer(REWARD, RewardErrorPolicy("fail", 0)), None)
@@ -181,7 +181,7 @@ def test_seed_decides_the_records_and_every_field_the_cache_key(monkeypatch):
             data_key(gym(system_prompt="Hi."), Path(".")),
             data_key(gym(config={**ONE_DIGIT_SUMS, "max_terms": 3}), Path("."))}
     assert len(keys) == 7
-    monkeypatch.setattr("stages.reasoning_gym_tasks.reasoning_gym_version", lambda: "99.0")
+    monkeypatch.setattr("stages.data.reasoning_gym.reasoning_gym_version", lambda: "99.0")
     assert data_key(base, Path(".")) not in keys  # an upgrade regenerates the dataset
 
 
@@ -302,7 +302,7 @@ def test_an_imperfect_demonstrator_shows_wrong_answers_but_keeps_the_reference()
 
 
 def test_exclude_drops_every_prompt_of_the_named_dataset_and_keys_the_cache(tmp_path):
-    from stages.data import prompt_text
+    from stages.data.sources import prompt_text
 
     train = ReasoningGymData(reasoning_gym="chain_sum", config=CHAIN, n=600, seed=0, role="train", exclude=["heldout"])
     heldout = ReasoningGymData(reasoning_gym="chain_sum", config=CHAIN, n=200, seed=1_000_000, role="heldout")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import torch_threads
-from stages.data import ArithmeticData, ArithmeticPreferenceData, materialize, read_materialized
-from stages.rewards import RewardSpec
+from stages.data.sources import ArithmeticData, ArithmeticPreferenceData, materialize, read_materialized
+from stages.rewards.registry import RewardSpec
 from dataclasses import replace
 from stages.context import StageInputs
 
@@ -44,7 +44,7 @@ def train_reward_model(tiny_checkpoint, ctx, data, **overrides):
 def test_reward_model_training_raises_heldout_accuracy(tiny_checkpoint, ctx_factory, home):
     """Malformed replies against right answers: learnable in seconds, from a coin flip to > 0.9."""
     from stages.preference_math import bradley_terry_loss
-    from stages.preferences import split_heldout
+    from stages.data.preferences import split_heldout
     from stages.reward_model import RewardModelScorer
 
     ctx = ctx_factory("rm")
@@ -146,7 +146,7 @@ def test_eval_reports_best_of_n_and_hashes_the_selector(tiny_checkpoint, ctx_fac
 
 def test_dpo_moves_implicit_rewards_apart_and_its_loss_is_the_dpo_loss(tiny_checkpoint, ctx_factory, home):
     from stages import dpo
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     data = preference_file(home, n=200, near_miss_rate=0.0, malformed_rate=1.0)
     ctx = ctx_factory("dpo")
@@ -175,7 +175,7 @@ def trl_and_our_dpo_loss(policy, reference, data, beta, loss="sigmoid", sft_weig
 
     from stages.dpo import DPOStageConfig, build_dpo_config
     from stages.preference_math import dpo_loss
-    from stages.preferences import trl_dataset
+    from stages.data.preferences import trl_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(policy.config._name_or_path)
     args = build_dpo_config(DPOStageConfig(kind="dpo", model="base", data="prefs", batch_size=8, beta=beta, loss=loss,
@@ -213,7 +213,7 @@ def trl_and_our_dpo_loss(policy, reference, data, beta, loss="sigmoid", sft_weig
 
 def moved_policy(checkpoint):
     """(the checkpoint as a frozen reference, a policy whose weights moved off it by seeded noise)."""
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     reference, _ = load_model_and_tokenizer(checkpoint)
     policy, _ = load_model_and_tokenizer(checkpoint)
@@ -237,7 +237,7 @@ def test_dpo_loss_variants_are_the_losses_they_name(tiny_checkpoint, home, loss,
 
 def test_kto_trains_on_unpaired_replies_from_the_same_pairs(tiny_checkpoint, ctx_factory, home):
     from stages import kto
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     data = preference_file(home, n=120, near_miss_rate=0.0, malformed_rate=1.0)
     rows = kto.unpaired(read_materialized(data), seed=0)
@@ -302,7 +302,7 @@ def test_center_rewards_coefficient_adds_the_centring_penalty(tiny_checkpoint, h
     from trl import RewardTrainer
 
     from stages import reward_model
-    from stages.preferences import trl_dataset
+    from stages.data.preferences import trl_dataset
 
     data = preference_file(home, n=16, near_miss_rate=0.0, malformed_rate=1.0)
     torch.manual_seed(0)  # the score head
@@ -345,7 +345,7 @@ def test_dpo_heldout_pairwise_accuracy_is_pooled_over_pairs_not_batches(tiny_che
     """As for the reward model: DPO's held-out accuracy against another reference, at a learning rate
     too small to change it, is the same whether 65 pairs come in batches of 64 + 1 or in one."""
     from stages import dpo
-    from stages.models import TinyModelSpec, resolve_base_checkpoint
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
 
     other = resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=32, num_layers=1, num_heads=2,
                                                   intermediate_size=64), 1, tmp_path, tmp_path)

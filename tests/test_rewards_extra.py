@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from stages.rewards import RewardSpec, score_completions
-from stages.rewards_code import code_tests, extract_code
-from stages.rewards_math import math_answer
+from stages.rewards.registry import RewardSpec, score_completions
+from stages.rewards.code_tests import code_tests, extract_code
+from stages.rewards.math_answer import math_answer
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 
@@ -89,7 +89,7 @@ def test_code_tests_times_out_slow_solutions():
 
 @pytest.mark.needs_bwrap
 def test_code_tests_through_the_reward_registry():
-    specs = {"tests_pass": RewardSpec(fn="stages.rewards_code:code_tests", kwargs={"timeout_s": 3})}
+    specs = {"tests_pass": RewardSpec(fn="stages.rewards.code_tests:code_tests", kwargs={"timeout_s": 3})}
     columns = {"answer": [ADD_TESTS, ADD_TESTS, ADD_TESTS], "prompts": [[], [], []]}
     batch = score_completions(specs, [fenced("def add(a, b): return a + b"), fenced("def add(a, b): return 0"),
                                       "```python\ndef add(\n```"], columns)
@@ -137,7 +137,7 @@ def test_math_answer_works_off_the_main_thread():
 
 
 def test_math_answer_through_the_reward_registry():
-    specs = {"math": RewardSpec(fn="stages.rewards_math:math_answer")}
+    specs = {"math": RewardSpec(fn="stages.rewards.math_answer:math_answer")}
     columns = {"answer": ["0.5", "0.5", None], "prompts": [[], [], []]}
     batch = score_completions(specs, ["\\boxed{\\frac{1}{2}}", "no idea", "\\boxed{1}"], columns)
     (component,) = batch.components

@@ -35,7 +35,7 @@ def posttrain(home: Path, *argv: str) -> subprocess.CompletedProcess:
 def test_a_run_prints_its_plan_stage_lines_and_summary_and_a_failure_ends_with_its_log(tmp_path):
     home = tmp_path / "home"
     try:
-        # grpo replies of one token: it alerts at its first step that the token budget cuts them (stages/alerts.py)
+        # grpo replies of one token: it alerts at its first step that the token budget cuts them (stages/training/alerts.py)
         budget = ["--set", "stages.grpo.sampling.max_tokens=1", "--set", "stages.grpo.alerts.after_steps=1",
                   "--set", "stages.grpo.alerts.truncated_frac=0.5"]
         done = posttrain(home, "run", str(QUICKSTART), *SMALL, *budget)

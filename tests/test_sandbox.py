@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import sandbox
-from stages.sandbox import SandboxUnavailable, run_sandboxed
+from stages.rewards import sandbox
+from stages.rewards.sandbox import SandboxUnavailable, run_sandboxed
 
 
 def run(code: str, **kwargs):

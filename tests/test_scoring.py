@@ -1,4 +1,4 @@
-"""The one scorer (stages/scoring.py) and rewards under a wall-clock bound (stages/reward_worker.py)."""
+"""The one scorer (stages/rewards/scoring.py) and rewards under a wall-clock bound (stages/rewards/worker.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from stages.rewards import RewardError, RewardSpec, reward_columns, score_component
-from stages.scoring import RewardErrorPolicy, Scorer
+from stages.rewards.registry import RewardError, RewardSpec, reward_columns, score_component
+from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
 # A power tower: math-verify evaluates it as a big-integer power inside one C call, which holds the GIL
 # for minutes (in a thread it also freezes every other thread of the process) and ignores signal.alarm.
@@ -108,8 +108,8 @@ def test_max_seconds_is_refused_on_rewards_the_stage_runs_itself_and_never_hashe
 
 WORKER_THEN_DIE = """
 import os, signal, sys
-from stages.rewards import RewardSpec, score_component
-from stages.reward_worker import worker
+from stages.rewards.registry import RewardSpec, score_component
+from stages.rewards.worker import worker
 score_component("m", RewardSpec(fn="exact_answer"), ["3"], {"answer": ["3"]})
 print(worker().process.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)

@@ -82,7 +82,7 @@ def test_a_module_is_imported_only_when_the_pipeline_names_it(tmp_path, home, ca
     (tmp_path / "sidefx_rewards.py").write_text(SIDE_EFFECT.format(marker=str(marker)))
     monkeypatch.syspath_prepend(str(tmp_path))  # importable, and beside the pipeline file
     monkeypatch.delitem(sys.modules, "sidefx_rewards", raising=False)
-    from stages.rewards import load_reward_fn
+    from stages.rewards.registry import load_reward_fn
 
     load_reward_fn.cache_clear()  # so "imported" below means imported by this validation
 
@@ -118,7 +118,7 @@ def test_checkpoint_code_is_refused_without_trust_remote_code(custom_checkpoint,
     assert_nothing_left(home)
 
     # The stages' load path refuses too, should a checkpoint change after validation.
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     with pytest.raises(ValueError, match="trust_remote_code=True"):
         load_model_and_tokenizer(custom_checkpoint)
@@ -141,7 +141,7 @@ def test_trusted_checkpoint_code_does_run_offline(custom_checkpoint, tmp_path):
     ran = tmp_path / "CUSTOM_CODE_RAN"
     code = textwrap.dedent(f"""
         from pathlib import Path
-        from stages.models import load_model_and_tokenizer
+        from stages.models.loading import load_model_and_tokenizer
         model, tokenizer = load_model_and_tokenizer(Path({str(custom_checkpoint)!r}), trust_remote_code=True)
         print(type(model).__name__)
     """)
@@ -159,7 +159,7 @@ PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
 
 def test_published_checkpoints_are_safetensors_never_pickles(tiny_checkpoint, ctx_factory, home):
     from stages import sft
-    from stages.data import ArithmeticData, materialize
+    from stages.data.sources import ArithmeticData, materialize
     from stages.sft import SFTStageConfig
 
     data = materialize(ArithmeticData(generator="arithmetic", n=40, role="train"), Path("."), home / "data")
@@ -199,8 +199,7 @@ RIGHT, WRONG = "```python\ndef add(a, b):\n    return a + b\n```", "```python\nd
 @pytest.fixture()
 def no_bwrap(tmp_path, monkeypatch):
     """A PATH with prlimit and setpriv (util-linux) but no bubblewrap."""
-    from stages import sandbox
-
+    from stages.rewards import sandbox
     bin_dir = tmp_path / "bin-without-bwrap"
     bin_dir.mkdir()
     for tool in ("prlimit", "setpriv"):
@@ -219,7 +218,7 @@ def marker_code(marker: Path) -> str:
 
 
 def test_code_reward_refuses_without_bubblewrap(no_bwrap, tmp_path):
-    from stages.rewards import RewardError, RewardSpec, score_completions
+    from stages.rewards.registry import RewardError, RewardSpec, score_completions
 
     marker = tmp_path / "model-code-ran"
     with pytest.raises(RewardError) as caught:
@@ -234,9 +233,9 @@ def test_code_reward_refuses_without_bubblewrap(no_bwrap, tmp_path):
 def test_eval_stage_fails_rather_than_scoring_zero_without_bubblewrap(no_bwrap, tiny_checkpoint, ctx_factory, home):
     """Before the guard, the sandbox error was caught per sample and the eval reported pass@k = 0."""
     from stages import eval as eval_stage
-    from stages.data import FileData, materialize
+    from stages.data.sources import FileData, materialize
     from stages.eval import EvalConfig
-    from stages.rewards import RewardError, RewardSpec
+    from stages.rewards.registry import RewardError, RewardSpec
 
     (home / "code.jsonl").parent.mkdir(parents=True, exist_ok=True)
     (home / "code.jsonl").write_text(json.dumps({"prompt": "Write add(a, b).", "answer": ADD_TESTS}) + "\n")
@@ -250,8 +249,8 @@ def test_eval_stage_fails_rather_than_scoring_zero_without_bubblewrap(no_bwrap, 
 
 
 def test_explicit_opt_out_runs_with_limits_a_throwaway_dir_and_a_scrubbed_environment(no_bwrap, tmp_path, monkeypatch):
-    from stages.rewards import RewardSpec, score_completions
-    from stages.sandbox import run_sandboxed
+    from stages.rewards.registry import RewardSpec, score_completions
+    from stages.rewards.sandbox import run_sandboxed
 
     spec = RewardSpec(fn="code_tests", kwargs={"sandbox": "rlimits-only"})
     scored = score_completions({"tests": spec}, [RIGHT, WRONG, "no code here"], {"answer": [ADD_TESTS] * 3})

@@ -1,4 +1,4 @@
-"""Packed SFT rows (stages/packing.py): the fast path computes the plain path's loss,
+"""Packed SFT rows (stages/data/packing.py): the fast path computes the plain path's loss,
 documents never see each other, prompts carry no loss, and the sft stage trains with it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.data import ArithmeticData, generate_arithmetic, materialize
-from stages.packing import (
+from stages.data.sources import ArithmeticData, generate_arithmetic, materialize
+from stages.data.packing import (
     IGNORE_INDEX,
     PackedRowCollator,
     pack_documents,
@@ -34,7 +34,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """Two layers, so a leak across documents would compound through the residual stream."""
-    from stages.models import TinyModelSpec, resolve_base_checkpoint
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
 
     cache = tmp_path_factory.mktemp("packing-models")
     spec = TinyModelSpec(init="tiny", hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)

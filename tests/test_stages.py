@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.data import ArithmeticData, materialize, read_materialized
+from stages.data.sources import ArithmeticData, materialize, read_materialized
 from stages.eval import EvalConfig
-from stages.rewards import RewardSpec
+from stages.rewards.registry import RewardSpec
 from stages.sft import SFTStageConfig
 from stages.context import StageInputs
 
@@ -34,7 +34,7 @@ def test_assistant_only_loss_masks_every_prompt_token(tiny_checkpoint, tmp_path)
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
     tokenizer.padding_side = "right"
@@ -63,7 +63,7 @@ def test_assistant_only_loss_masks_every_prompt_token(tiny_checkpoint, tmp_path)
 
 def test_sft_changes_weights_and_lowers_loss(tiny_checkpoint, ctx_factory, home):
     from stages import sft
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     ctx = ctx_factory("sft")
     config = SFTStageConfig(kind="sft", data="train", max_steps=40, batch_size=16, lr=5e-3, logging_steps=5)
@@ -107,7 +107,7 @@ def test_eval_reports_pass_at_k_failures_and_settings(tiny_checkpoint, ctx_facto
 
 def test_sft_with_lora_publishes_a_merged_plain_checkpoint(tiny_checkpoint, ctx_factory, home):
     from stages import sft
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     config = SFTStageConfig(kind="sft", data="train", max_steps=10, batch_size=8, lr=1e-2,
                             lora={"r": 4, "alpha": 8})

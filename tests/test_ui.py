@@ -217,7 +217,7 @@ def test_dataset_inputs_wait_in_the_journal_while_the_store_is_unreachable(home,
     from flows.recording import Recorder, pending_runs, replay_pending
     from flows.spec import load_pipeline
     from flows.tracking import Tracker
-    from stages.data import materialize
+    from stages.data.sources import materialize
 
     configure_environment()
     loaded = load_pipeline(write(tmp_path / "looking.yaml", PIPELINE))

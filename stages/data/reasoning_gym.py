@@ -43,8 +43,8 @@ import random
 import re
 from typing import Any
 
-from stages.data_specs import DataError, ReasoningGymData
-from stages.rewards import RewardError, RewardOutput
+from stages.data.specs import DataError, ReasoningGymData
+from stages.rewards.registry import RewardError, RewardOutput
 
 INSTALL_HINT = ("reasoning-gym is not installed; it is an optional extra: pip install reasoning-gym "
                 "(or pip install 'posttrain[reasoning]')")

@@ -24,19 +24,19 @@ from typing import Any, Callable, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import SCORER_PREFIX
-from stages.generation import JUDGE_DEFAULTS, JUDGE_SAMPLING, SamplingSettings
-from stages.models import ModelSpec
+from stages.rollout.generation import JUDGE_DEFAULTS, JUDGE_SAMPLING, SamplingSettings
+from stages.models.loading import ModelSpec
 from stages.spec_model import SpecModel
 
 REWARD_MODEL_FN = "reward_model"  # the built-in that scores with a trained reward_model stage
 REASONING_GYM_FN = "reasoning_gym"  # the built-in that scores reasoning_gym data with the task's score_answer
 JUDGE_FN = "judge"  # the built-in that asks a generative model (or a judge function) to score against a rubric
-ENVIRONMENT_FN = "environment"  # the built-in that is an environment's own score of an episode (stages/environments.py)
+ENVIRONMENT_FN = "environment"  # the built-in that is an environment's own score of an episode (stages/rollout/environments.py)
 BOUND_ONLY_FNS = (REWARD_MODEL_FN, JUDGE_FN, ENVIRONMENT_FN)  # scorers a stage binds in its own process
 # built-ins that bound every completion themselves, in a sandboxed process with its own time limit: run in
 # the stage's process (where its sandbox is checked), not in the reward worker
 SELF_BOUNDED_FNS = ("code_tests",)
-RUBRIC_PLACEHOLDERS = ("{prompt}", "{completion}", "{answer}")  # what stages/judge.py render_rubric fills
+RUBRIC_PLACEHOLDERS = ("{prompt}", "{completion}", "{answer}")  # what stages/rewards/judge.py render_rubric fills
 # a placeholder: a name in braces, with whatever attribute, index, conversion or format spec follows it
 # (`{prompt.__class__}`, `{x[0]}`, `{answer!r}`); JSON such as {"score": 1} does not start with a name
 _PLACEHOLDER = re.compile(r"\{[A-Za-z_][^{}]*\}")
@@ -196,7 +196,7 @@ def length_penalty(completions: list[str], target_chars: int = 0, per_char: floa
 
 def _lazy(path: str) -> Callable[..., Any]:
     """A built-in kept in its own module, imported on first use (math-verify and SymPy import
-    slowly, and stages.rewards_code imports this module)."""
+    slowly, and stages.rewards.code_tests imports this module)."""
 
     def call(completions, **columns):
         return load_reward_fn(path)(completions, **columns)
@@ -213,15 +213,15 @@ def reward_model(completions: list[str], **_) -> list[float]:
 
 
 def judge(completions: list[str], **_) -> list[float]:
-    """Scores with a judge model or function; the stage that uses it binds the judge (stages/judge.py
+    """Scores with a judge model or function; the stage that uses it binds the judge (stages/rewards/judge.py
     ``bind_judges``), so an unbound call is a wiring error."""
     raise RewardError("the judge reward is bound to its judge by the stage (or check-reward) that uses it; it cannot "
                       "be called on its own")
 
 
 def environment(completions: list[str], **_) -> list[float]:
-    """The environment's own score of an episode (stages/environments.py ``Environment.score``); a stage with
-    ``environment:`` binds it to its episodes (stages/episodes.py ``environment_scorers``)."""
+    """The environment's own score of an episode (stages/rollout/environments.py ``Environment.score``); a stage with
+    ``environment:`` binds it to its episodes (stages/rollout/episodes.py ``environment_scorers``)."""
     raise RewardError("the environment reward is an environment's own score of an episode, bound by a stage with "
                       "`environment:` to its episodes; it cannot score a lone completion (e.g. in `reward_checks:`)")
 
@@ -236,9 +236,9 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     REWARD_MODEL_FN: reward_model,
     JUDGE_FN: judge,
     ENVIRONMENT_FN: environment,
-    "math_answer": _lazy("stages.rewards_math:math_answer"),
-    "code_tests": _lazy("stages.rewards_code:code_tests"),
-    REASONING_GYM_FN: _lazy("stages.reasoning_gym_tasks:reasoning_gym_answer"),
+    "math_answer": _lazy("stages.rewards.math_answer:math_answer"),
+    "code_tests": _lazy("stages.rewards.code_tests:code_tests"),
+    REASONING_GYM_FN: _lazy("stages.data.reasoning_gym:reasoning_gym_answer"),
     "regex_format": regex_format,
     "length_penalty": length_penalty,
 }
@@ -363,10 +363,10 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
 
     ``fn`` is a bound scorer (a loaded reward model, a judge, an environment's score), called in this
     process, as is ``code_tests`` (each completion in its own sandboxed process, under its own time limit).
-    Every other reward runs in the stage's reward worker (stages/reward_worker.py) under the wall-clock
+    Every other reward runs in the stage's reward worker (stages/rewards/worker.py) under the wall-clock
     bound ``spec.max_seconds`` per call, in chunks of ``CHUNK`` completions."""
     if fn is None and spec.fn not in BOUND_ONLY_FNS + SELF_BOUNDED_FNS:
-        from stages.reward_worker import CHUNK
+        from stages.rewards.worker import CHUNK
 
         call, chunk = _bounded_call(spec), CHUNK
     else:
@@ -390,7 +390,7 @@ def _bounded_call(spec: RewardSpec) -> Callable[[list[str], dict[str, list]], An
     """``spec.fn`` on a chunk in the reward worker, bounded by ``spec.max_seconds``: a broken reward
     (a ``RewardError`` in the worker) raises ``RewardError`` here; any other exception, and a call
     past its bound, raises an exception whose message names what happened."""
-    from stages.reward_worker import RewardRaised, RewardTimeout, worker
+    from stages.rewards.worker import RewardRaised, RewardTimeout, worker
 
     def call(texts, cols):
         try:

@@ -5,7 +5,7 @@ converted GGUF or a hub snapshot) or a function with the same contract (``judge_
 pkg.mod:fn``, ``fn(conversations) -> replies``). Each (prompt, completion) is written into the
 YAML's ``rubric`` (``{prompt}``, ``{completion}``, ``{answer}``), sent as one user turn, and
 answered once at the reward's fixed ``sampling`` (greedy by default) through the generation
-backend (stages/generation.py: vLLM where it can serve the judge, else HF generate; the model
+backend (stages/rollout/generation.py: vLLM where it can serve the judge, else HF generate; the model
 is loaded only when a reply is not cached). The reply is read onto the declared ``scale``:
 ``yes_no`` (1 / 0) or ``LOW-HIGH`` (the first number n, scored (n - LOW) / (HIGH - LOW), so
 every judge scores in [0, 1]). A reply that cannot be read is an error of the judge: it is
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages.context import StageInputs
-from stages.rewards import (
+from stages.rewards.registry import (
     ComponentScores,
     JUDGE_FN,
     JUDGE_SCALE,
@@ -137,7 +137,7 @@ class ModelJudge:
         self.backend = None
 
     def __call__(self, conversations: list[list[dict]]) -> list[str]:
-        from stages.generation import open_backend
+        from stages.rollout.generation import open_backend
 
         if self.backend is None:
             self.backend = open_backend(self.spec.backend, self.checkpoint, keep_logprobs=False,
@@ -156,7 +156,7 @@ def model_identity(checkpoint: Path) -> str:
 def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs) -> dict[str, JudgeReward]:
     """The reward function of every ``fn: judge`` reward; ``inputs`` carries each model judge's checkpoint
     (``scorer_checkpoints``) and the reply cache's directory (``judge_cache``, None: no cache)."""
-    from stages.generation import resolve_backend
+    from stages.rollout.generation import resolve_backend
 
     cache_dir = inputs.judge_cache
     bound = {}

@@ -73,7 +73,7 @@ def failure_training_records(cases: list[dict], demonstrations: bool, where: str
                                       "for an sft stage; iterate an rl stage, or give the probe data answers")
             reply = answer
             if isinstance(task, dict) and "answer_format" in task:
-                from stages.reasoning_gym_tasks import demonstration
+                from stages.data.reasoning_gym import demonstration
 
                 reply = demonstration(answer, task["answer_format"])
             messages = [*prompt, {"role": "assistant", "content": reply}]

@@ -4,9 +4,9 @@ Eval, GRPO (each TRL reward function), PPO, online DPO and the difficulty filter
 through here, so three things are written once:
 
 - the columns a reward function reads beside the completions: ``reward_columns`` of
-  stages/rewards.py, where the reward contract is (every caller builds them through it).
+  stages/rewards/registry.py, where the reward contract is (every caller builds them through it).
 - ``RewardErrorPolicy``: a stage's ``reward_errors`` / ``max_reward_errors``. Every
-  exception a reward raised (stages/rewards.py isolates it to the completion that caused
+  exception a reward raised (stages/rewards/registry.py isolates it to the completion that caused
   it, and a call past its time bound is one too) is counted across the whole stage; under
   ``fail`` the stage stops once the count passes the limit, naming the reward, its error
   and the completion; under ``score`` the completion scores 0 and the count is logged. An error
@@ -14,7 +14,7 @@ through here, so three things are written once:
   completion (the first 20): a judge's unreadable reply is such an error, the reply quoted.
 - ``Scorer``: scores a batch with the stage's rewards and bound scorers (reward models,
   judges, an environment's own score), applies the policy, and hands judged batches to
-  the judge auditor (stages/judge.py) so judges are audited against verifiers wherever
+  the judge auditor (stages/rewards/judge.py) so judges are audited against verifiers wherever
   they score.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from stages.rewards import ComponentScores, RewardSpec, ScoredBatch, score_component, score_completions
+from stages.rewards.registry import ComponentScores, RewardSpec, ScoredBatch, score_component, score_completions
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Scorer:
     """A stage's rewards over batches of completions, under its ``reward_errors`` policy.
 
     ``fns``: bound scorers by reward name (reward models, judges, environment scores), used instead
-    of the named function; ``auditor``: stages/judge.py's ``BatchAuditor`` (RL stages), fed every
+    of the named function; ``auditor``: stages/rewards/judge.py's ``BatchAuditor`` (RL stages), fed every
     scored batch."""
 
     def __init__(self, specs: dict[str, RewardSpec], policy: RewardErrorPolicy,

@@ -1,7 +1,7 @@
 """Environments: what an agent's episode runs against, a registry like the rewards'.
 
 An RL or eval stage that declares ``environment:`` samples episodes instead of single
-completions (stages/episodes.py): the model writes a turn; a turn holding tool calls
+completions (stages/rollout/episodes.py): the model writes a turn; a turn holding tool calls
 (``<tool_call>...</tool_call>``) has them executed and their results appended as ``tool``
 messages (the observation); a turn without one is the final answer and ends the episode.
 ``max_turns`` and the stage's token budgets end it too.
@@ -12,7 +12,7 @@ their JSON schemas made by transformers' ``get_json_schema``) and whose ``start(
 is the conversation an episode starts from (by default the record's messages before its
 first assistant turn). Built in: ``calculator`` (``calculator(expression: str)``,
 arithmetic evaluated on the syntax tree, never ``eval``) and ``python``
-(``python(code: str)``, run in the bubblewrap sandbox of stages/sandbox.py with its time,
+(``python(code: str)``, run in the bubblewrap sandbox of stages/rewards/sandbox.py with its time,
 memory and output limits). Users register their own by dotted path
 (``my_pkg.envs:WeatherEnv``), the same way as rewards.
 
@@ -85,7 +85,7 @@ class EnvironmentSpec(SpecModel):
     model_config = ConfigDict(extra="forbid")
 
     fn: str = Field(description="Built-in environment (calculator, python) or dotted path `pkg.module:Class` "
-                    "to a subclass of stages.environments.Environment.")
+                    "to a subclass of stages.rollout.environments.Environment.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's "
                                    "constructor (python: timeout_s, memory_mb).")
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode; an episode whose last allowed "
@@ -133,7 +133,7 @@ class Environment:
         """Raise if the environment cannot run here (before any episode is sampled)."""
 
     def score(self, episode, answer: str | None, task: dict | None) -> float | None:
-        """The environment's own score of a finished episode (stages/episodes.py ``Episode``: its ``answer``,
+        """The environment's own score of a finished episode (stages/rollout/episodes.py ``Episode``: its ``answer``,
         ``messages``, ``tool_results``, ``ended``), given the record's reference ``answer`` and generated
         ``task``; None when the episode cannot be scored (no answer to read): 0, counted as unparsed. A
         stage uses it as a reward by listing ``environment`` among its rewards. Override to define one."""
@@ -199,7 +199,7 @@ class CalculatorEnvironment(Environment):
         answer, as ``exact_answer`` strict reads it) equals the reference and the result of one of the
         episode's successful calculator calls; 0 otherwise, so a right answer never computed with the tool
         (from memory, or a call on other numbers) scores 0. None when the episode gave no integer answer."""
-        from stages.rewards import extract_integer
+        from stages.rewards.registry import extract_integer
 
         if answer is None:
             raise ValueError("the calculator's score needs the record's reference answer")
@@ -224,12 +224,12 @@ class PythonEnvironment(Environment):
         self.timeout_s, self.memory_mb, self.isolation = float(timeout_s), int(memory_mb), isolation
 
     def check(self) -> None:
-        from stages.sandbox import ensure_available
+        from stages.rewards.sandbox import ensure_available
 
         ensure_available(self.isolation)
 
     def tools(self):
-        from stages.sandbox import run_sandboxed
+        from stages.rewards.sandbox import run_sandboxed
 
         def python(code: str) -> str:
             """Run a Python program (standard library only) and return what it prints.
@@ -272,7 +272,7 @@ def load_environment_class(name: str) -> type[Environment]:
                                 f"({type(error).__name__}: {error})") from None
     cls = getattr(module, attr, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise EnvironmentLoadError(f"environment {name!r} is not a subclass of stages.environments.Environment")
+        raise EnvironmentLoadError(f"environment {name!r} is not a subclass of stages.rollout.environments.Environment")
     return cls
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import random
 
-from stages.data_specs import ArithmeticPreferenceData, DataError
-from stages.rewards import exact_answer
+from stages.data.specs import ArithmeticPreferenceData, DataError
+from stages.rewards.registry import exact_answer
 
 FIELDS = ("prompt", "chosen", "rejected")
 

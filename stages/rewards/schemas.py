@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
-from stages.sandbox import ISOLATION_MODES
+from stages.rewards.sandbox import ISOLATION_MODES
 from stages.spec_model import SpecModel
 
 COLUMNS = ("answer", "prompts", "task")  # what a reward receives from the data, not from kwargs

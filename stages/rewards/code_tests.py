@@ -1,7 +1,7 @@
 """``code_tests``: run the model's Python against test asserts in the sandbox.
 
 Each completion's code (the last ```python fenced block, else the whole reply) runs in
-``stages.sandbox`` followed by the tests: 1.0 when every assert passes, 0.0 otherwise.
+``stages.rewards.sandbox`` followed by the tests: 1.0 when every assert passes, 0.0 otherwise.
 A completion with no code, or code that does not compile, is *unparsed* rather than wrong.
 
 How success is signalled (so that it cannot be faked by a shortcut)
@@ -27,8 +27,8 @@ import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from stages.rewards import RewardError, RewardOutput
-from stages.sandbox import ISOLATION_MODES, SandboxUnavailable, ensure_available, run_sandboxed
+from stages.rewards.registry import RewardError, RewardOutput
+from stages.rewards.sandbox import ISOLATION_MODES, SandboxUnavailable, ensure_available, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3"}
@@ -102,7 +102,7 @@ def code_tests(
     ``tests``: python asserts, per completion (a ``tests`` column) or one string for all
     (a kwarg); when absent, the ``answer`` column is used as the tests.
     ``sandbox``: ``bubblewrap`` (default; without it nothing runs and the reward raises) or
-    ``rlimits-only``, the pipeline's explicit opt-out (``stages/sandbox.py`` says what it gives up).
+    ``rlimits-only``, the pipeline's explicit opt-out (``stages/rewards/sandbox.py`` says what it gives up).
     """
     require_sandbox(sandbox)
     per_completion_tests = _tests_per_completion(len(completions), tests, answer)

@@ -2,7 +2,7 @@
 
 GRPO and PPO sample their rollouts from the policy being trained. With ``backend: vllm``
 (or ``auto`` where vLLM can serve the model) that is posttrain's in-process vLLM engine
-(stages/generation.py ``VLLMBackend``), and after every optimizer step the policy's current
+(stages/rollout/generation.py ``VLLMBackend``), and after every optimizer step the policy's current
 weights are pushed into it (``sync``), so each rollout batch is drawn from the policy the
 trainer holds: on-policy, with the engine's log-probs recorded per token.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.generation import SamplingSettings, VLLMBackend, choose_backend, prompt_token_ids
+from stages.rollout.generation import SamplingSettings, VLLMBackend, choose_backend, prompt_token_ids
 
 
 def merged_named_weights(model):
@@ -56,7 +56,7 @@ def rollout_backend(config, checkpoint: Path) -> tuple[str, str]:
     """(backend, why) for an RL stage's rollouts; a declared ``vllm`` that cannot serve the model fails here.
     On several training processes each samples its own shard with HF generate (one in-process vLLM engine
     per rank is not supported; the validator refuses a declared ``vllm`` there)."""
-    from stages.data_parallel import world_size
+    from stages.training.data_parallel import world_size
 
     if world_size() > 1 and config.backend == "auto":
         return "hf", f"auto: {world_size()} training processes, each samples its shard with HF generate"
@@ -137,10 +137,10 @@ class GRPORollouts:
 
 class EpisodeRollouts:
     """TRL ``rollout_func`` for an rl stage with an ``environment``: one episode per prompt TRL hands over
-    (stages/episodes.py), returned with ``env_mask`` (TRL's ``tool_mask``: observation tokens carry no loss,
+    (stages/rollout/episodes.py), returned with ``env_mask`` (TRL's ``tool_mask``: observation tokens carry no loss,
     KL or ratio) and, per episode, its final answer, whether it may be rewarded and the episode itself (the
     reward functions read them, stages/grpo.py); the episode metrics go to ``step_metrics``
-    (stages/trainer_callbacks.py ``StepMetrics``), logged with the trainer's.
+    (stages/training/callbacks.py ``StepMetrics``), logged with the trainer's.
 
     The turns are sampled by posttrain's vLLM engine (``engine``, synced after each update) or else by
     transformers' generate on the training model itself (on-policy by construction); a call's draws are
@@ -165,12 +165,12 @@ class EpisodeRollouts:
     def backend(self, trainer):
         if self.engine is not None:
             return self.engine.synced(trainer)
-        from stages.generation import HFGenerateBackend
+        from stages.rollout.generation import HFGenerateBackend
 
         return HFGenerateBackend(trainer.model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True)
 
     def __call__(self, prompts: list, trainer) -> dict:
-        from stages.episodes import episode_metrics, shortcut
+        from stages.rollout.episodes import episode_metrics, shortcut
 
         episodes = self.runner.run(self.backend(trainer), prompts, self.settings, seed_offset=self.calls * 100_003)
         self.calls += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stages.context import StageInputs
-from stages.rewards import REWARD_MODEL_FN, RewardSpec, ScoredBatch
+from stages.rewards.registry import REWARD_MODEL_FN, RewardSpec, ScoredBatch
 
 
 def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
@@ -34,10 +34,10 @@ class RewardModelScorer:
     """Batched scores of (prompt, completion) pairs by a trained reward model."""
 
     def __init__(self, path: Path, batch_size: int = 64, trust_remote_code: bool = False, where: str = "policy"):
-        """``where``: its placement (stages/placement.py); the scores come back on the CPU wherever it runs."""
+        """``where``: its placement (stages/models/placement.py); the scores come back on the CPU wherever it runs."""
         import torch
 
-        from stages.placement import place
+        from stages.models.placement import place
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where its inputs are made
         self.model, self.tokenizer = load_sequence_scorer(path, trust_remote_code)
@@ -103,9 +103,9 @@ def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[fl
 
 def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy") -> dict:
     """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once (placed
-    where ``where`` says: stages/placement.py), and of every ``fn: judge`` reward (stages/judge.py: its
+    where ``where`` says: stages/models/placement.py), and of every ``fn: judge`` reward (stages/rewards/judge.py: its
     judge is loaded only when a reply is not cached)."""
-    from stages.judge import bind_judges
+    from stages.rewards.judge import bind_judges
 
     loaded: dict[str, RewardModelScorer] = {}
     bound = {}

@@ -247,7 +247,7 @@ def open_backend(name: str, checkpoint: Path, *, trust_remote_code: bool = False
     else:
         import torch
 
-        from stages.models import load_model_and_tokenizer
+        from stages.models.loading import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True,
                                                     trust_remote_code=trust_remote_code)

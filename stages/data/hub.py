@@ -31,7 +31,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from stages.data_specs import DataError, HubData
+from stages.data.specs import DataError, HubData
 
 DISK_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")  # what save_to_disk writes
 HUB_TIMEOUT_SECONDS = 3.0
@@ -134,8 +134,8 @@ def _rows(spec: HubData, path: Path):
 
 def located_hub_records(spec: HubData, base_dir: Path, normalise_record) -> list[tuple[str, dict]]:
     """(``dataset record i``, canonical record) for the first ``n`` rows; DataError names what is wrong.
-    ``normalise_record``: stages/data.py's, for conversation rows (passed in: stages.data imports this module)."""
-    from stages.preferences import normalise_preference
+    ``normalise_record``: stages/data/sources.py's, for conversation rows (passed in: stages.data.sources imports this module)."""
+    from stages.data.preferences import normalise_preference
 
     path, _ = resolve(spec, base_dir)
     rows = itertools.islice(_rows(spec, path), spec.n)
@@ -187,7 +187,7 @@ def extract_answer(text, how: str | None, where: str) -> str | None:
 
 
 def conversation_fields(spec: HubData, row: dict, where: str) -> dict:
-    """A row as the fields ``stages.data.normalise_record`` reads: messages, or prompt (+ completion); answer."""
+    """A row as the fields ``stages.data.sources.normalise_record`` reads: messages, or prompt (+ completion); answer."""
     answer = extract_answer(_column(spec, row, "answer", where), spec.answer_from, where)
     messages = _column(spec, row, "messages", where)
     if messages is not None:

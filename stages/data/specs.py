@@ -1,8 +1,8 @@
 """The dataset declarations of a pipeline (`data:`): one pydantic model per source, and DataError.
 
-Kept apart from ``stages/data.py`` (which reads and materialises them) so that the modules
-that generate a kind of dataset (``stages/preferences.py``, ``stages/reasoning_gym_tasks.py``)
-and ``stages/data.py``, which calls them, all import the declarations from here.
+Kept apart from ``stages/data/sources.py`` (which reads and materialises them) so that the modules
+that generate a kind of dataset (``stages/data/preferences.py``, ``stages/data/reasoning_gym.py``)
+and ``stages/data/sources.py``, which calls them, all import the declarations from here.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ CANONICAL_COLUMNS = ("prompt", "completion", "answer", "messages", "system", "ch
 
 class HubData(SpecModel):
     """A Hugging Face dataset: `hub: ID` through `datasets`, read from the local Hugging Face cache and
-    fetched from the hub only where it answers (stages/hub_data.py), or `folder: DIR`, a `save_to_disk`
+    fetched from the hub only where it answers (stages/data/hub.py), or `folder: DIR`, a `save_to_disk`
     folder or a dataset repository's folder of parquet / JSONL / CSV files."""
 
     model_config = ConfigDict(extra="forbid")

@@ -16,7 +16,7 @@ shared rule cannot read is still tried as ``$reference$``.
 Timeouts: math-verify bounds each parse/compare with ``signal.alarm``, which only works in
 the main thread, and cannot stop a long C call (``9^{9^{9^{9}}}`` is a big-integer power
 that holds the GIL for minutes). A stage never calls this in its own process: like every
-named reward it runs in the reward worker (stages/reward_worker.py), in that process's
+named reward it runs in the reward worker (stages/rewards/worker.py), in that process's
 main thread (so these timeouts work), and the worker is killed once a call passes the
 reward's ``max_seconds``, which makes the completion a reward error.
 """
@@ -28,7 +28,7 @@ import threading
 
 from math_verify import parse, verify
 
-from stages.rewards import RewardOutput
+from stages.rewards.registry import RewardOutput
 
 
 def math_answer(completions: list[str], answer: list[str | None], timeout_s: int = 5, **_) -> RewardOutput:

@@ -118,7 +118,7 @@ def pooling_pair_metrics(trainer_class, keys: tuple[str, ...]):
 def schedule_arguments(config) -> dict:
     """Trainer arguments the reward-model and preference stage configs spell the same way; ``batch_size``
     is the global batch, each of the ``world_size()`` processes takes an equal share (validated to divide)."""
-    from stages.data_parallel import world_size
+    from stages.training.data_parallel import world_size
 
     world = world_size()
     return {
@@ -189,7 +189,7 @@ def stop_gracefully(trainer, ctx, resumable: bool = True):
     from transformers import TrainerCallback
 
     from stages.context import StageTimeLimit
-    from stages.data_parallel import agreed_flags
+    from stages.training.data_parallel import agreed_flags
 
     deadline = getattr(ctx, "deadline", None)
 

@@ -1,5 +1,5 @@
 """Base models: a tiny Llama-style model built locally from a seed, any local checkpoint, a
-GGUF file (converted once, stages/pretrained.py) or a Hugging Face hub id.
+GGUF file (converted once, stages/models/pretrained.py) or a Hugging Face hub id.
 
 The tiny model uses a character-level tokenizer with a chat template, so a pipeline can
 fine-tune, sample and evaluate a real transformers checkpoint with no network and in
@@ -18,12 +18,12 @@ from typing import Annotated, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from stages.pretrained import set_padding_side
+from stages.models.pretrained import set_padding_side
 from stages.spec_model import SpecModel
 
 # The assistant's end-of-turn token is inside {% generation %} so assistant-only loss
 # teaches the model to stop (TRL checks for exactly this). Tools passed as `tools=` are
-# named in a system line (an agent's episodes, stages/episodes.py); tool results are `tool` turns.
+# named in a system line (an agent's episodes, stages/rollout/episodes.py); tool results are `tool` turns.
 TINY_CHAT_TEMPLATE = (
     "{%- if tools -%}<|system|>tools: {{ tools | map(attribute='function.name') | join(', ') }}<|end|>{%- endif -%}"
     "{%- for message in messages -%}"
@@ -197,11 +197,11 @@ def resolve_base_checkpoint(spec, seed: int, cache_dir: Path, base_dir: Path) ->
         path = Path(spec.path)
         return path if path.is_absolute() else (base_dir / path).resolve()
     if isinstance(spec, GGUFModelSpec):
-        from stages.pretrained import converted_gguf_checkpoint, locate_gguf
+        from stages.models.pretrained import converted_gguf_checkpoint, locate_gguf
 
         return converted_gguf_checkpoint(locate_gguf(spec.gguf, base_dir), cache_dir)
     if isinstance(spec, HubModelSpec):
-        from stages.pretrained import hub_checkpoint
+        from stages.models.pretrained import hub_checkpoint
 
         return hub_checkpoint(spec.hub, spec.revision)
     target = cache_dir / f"tiny-{base_model_key(spec, seed)}"

@@ -98,7 +98,7 @@ def save_trained(model, tokenizer, ctx, padding_side: str = "left", final_loss: 
     """
     from peft import PeftModel
 
-    from stages.pretrained import set_padding_side
+    from stages.models.pretrained import set_padding_side
 
     check_finite(model, final_loss)
     outputs = {}

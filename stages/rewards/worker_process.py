@@ -1,5 +1,5 @@
-"""The reward worker's own process (``python -m stages.reward_worker_process``): the loop that runs rewards
-for a stage process, which starts, bounds and stops it (stages/reward_worker.py)."""
+"""The reward worker's own process (``python -m stages.rewards.worker_process``): the loop that runs rewards
+for a stage process, which starts, bounds and stops it (stages/rewards/worker.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import signal
 import sys
 
-from stages.reward_worker import receive, send
-from stages.rewards import RewardError, load_reward_fn
+from stages.rewards.worker import receive, send
+from stages.rewards.registry import RewardError, load_reward_fn
 
 
 def _die_with_parent() -> None:

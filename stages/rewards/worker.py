@@ -17,7 +17,7 @@ kills the worker:
 - the worker runs the reward in its main thread, so math-verify's own timeouts work there;
 - the worker exits when its stage process goes (its stdin closes), and is killed with it.
 
-The worker process (stages/reward_worker_process.py) imports the reward by name from the
+The worker process (stages/rewards/worker_process.py) imports the reward by name from the
 stage process's ``sys.path`` and runs it in that process's environment variables (both sent
 with every call); a reward keeps module-level state per worker (it lives as long as the
 stage's process), not per call.
@@ -120,7 +120,7 @@ class RewardWorker:
 
 class _Launcher:
     """Starts workers from one thread that lives as long as the process. The kernel's parent-death
-    signal (stages/reward_worker_process.py ``_die_with_parent``) fires when the *thread* that
+    signal (stages/rewards/worker_process.py ``_die_with_parent``) fires when the *thread* that
     started a child ends, and stages run in threads that end (Prefect's task threads), so no stage
     thread starts a worker itself."""
 
@@ -135,7 +135,7 @@ class _Launcher:
             reply = self.requests.get()
             try:
                 env = dict(os.environ, PYTHONSAFEPATH="1")  # the caller's directory never shadows posttrain's
-                command = [sys.executable, "-m", "stages.reward_worker_process"]
+                command = [sys.executable, "-m", "stages.rewards.worker_process"]
                 reply.put(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                            cwd=os.getcwd()))
             except Exception as error:  # handed to the caller

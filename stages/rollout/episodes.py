@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stages.environments import (
+from stages.rollout.environments import (
     Environment,
     EnvironmentSpec,
     ToolResult,
@@ -35,8 +35,8 @@ from stages.environments import (
     parse_tool_calls,
     tool_schemas,
 )
-from stages.generation import SamplingSettings
-from stages.rewards import ENVIRONMENT_FN, RewardOutput, RewardSpec, ScoredBatch
+from stages.rollout.generation import SamplingSettings
+from stages.rewards.registry import ENVIRONMENT_FN, RewardOutput, RewardSpec, ScoredBatch
 
 ENDED_ANSWER, ENDED_TURNS, ENDED_TOKENS = "answer", "max_turns", "token_budget"
 

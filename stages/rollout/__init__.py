@@ -1,0 +1,11 @@
+"""The rollout layer: where every sample is made.
+
+One sampling schema and the generation engines (HF generate, the in-process vLLM engine, with
+its context budget and version: ``generation``); rollouts for a training stage, with the
+policy's weights synced into the engine after each optimizer step (``training``); agent episodes
+of model turns and environment observations, as token ids with an observation mask
+(``episodes``), the environments they run against (``environments``) and their known-episode
+checks (``episode_checks``). Each sample carries its token ids and the sampler's log-probs. It
+may import ``stages.models``, ``stages.training`` (a stage's several processes) and, to score an
+episode, ``stages.rewards``; never a stage kind.
+"""
