@@ -38,7 +38,7 @@ def isolated_home() -> Path:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore")
-    from flows.home import configure_environment
+    from flows.recording.home import configure_environment
 
     configure_environment()
     import logging
@@ -79,7 +79,7 @@ class StageContexts:
     """Real MLflow stage contexts (the tests' ``ctx_factory``): one child run per call."""
 
     def __init__(self, home: Path, experiment: str = "bench"):
-        from flows.tracking import Tracker
+        from flows.recording.tracking import Tracker
 
         self.home = home
         self.tracker = Tracker(home)
@@ -89,7 +89,7 @@ class StageContexts:
     def make(self, name: str, seed: int = 0):
         from rich.console import Console
 
-        from flows.tracking import MlflowStageContext
+        from flows.recording.tracking import MlflowStageContext
 
         run_id = self.tracker.start_stage_run(self.experiment, self.parent, name, {})
         # progress bars still run (rich's refresh thread included), they just print nowhere

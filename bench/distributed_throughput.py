@@ -51,8 +51,8 @@ def run_stage(loaded, tracker, experiment: str, parent: str, processes: int) -> 
     """(train pairs/s, whole-stage pairs/s) of one execution of the dpo stage on ``processes``."""
     from dataclasses import replace
 
-    from flows.execute import execute
-    from flows.job import StageJob
+    from flows.execution.execute import execute
+    from flows.planning.job import StageJob
     from stages.context import Resources
 
     config = loaded.spec.stages["dpo"]
@@ -82,8 +82,8 @@ def main() -> None:
     home = _common.isolated_home()
     import torch
 
-    from flows.spec import load_pipeline
-    from flows.tracking import Tracker
+    from flows.spec.loading import load_pipeline
+    from flows.recording.tracking import Tracker
 
     torch.set_num_threads(args.threads)
     path = Path(tempfile.mkdtemp()) / "bench-dist.yaml"

@@ -21,8 +21,8 @@ def main() -> None:
     home = Path(tempfile.mkdtemp())
     os.environ["POSTTRAIN_HOME"] = str(home)
     os.environ.pop("MLFLOW_TRACKING_URI", None)
-    from flows.home import configure_environment
-    from flows.tracking import MlflowStageContext, Tracker
+    from flows.recording.home import configure_environment
+    from flows.recording.tracking import MlflowStageContext, Tracker
     from stages import sft
     from stages.context import StageInputs
     from stages.data.sources import ArithmeticData, materialize

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flows.home import configure_environment
+from flows.recording.home import configure_environment
 from stages.rewards.judge import JudgeReward, ModelJudge, ReplyCache
 from stages.models.loading import GGUFModelSpec, resolve_base_checkpoint
 from stages.rewards.registry import RewardSpec

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def generating_stages(pipeline: Path) -> list[str]:
     sys.path.insert(0, str(ROOT))
-    from flows.spec import load_pipeline
+    from flows.spec.loading import load_pipeline
 
     spec = load_pipeline(pipeline).spec
     return [name for name, config in spec.stages.items() if hasattr(config, "backend")]

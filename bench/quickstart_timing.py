@@ -13,14 +13,14 @@ In a fresh POSTTRAIN_HOME (a temporary dir), one after the other:
    teardown, as `posttrain run` does. That is what the stage costs outside posttrain, the
    libraries it imports included.
 4. `--only` on that stage as a person's inner loop runs it: with posttrain's warm process
-   (flows/warm.py; POSTTRAIN_WARM=1, started by a first --only and waited for), over (3)
+   (flows/servers/warm.py; POSTTRAIN_WARM=1, started by a first --only and waited for), over (3)
    (target <= 1.2). Also `--only` with warm runs off (POSTTRAIN_WARM=0), over (3), and over
    the stage's own duration in that run (this script's ratio before the warm process).
 (3) and (4) alternate three times and report medians. Steps 1-2 run with POSTTRAIN_WARM=0.
 5. the fully cached rerun again, three times, through the warm process, as a terminal runs it.
 The server and the warm process are stopped at the end. The last lines are the ratios.
 
-The migrated-database templates (flows/db_templates.py) come from $POSTTRAIN_CACHE_DIR, where a
+The migrated-database templates (flows/servers/db_templates.py) come from $POSTTRAIN_CACHE_DIR, where a
 machine's first run unpacks the ones posttrain ships: POSTTRAIN_CACHE_DIR=$(mktemp -d) measures a
 machine's first run; POSTTRAIN_CACHE_DIR= (empty) turns templates off, every database migrated.
 """
@@ -68,9 +68,9 @@ def latest_pipeline_run(home: str) -> str:
 STAGE_ALONE = """
 import json, os, sys
 from pathlib import Path
-from flows.distributed import RankContext
-from flows.execute import resolve_inputs
-from flows.spec import load_pipeline
+from flows.execution.distributed import RankContext
+from flows.execution.execute import resolve_inputs
+from flows.spec.loading import load_pipeline
 from stages.registry import stage_runner
 
 pipeline, stage, upstream, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), Path(sys.argv[4])
@@ -85,10 +85,10 @@ os._exit(0)
 
 def upstream_outputs(home: str, pipeline: str, stage: str) -> dict[str, dict[str, str]]:
     """The outputs of the stages ``stage`` reads, from their latest finished runs in the home's store."""
-    from flows.graph import BASE, stage_references
-    from flows.home import configure_environment
-    from flows.spec import load_pipeline
-    from flows.tracking import Tracker
+    from flows.planning.graph import BASE, stage_references
+    from flows.recording.home import configure_environment
+    from flows.spec.loading import load_pipeline
+    from flows.recording.tracking import Tracker
 
     os.environ["POSTTRAIN_HOME"] = home
     configure_environment()
@@ -114,7 +114,7 @@ def wait_for_warm_process(home: str, timeout: float = 300.0) -> None:
 
 
 def served(home: str) -> int:
-    from flows.warm import read_state
+    from flows.servers.warm import read_state
 
     return read_state(Path(home))["served"]
 

@@ -76,13 +76,13 @@ def _bound_judges(loaded, judges: dict) -> dict:
     pipeline's base model (a stage's checkpoint does not exist before it has trained: the validator refuses such cases)."""
     if not judges:
         return {}
-    from flows.home import configure_environment, ensure_home
+    from flows.recording.home import configure_environment, ensure_home
     from stages.models.loading import resolve_base_checkpoint
     from stages.rewards.reward_model import bind_reward_models
 
     home = ensure_home(configure_environment())
     spec = loaded.spec
-    from flows.execute import judge_model_inputs
+    from flows.execution.execute import judge_model_inputs
 
     scorers = judge_model_inputs(judges, spec.seed, home, loaded.base_dir)
     for name, reward in judges.items():

@@ -98,12 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and args.command == "run":  # the program itself (console script, -m), not an in-process caller
         import os
 
-        from flows import startup
+        from flows.servers import startup
+        startup.pause()  # until the first stage's work starts (flows/servers/startup.py)
 
-        startup.pause()  # until the first stage's work starts (flows/startup.py)
-
-        from flows import warm
-        from flows.home import posttrain_home
+        from flows.servers import warm
+        from flows.recording.home import posttrain_home
 
         home, environment = posttrain_home(), dict(os.environ)
         if warm.enabled() and (status := warm.run_warm(home, sys.argv[1:])) is not None:
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             warm.start_in_background(home, environment)
         return at_exit.status
     if args.command == "schema":  # reads nothing and writes nothing: no home, no store
-        from flows.reference import reference_markdown, schema_text
+        from flows.spec.reference import reference_markdown, schema_text
 
         sys.stdout.write(reference_markdown() if args.reference else schema_text())
         return EXIT_OK
@@ -159,7 +158,7 @@ class SkipTeardownAtExit:
 def _command(args) -> int:
     from rich.console import Console
 
-    from flows.home import configure_environment, ensure_home, home_problem
+    from flows.recording.home import configure_environment, ensure_home, home_problem
 
     # Before Prefect or MLflow are imported; the home itself is made only once the whole input
     # (spec, overrides, flags, environment) is accepted: refused input leaves nothing behind.
@@ -182,7 +181,7 @@ def _command(args) -> int:
         ensure_home(home)
         return compare_command(args, console)
 
-    from flows.spec import SpecError, SpecIssue, load_pipeline
+    from flows.spec.loading import SpecError, SpecIssue, load_pipeline
 
     try:
         loaded = load_pipeline(args.file, args.overrides)
@@ -199,7 +198,7 @@ def _command(args) -> int:
         return EXIT_BAD_INPUT
 
     if args.command == "validate":
-        from flows.graph import render_graph
+        from flows.planning.graph import render_graph
 
         console.print(f"{args.file}: valid pipeline {loaded.spec.name!r} with {len(loaded.spec.stages)} stages")
         console.print("stage graph (run order):")
@@ -225,9 +224,9 @@ def _run(loaded, args) -> int:
     import os
     import traceback
 
-    from flows.home import HomeError
-    from flows.lineage import PlanError, RunOptions
-    from flows.pipeline import print_failure, print_summary
+    from flows.recording.home import HomeError
+    from flows.planning.lineage import PlanError, RunOptions
+    from flows.execution.pipeline import print_failure, print_summary
     from flows.terminal import Terminal, activated, run_log
 
     if args.debug:
@@ -261,8 +260,8 @@ def _run(loaded, args) -> int:
 
 def run_flag_issues(loaded, args) -> list:
     """``--only``, ``--from`` and ``--force`` name stages of this pipeline."""
-    from flows.lineage import PlanError, RunOptions
-    from flows.spec import SpecIssue
+    from flows.planning.lineage import PlanError, RunOptions
+    from flows.spec.loading import SpecIssue
 
     options = RunOptions(only=args.only, from_stage=args.from_stage, force=args.force, no_cache=args.no_cache)
     try:
@@ -279,7 +278,7 @@ def _deploy(loaded, args, console) -> int:
         print("posttrain deploy: a deployment lives on a Prefect server; set PREFECT_API_URL "
               "(e.g. http://127.0.0.1:4200/api after `prefect server start`); nothing was deployed", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from flows.deployment import DeployError, deploy_pipeline, require_pool  # Prefect reads the URL on import
+    from flows.execution.deployment import DeployError, deploy_pipeline, require_pool  # Prefect reads the URL on import
 
     try:
         for stage in loaded.spec.stages:  # the pools its stages name must exist too (Kubernetes for several nodes)
@@ -298,9 +297,9 @@ def _deploy(loaded, args, console) -> int:
 
 
 def _server(action: str, home, console) -> int:
-    """``posttrain server status|stop``: posttrain's Prefect API server for this home (flows/prefect_server.py)."""
-    from flows import warm
-    from flows.prefect_server import describe, stop_server
+    """``posttrain server status|stop``: posttrain's Prefect API server for this home (flows/servers/prefect_server.py)."""
+    from flows.servers import warm
+    from flows.servers.prefect_server import describe, stop_server
 
     if action == "status":
         console.print(describe(home), highlight=False, markup=False)
@@ -317,10 +316,10 @@ def _server(action: str, home, console) -> int:
 
 def _sync(console) -> int:
     """Send the journals of runs an outage left unrecorded; 1 while some still wait."""
-    from flows.home import posttrain_home
-    from flows.recording import broken_journals, pending_runs, replay_pending
-    from flows.store import TrackingUnavailable, check_reachable
-    from flows.tracking import Tracker
+    from flows.recording.home import posttrain_home
+    from flows.recording.journal import broken_journals, pending_runs, replay_pending
+    from flows.recording.store import TrackingUnavailable, check_reachable
+    from flows.recording.tracking import Tracker
 
     home = posttrain_home()
     waiting = pending_runs(home)
@@ -344,8 +343,8 @@ def _sync(console) -> int:
 
 
 def _ui(args, console) -> int:
-    """``posttrain ui``: MLflow's UI on the home's store until Ctrl-C (flows/ui.py)."""
-    from flows.ui import UiError, ui_command
+    """``posttrain ui``: MLflow's UI on the home's store until Ctrl-C (flows/servers/ui.py)."""
+    from flows.servers.ui import UiError, ui_command
 
     try:
         return ui_command(args.port, console)
@@ -372,11 +371,11 @@ def run_from_cli(loaded, options, console):
     summarised, which keeps a fully cached rerun close to the cost of a few MLflow queries
     instead of Prefect's ~10 s server start-up.
     """
-    from flows.home import artifact_root, configure_environment, create_home_dir, posttrain_home, uses_local_mlflow
-    from flows.lineage import Action, PlanError, plan_run
-    from flows.pipeline import prepare_store, print_plan, run_pipeline
-    from flows.prefect_server import early_start, prefect_api, stop_server
-    from flows.store import TrackingUnavailable, TrackingUnusable, check_tracking_store
+    from flows.recording.home import artifact_root, configure_environment, create_home_dir, posttrain_home, uses_local_mlflow
+    from flows.planning.lineage import Action, PlanError, plan_run
+    from flows.execution.pipeline import prepare_store, print_plan, run_pipeline
+    from flows.servers.prefect_server import early_start, prefect_api, stop_server
+    from flows.recording.store import TrackingUnavailable, TrackingUnusable, check_tracking_store
 
     home = posttrain_home()
     if uses_local_mlflow() and not (home / "mlflow.db").exists():
@@ -416,12 +415,11 @@ def run_from_cli(loaded, options, console):
         console.print("every selected stage is cached; nothing to launch")
         return run_pipeline(loaded, options, home, decisions=decisions)
     with prefect_api(home):
-        from flows.deployment import run_flow  # Prefect reads its API URL when first imported
+        from flows.execution.deployment import run_flow  # Prefect reads its API URL when first imported
 
         first = next(d.stage for d in decisions if d.action is Action.RUN)
-        if loaded.spec.resources_for(first).pool:  # it runs elsewhere: start-up ends here (flows/startup.py)
-            from flows import startup
-
+        if loaded.spec.resources_for(first).pool:  # it runs elsewhere: start-up ends here (flows/servers/startup.py)
+            from flows.servers import startup
             startup.end()
         return run_flow(loaded, options, decisions)
 
@@ -430,7 +428,7 @@ def _check_pools(loaded, decisions) -> None:
     """Stages that will run on a work pool need a real Prefect server and that pool."""
     import os
 
-    from flows.lineage import Action, PlanError
+    from flows.planning.lineage import Action, PlanError
 
     pooled = {d.stage: loaded.spec.resources_for(d.stage) for d in decisions if d.action is Action.RUN}
     pooled = {stage: resources for stage, resources in pooled.items() if resources.pool}
@@ -440,7 +438,7 @@ def _check_pools(loaded, decisions) -> None:
         stage, resources = next(iter(pooled.items()))
         raise PlanError(f"stage {stage!r} runs on work pool {resources.pool!r}, which needs a Prefect server with "
                         "workers: set PREFECT_API_URL (see README, Scaling out)")
-    from flows.deployment import DeployError, require_pool
+    from flows.execution.deployment import DeployError, require_pool
 
     for stage, resources in pooled.items():
         try:

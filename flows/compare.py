@@ -10,7 +10,7 @@ picks one.
 
 The table is printed and, with a bar chart (PNG), logged to an MLflow run tagged
 ``posttrain.role=compare`` in the experiment. ``--promote`` points the registered model
-alias ``champion`` (``flows/model_registry.py``) at the best registered checkpoint of the group.
+alias ``champion`` (``flows/recording/model_registry.py``) at the best registered checkpoint of the group.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flows.home import posttrain_home
-from flows.model_registry import CHAMPION, champion_version, ensure_registered, link_eval, promote
-from flows.tags import (
+from flows.recording.home import posttrain_home
+from flows.recording.model_registry import CHAMPION, champion_version, ensure_registered, link_eval, promote
+from flows.recording.tags import (
     TAG_COMPARE_METRIC,
     TAG_COMPARE_PROMOTED,
     TAG_COMPARE_SETTINGS,
@@ -289,7 +289,7 @@ def _select(args, experiment_name: str):
     """(client, experiment, every evaluated checkpoint, the settings groups to show); _Refused if none."""
     from mlflow.tracking import MlflowClient
 
-    from flows.store import TrackingUnavailable, check_reachable
+    from flows.recording.store import TrackingUnavailable, check_reachable
 
     try:
         check_reachable()
@@ -373,7 +373,7 @@ def _pipeline_name(file: str | None, overrides: list[str]) -> str | None:
     if not file:
         print("posttrain compare: give a pipeline file or --experiment NAME", file=sys.stderr)
         return None
-    from flows.spec import SpecError, load_pipeline
+    from flows.spec.loading import SpecError, load_pipeline
 
     try:
         return load_pipeline(file, overrides).spec.name

@@ -252,7 +252,7 @@ class RunLog:
         self.pipeline = pipeline
 
     def keep(self) -> Path:
-        from flows.home import posttrain_home
+        from flows.recording.home import posttrain_home
 
         home = posttrain_home()
         if self.path.parent == Path(tempfile.gettempdir()) and home.is_dir() and self.path.exists():

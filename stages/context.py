@@ -1,6 +1,6 @@
 """What a stage may ask of the orchestrator: the tracking handle every ``run`` receives.
 
-Stages depend on this protocol only; ``flows.tracking`` implements it on MLflow. Keeping
+Stages depend on this protocol only; ``flows.recording.tracking`` implements it on MLflow. Keeping
 it a protocol is what lets ``stages/`` stay free of Prefect and of pipeline YAML.
 """
 

@@ -88,7 +88,7 @@ def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
     from stages.training.callbacks import last_checkpoint, quiet_trainer, stop_gracefully, tracking_callback
 
     seed = ctx.seed if config.seed is None else config.seed
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 when launched data-parallel (flows/distributed.py)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 when launched data-parallel (flows/execution/distributed.py)
     model, tokenizer = load_model_and_tokenizer(inputs.model,
                                                 trust_remote_code=inputs.trust_remote_code)
     tokenizer.padding_side = "right"

@@ -19,7 +19,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The migrated-database templates new homes copy (flows/db_templates.py): this session's own, not the user's cache
+# The migrated-database templates new homes copy (flows/servers/db_templates.py): this session's own, not the user's cache
 if "POSTTRAIN_CACHE_DIR" not in os.environ:
     os.environ["POSTTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="posttrain-test-cache-")
     atexit.register(shutil.rmtree, os.environ["POSTTRAIN_CACHE_DIR"], True)
@@ -63,8 +63,8 @@ def home(tmp_path, monkeypatch):
 @pytest.fixture()
 def ctx_factory(home):
     """Makes real stage contexts: child runs of one pipeline run in the test's MLflow store."""
-    from flows.home import configure_environment
-    from flows.tracking import MlflowStageContext, Tracker
+    from flows.recording.home import configure_environment
+    from flows.recording.tracking import MlflowStageContext, Tracker
 
     configure_environment()
     tracker = Tracker(home)

@@ -410,7 +410,7 @@ def test_calculator_scores_its_own_episodes():
 
 
 def test_environment_reward_is_validated(tmp_path):
-    from flows.spec import SpecError, load_pipeline
+    from flows.spec.loading import SpecError, load_pipeline
 
     spec = tmp_path / "agent.yaml"
     spec.write_text("""

@@ -112,10 +112,10 @@ def test_a_healthy_stage_raises_no_alert(tiny_checkpoint, ctx_factory, home):
 def test_the_summary_lists_an_alert_and_the_fingerprint_ignores_the_thresholds(home, tmp_path):
     from rich.console import Console
 
-    from flows.home import configure_environment
-    from flows.lineage import RunOptions, fingerprint
-    from flows.pipeline import print_summary, run_pipeline, summary_markdown
-    from flows.spec import load_pipeline
+    from flows.recording.home import configure_environment
+    from flows.planning.lineage import RunOptions, fingerprint
+    from flows.execution.pipeline import print_summary, run_pipeline, summary_markdown
+    from flows.spec.loading import load_pipeline
 
     from conftest import QUICKSTART
 

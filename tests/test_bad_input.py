@@ -545,9 +545,9 @@ def test_a_truncated_journal_is_named_and_holds_up_nothing(home, capsys, monkeyp
     """`sync` names the file and exits 2; `run`'s first step (prepare_store) warns and goes on."""
     from rich.console import Console
 
-    from flows.home import configure_environment
-    from flows.pipeline import prepare_store
-    from flows.tracking import Tracker
+    from flows.recording.home import configure_environment
+    from flows.execution.pipeline import prepare_store
+    from flows.recording.tracking import Tracker
 
     configure_environment()
     tracker = Tracker(home)
@@ -575,8 +575,8 @@ def test_a_home_whose_path_holds_uri_characters_keeps_everything_inside(tmp_path
     """`?` and `#` once cut the SQLite URL short and put mlflow.db outside the home."""
     from sqlalchemy.engine import make_url
 
-    from flows.home import artifact_root, configure_environment
-    from flows.tracking import Tracker
+    from flows.recording.home import artifact_root, configure_environment
+    from flows.recording.tracking import Tracker
 
     parent = tmp_path / "homes"
     parent.mkdir()
@@ -599,7 +599,7 @@ def test_a_home_whose_path_holds_uri_characters_keeps_everything_inside(tmp_path
 
 
 def test_home_problems_are_found_without_writing(tmp_path, monkeypatch):
-    from flows.home import home_problem
+    from flows.recording.home import home_problem
 
     assert home_problem(tmp_path / "new" / "home") is None
     assert not (tmp_path / "new").exists()

@@ -149,9 +149,9 @@ def test_compare_never_ranks_across_eval_settings(home, prefect_server, tmp_path
 
 def test_a_registration_failure_is_recorded_not_raised(home, capsys):
     """A finished stage never fails because its model could not be registered."""
-    from flows.home import configure_environment
-    from flows.recording import Recorder
-    from flows.tracking import Tracker
+    from flows.recording.home import configure_environment
+    from flows.recording.journal import Recorder
+    from flows.recording.tracking import Tracker
 
     configure_environment()
     tracker = Tracker(home)
@@ -166,9 +166,9 @@ def test_a_registration_failure_is_recorded_not_raised(home, capsys):
 
 def test_registration_waits_in_the_journal_while_the_store_is_unreachable(home):
     """An outage at publication time journals the registration; `posttrain sync` replays it."""
-    from flows.home import configure_environment
-    from flows.recording import Recorder, pending_runs, replay_pending
-    from flows.tracking import Tracker
+    from flows.recording.home import configure_environment
+    from flows.recording.journal import Recorder, pending_runs, replay_pending
+    from flows.recording.tracking import Tracker
 
     configure_environment()
     tracker = Tracker(home)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import write
-from flows.spec import SpecError, load_pipeline
+from flows.spec.loading import SpecError, load_pipeline
 from stages.data.sources import DataError, FileData, load_records, materialize, read_materialized
 
 PIPELINE = """\

@@ -1,5 +1,5 @@
 """A new home's MLflow store and Prefect database start as copies of the first home's freshly
-migrated ones (flows/db_templates.py): they hold none of that home's runs, MLflow points its
+migrated ones (flows/servers/db_templates.py): they hold none of that home's runs, MLflow points its
 default experiment at the new place, a Prefect server runs flows on the copy, and a database a
 run has written to is never taken as a template. Real SQLite stores, real Prefect servers."""
 
@@ -16,12 +16,12 @@ import textwrap
 from pathlib import Path
 
 from conftest import ROOT
-from flows.db_templates import save_template, template_path
+from flows.servers.db_templates import save_template, template_path
 
 
 def new_store(home: Path, monkeypatch):
-    from flows.home import configure_environment
-    from flows.tracking import Tracker
+    from flows.recording.home import configure_environment
+    from flows.recording.tracking import Tracker
 
     monkeypatch.setenv("POSTTRAIN_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -58,8 +58,8 @@ FLOW = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
     from prefect import flow
-    from flows.home import configure_environment
-    from flows.prefect_server import prefect_api, stop_server
+    from flows.recording.home import configure_environment
+    from flows.servers.prefect_server import prefect_api, stop_server
 
     home = configure_environment()
 
@@ -149,11 +149,11 @@ def schema_of(database: Path) -> dict:
 def unpacked(library: str, tmp_path: Path) -> Path:
     import gzip
 
-    from flows.db_templates import shipped_path
+    from flows.servers.db_templates import shipped_path
 
     shipped = shipped_path(library)
     assert shipped.is_file(), (f"no shipped {library} template for the installed version ({shipped.name}): run "
-                               "`python -m flows.make_db_templates` after changing a pin in constraints/cpu.txt")
+                               "`python -m flows.servers.make_db_templates` after changing a pin in constraints/cpu.txt")
     target = tmp_path / f"shipped-{library}.db"
     target.write_bytes(gzip.decompress(shipped.read_bytes()))
     return target
@@ -179,8 +179,7 @@ def test_the_pinned_versions_have_shipped_templates_equal_to_a_fresh_migration(t
 
 
 def test_a_machines_first_store_is_unpacked_from_the_shipped_template_not_migrated(tmp_path, monkeypatch, caplog):
-    from flows import db_templates
-
+    from flows.servers import db_templates
     monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "empty-cache"))
     caplog.set_level(logging.INFO, logger="mlflow.store.db.utils")
     caplog.clear()

@@ -183,8 +183,8 @@ def test_validate_refuses_a_bad_filter(tmp_path, capsys, block, path, message):
 
 
 def test_validate_accepts_a_filter_and_its_settings_are_in_the_fingerprint(tmp_path, capsys):
-    from flows.lineage import fingerprint
-    from flows.spec import load_pipeline
+    from flows.planning.lineage import fingerprint
+    from flows.spec.loading import load_pipeline
 
     text = QUICKSTART.read_text().replace(
         FILTER_LINE, FILTER_LINE + "    difficulty_filter: {sampling: {attempts: 4}, max_prompts: 200}\n")

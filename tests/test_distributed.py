@@ -23,7 +23,7 @@ stages:
 def test_sft_on_two_processes_matches_one(home, prefect_server, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    # run from a project with a flows/ of its own: the ranks (python -m flows.rank) must not import it
+    # run from a project with a flows/ of its own: the ranks (python -m flows.execution.rank) must not import it
     (tmp_path / "project" / "flows").mkdir(parents=True)
     (tmp_path / "project" / "flows" / "__init__.py").write_text("raise SystemExit('a project\'s own flows/')\n")
     monkeypatch.chdir(tmp_path / "project")

@@ -364,7 +364,8 @@ def fuzz_one(data):
 
 def test_fuzzed_input_is_refused_cleanly_or_accepted():
     """Every example: exit 2 with what and where, or valid; no traceback; nothing written."""
-    from flows import cli, pipeline
+    from flows import cli
+    from flows.execution import pipeline
 
     STATS.clear()
     accepted = SimpleNamespace(failed=[], unrecorded=[])

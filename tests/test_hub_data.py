@@ -102,8 +102,8 @@ def test_a_hub_dataset_in_the_cache_trains_sft_and_its_commit_is_recorded(home, 
 
 
 def test_a_new_revision_in_the_cache_reruns_the_stages_that_read_it(home, tmp_path, hf_cache):
-    from flows.lineage import fingerprint
-    from flows.spec import load_pipeline
+    from flows.planning.lineage import fingerprint
+    from flows.spec.loading import load_pipeline
     from stages.data.hub import identity
 
     gsm8k_cache(hf_cache)

@@ -75,8 +75,8 @@ def test_set_cannot_point_collect_at_heldout(tmp_path, capsys):
 
 
 def test_rounds_unroll_into_steps_that_read_the_previous_failures(tmp_path):
-    from flows.graph import upstream_of
-    from flows.spec import load_pipeline
+    from flows.planning.graph import upstream_of
+    from flows.spec.loading import load_pipeline
 
     spec = load_pipeline(write(tmp_path / "p.yaml", TINY.replace("rounds: 2", "rounds: 3"))).spec
     assert list(spec.stages) == ["sft", "eval_probe", "eval_heldout", "sft@2", "eval_probe@2", "eval_heldout@2",
@@ -137,8 +137,8 @@ def test_mix_is_the_share_of_examples_from_the_failure_set():
 
 
 def test_a_failure_set_from_heldout_data_never_becomes_training_data(home, tmp_path):
-    from flows.iterate import LeakageError, build_round_data, round_feed
-    from flows.spec import load_pipeline
+    from flows.planning.iterate import LeakageError, build_round_data, round_feed
+    from flows.spec.loading import load_pipeline
     from stages.data.sources import materialize
 
     loaded = load_pipeline(write(tmp_path / "p.yaml", TINY))
@@ -240,8 +240,8 @@ def test_two_rounds_train_on_probe_failures_and_never_on_heldout(home, prefect_s
 
 
 def test_an_rl_stage_trains_on_failure_prompts_alone(home, tmp_path):
-    from flows.iterate import build_round_data, round_feed
-    from flows.spec import load_pipeline
+    from flows.planning.iterate import build_round_data, round_feed
+    from flows.spec.loading import load_pipeline
     from stages.data.sources import materialize, read_materialized
 
     text = TINY.replace("  eval_probe: {kind: eval, model: sft,", "  grpo: {kind: rl, algorithm: grpo, policy: sft, "

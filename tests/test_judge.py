@@ -91,11 +91,11 @@ stages:
 
 
 def test_eval_audits_a_judge_and_a_rerun_asks_no_judge_twice(home, tmp_path):
-    from flows.home import configure_environment
-    from flows.lineage import RunOptions
-    from flows.pipeline import run_pipeline
-    from flows.spec import load_pipeline
-    from flows.tracking import Tracker
+    from flows.recording.home import configure_environment
+    from flows.planning.lineage import RunOptions
+    from flows.execution.pipeline import run_pipeline
+    from flows.spec.loading import load_pipeline
+    from flows.recording.tracking import Tracker
 
     home = configure_environment()
     loaded = load_pipeline(write(tmp_path / "p.yaml", PIPELINE.replace("MAX", "0.0")))

@@ -57,11 +57,11 @@ def test_materialised_mixture_is_keyed_by_its_components_and_reports_its_counts(
 
 
 def test_a_training_stage_logs_the_recipe_and_realised_counts(home, tmp_path):
-    from flows.home import configure_environment
-    from flows.lineage import RunOptions
-    from flows.pipeline import run_pipeline
-    from flows.spec import load_pipeline
-    from flows.tracking import Tracker
+    from flows.recording.home import configure_environment
+    from flows.planning.lineage import RunOptions
+    from flows.execution.pipeline import run_pipeline
+    from flows.spec.loading import load_pipeline
+    from flows.recording.tracking import Tracker
 
     home = configure_environment()
     loaded = load_pipeline(write(tmp_path / "p.yaml", PIPELINE))

@@ -63,8 +63,8 @@ def make_hub_cache(cache: Path, repo: str, checkpoint: Path) -> str:
 def test_hub_model_resolves_from_the_local_cache_offline(tmp_path, tiny_checkpoint, monkeypatch, capsys, home):
     import huggingface_hub.constants as hub_constants
 
-    from flows.lineage import base_model_identity
-    from flows.spec import load_pipeline
+    from flows.planning.lineage import base_model_identity
+    from flows.spec.loading import load_pipeline
     from stages.models.loading import resolve_base_checkpoint
 
     cache = tmp_path / "hf-cache"
@@ -137,7 +137,7 @@ def test_hf_backend_samples_carry_ids_logprobs_and_stop_strings(tiny_checkpoint)
 def test_vllm_is_never_imported_unless_asked_and_asking_without_it_is_clear(tiny_checkpoint):
     code = textwrap.dedent("""
         import sys
-        import flows.cli, flows.pipeline, stages.eval, stages.rollout.generation, stages.grpo, stages.ppo
+        import flows.cli, flows.execution.pipeline, stages.eval, stages.rollout.generation, stages.grpo, stages.ppo
         assert "vllm" not in sys.modules, "vllm imported"
         from stages.rollout.generation import open_backend
         try:

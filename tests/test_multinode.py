@@ -79,7 +79,7 @@ def render(prefect_server, resources) -> dict:
     requires prefect 3.9, this venv has 3.7."""
     from prefect.workers.base import BaseJobConfiguration
 
-    from flows.deployment import stage_job_variables
+    from flows.execution.deployment import stage_job_variables
 
     class KubernetesJobConfiguration(BaseJobConfiguration):  # the fields prefect-kubernetes' class adds
         job_manifest: dict
@@ -109,7 +109,7 @@ def schema_errors(manifest: dict) -> list[str]:
 
 
 def test_a_two_node_stage_renders_to_an_indexed_job_with_a_rendezvous_on_pod_0(prefect_server):
-    from flows.distributed import NodeRole, launch_command
+    from flows.execution.distributed import NodeRole, launch_command
     from stages.context import Resources
 
     resources = Resources(pool="gpu", nodes=2, gpus=4, strategy="fsdp")
@@ -121,8 +121,8 @@ def test_a_two_node_stage_renders_to_an_indexed_job_with_a_rendezvous_on_pod_0(p
     pod = spec["template"]
     container = pod["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4  # per node
-    assert container["command"] == ["python", "-m", "flows.node"]
-    assert container["args"] == ["prefect", "flow-run", "execute"]  # flows.node runs it on pod 0 only
+    assert container["command"] == ["python", "-m", "flows.execution.node"]
+    assert container["args"] == ["prefect", "flow-run", "execute"]  # flows.execution.node runs it on pod 0 only
 
     # the headless Service selects these pods and is the pods' subdomain: pod 0 is <job>-0.posttrain-nodes
     service = yaml.safe_load(SERVICE.read_text())
@@ -150,7 +150,7 @@ def test_a_two_node_stage_renders_to_an_indexed_job_with_a_rendezvous_on_pod_0(p
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 4)
     assert (config.rdzv_backend, config.rdzv_endpoint) == ("static", f"{node.master_addr}:29500")
     assert config.rdzv_configs["rank"] == 1
-    assert entry[-3:] == ["-m", "flows.rank", "rank.json"]
+    assert entry[-3:] == ["-m", "flows.execution.rank", "rank.json"]
 
 
 def torchrun_config(command: list[str]):
@@ -186,8 +186,8 @@ def test_a_one_node_stage_renders_to_a_one_pod_job(prefect_server):
 
 
 def test_pod_0_runs_the_flow_run_and_the_others_wait_for_its_rank_file():
-    from flows.distributed import NodeRole, fetch_rank_file, serve_rank_file
-    from flows.node import node_command
+    from flows.execution.distributed import NodeRole, fetch_rank_file, serve_rank_file
+    from flows.execution.node import node_command
 
     assert node_command(["prefect", "flow-run", "execute"], {"POSTTRAIN_NODE_RANK": "0"}) == \
         (["prefect", "flow-run", "execute"], None)
@@ -215,7 +215,7 @@ def test_several_nodes_need_a_kubernetes_pool(prefect_server):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
-    from flows.deployment import DeployError, require_pool
+    from flows.execution.deployment import DeployError, require_pool
 
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="gpu-process", type="process"), overwrite=True)
@@ -234,9 +234,9 @@ def test_the_other_nodes_read_the_inputs_from_mlflow_not_from_node_0s_disk(home,
     checkpoint from the MLflow store (downloading it into its own home) and builds the datasets itself."""
     from mlflow.tracking import MlflowClient
 
-    from flows.job import StageJob
-    from flows.rank import rank_inputs
-    from flows.spec import load_pipeline
+    from flows.planning.job import StageJob
+    from flows.execution.rank import rank_inputs
+    from flows.spec.loading import load_pipeline
 
     text = PIPELINE.format(sft="{processes: 1}", ppo="{processes: 1}", iterate="").replace(
         "max_steps: 2, batch_size: 8", "max_steps: 1, batch_size: 8")

@@ -11,13 +11,13 @@ import time
 import pytest
 
 from conftest import run_cli
-from flows.prefect_server import prefect_api, prefect_dir, read_state, stop_server
+from flows.servers.prefect_server import prefect_api, prefect_dir, read_state, stop_server
 
 
 @pytest.fixture()
 def own_server(home, monkeypatch):
     """A home with no PREFECT_API_URL, so posttrain starts its own server there."""
-    from flows.home import configure_environment
+    from flows.recording.home import configure_environment
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_HOME", str(home / "prefect"))
@@ -87,7 +87,7 @@ def test_stops_itself_when_no_run_has_used_it_for_the_idle_time(own_server, monk
 def test_the_homes_server_serves_prefects_ui_and_posttrain_ui_names_it(own_server):
     import httpx
 
-    from flows.ui import prefect_ui_address
+    from flows.servers.ui import prefect_ui_address
 
     home = own_server
     assert prefect_ui_address() is None  # no server up for this home yet
@@ -115,7 +115,7 @@ def test_flows_on_the_homes_server_send_no_heartbeats(own_server):
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
 def test_a_projects_own_flows_package_in_the_callers_directory_does_not_shadow_posttrains(own_server, tmp_path,
                                                                                         monkeypatch):
-    """The server runs as ``python -m flows.prefect_server``; a user's project may well have a flows/ of its own."""
+    """The server runs as ``python -m flows.servers.prefect_server``; a user's project may well have a flows/ of its own."""
     project = tmp_path / "project"
     (project / "flows").mkdir(parents=True)
     (project / "flows" / "__init__.py").write_text("raise SystemExit('the project\\'s flows package was imported')\n")

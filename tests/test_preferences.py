@@ -152,9 +152,9 @@ stages:
 
 
 def test_a_reward_models_stage_is_an_edge_of_the_graph_and_the_fingerprint(tmp_path):
-    from flows.graph import upstream_of
-    from flows.lineage import fingerprint
-    from flows.spec import load_pipeline
+    from flows.planning.graph import upstream_of
+    from flows.planning.lineage import fingerprint
+    from flows.spec.loading import load_pipeline
 
     loaded = load_pipeline(write(tmp_path / "p.yaml", PIPELINE))
     edges = upstream_of(loaded.spec)
@@ -184,7 +184,7 @@ def test_a_reward_models_stage_is_an_edge_of_the_graph_and_the_fingerprint(tmp_p
      "rewards.verifier", "stage only apply to fn reward_model"),
 ])
 def test_the_spec_refuses_misused_reward_models_and_preference_data(tmp_path, edit, where, message):
-    from flows.spec import SpecError, load_pipeline
+    from flows.spec.loading import SpecError, load_pipeline
 
     assert PIPELINE.count(edit[0]) == 1
     with pytest.raises(SpecError) as error:

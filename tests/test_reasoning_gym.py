@@ -103,7 +103,7 @@ def test_empty_answer_tags_are_a_format_error():
 
 
 def test_the_smollm2_pipeline_trains_on_the_binary_reward(home, capsys):
-    from flows.spec import load_pipeline
+    from flows.spec.loading import load_pipeline
 
     path = Path(__file__).resolve().parents[1] / "pipelines" / "smollm2-reasoning.yaml"
     assert load_pipeline(path).spec.rewards["correct"].kwargs == {"binary": True}

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from conftest import ROOT, run_cli
 
-from flows.reference import REFERENCE_FILE, SCHEMA_FILE, SCHEMA_LINE, reference_markdown, schema_text
+from flows.spec.reference import REFERENCE_FILE, SCHEMA_FILE, SCHEMA_LINE, reference_markdown, schema_text
 
 PIPELINES = sorted((ROOT / "pipelines").glob("*.yaml"))
 REGENERATE = ("regenerate with: posttrain schema > docs/pipeline.schema.json && "

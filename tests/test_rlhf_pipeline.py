@@ -30,16 +30,16 @@ def one_thread():
 
 
 def run(loaded, home, **options):
-    from flows.lineage import RunOptions
-    from flows.pipeline import run_pipeline
+    from flows.planning.lineage import RunOptions
+    from flows.execution.pipeline import run_pipeline
 
     return run_pipeline(loaded, RunOptions(**options), home)
 
 
 @pytest.mark.slow
 def test_rlhf_pipeline_lineage_runs_through_the_reward_model(home, one_thread):
-    from flows.home import configure_environment
-    from flows.spec import load_pipeline
+    from flows.recording.home import configure_environment
+    from flows.spec.loading import load_pipeline
 
     home = configure_environment()
     overrides = shrunk({
@@ -71,8 +71,8 @@ def test_rlhf_pipeline_lineage_runs_through_the_reward_model(home, one_thread):
 
 @pytest.mark.slow
 def test_dpo_pipeline_runs_and_publishes_a_policy(home, one_thread):
-    from flows.home import configure_environment
-    from flows.spec import load_pipeline
+    from flows.recording.home import configure_environment
+    from flows.spec.loading import load_pipeline
 
     home = configure_environment()
     overrides = shrunk({"dpo": ["max_steps=5"], "eval_sft": EVAL, "eval_dpo": EVAL})

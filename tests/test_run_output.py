@@ -77,9 +77,9 @@ def test_a_published_checkpoint_takes_its_disk_space_once_in_the_embedded_store(
     them as the run's artifacts as before."""
     from mlflow.utils.file_utils import local_file_uri_to_path
 
-    from flows.home import artifact_root, configure_environment
-    from flows.recording import Recorder
-    from flows.tracking import Tracker
+    from flows.recording.home import artifact_root, configure_environment
+    from flows.recording.journal import Recorder
+    from flows.recording.tracking import Tracker
 
     configure_environment()
     tracker = Tracker(home)

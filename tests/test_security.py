@@ -129,8 +129,8 @@ def test_checkpoint_code_is_refused_without_trust_remote_code(custom_checkpoint,
     assert run_cli("validate", str(pipeline)) == 0, capsys.readouterr().err
     assert not ran.exists()
     # ...and the flag reaches every stage's inputs.
-    from flows.execute import resolve_inputs
-    from flows.spec import load_pipeline
+    from flows.execution.execute import resolve_inputs
+    from flows.spec.loading import load_pipeline
 
     loaded = load_pipeline(pipeline)
     assert resolve_inputs(loaded, "sft", {}, home).trust_remote_code is True

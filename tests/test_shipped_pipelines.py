@@ -36,10 +36,10 @@ def run(home, monkeypatch):
     import torch
     from mlflow.tracking import MlflowClient
 
-    from flows.home import configure_environment
-    from flows.lineage import RunOptions
-    from flows.pipeline import run_pipeline
-    from flows.spec import load_pipeline
+    from flows.recording.home import configure_environment
+    from flows.planning.lineage import RunOptions
+    from flows.execution.pipeline import run_pipeline
+    from flows.spec.loading import load_pipeline
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

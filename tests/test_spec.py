@@ -7,8 +7,8 @@ import textwrap
 import pytest
 
 from conftest import QUICKSTART, run_cli, write
-from flows.graph import topological_order
-from flows.spec import SpecError, load_pipeline
+from flows.planning.graph import topological_order
+from flows.spec.loading import SpecError, load_pipeline
 
 VALID = """\
 name: t

@@ -1,4 +1,4 @@
-"""A posttrain program starts up without garbage collection and its stages work with it on (flows/startup.py).
+"""A posttrain program starts up without garbage collection and its stages work with it on (flows/servers/startup.py).
 
 Real processes: the real CLI running a real eval stage, whose judge function (a user's module; a judge runs
 in the stage's own process, where other rewards run in the reward worker) reports the collector's state
@@ -63,8 +63,7 @@ def test_the_stage_works_with_collection_on_and_start_up_frozen(tmp_path):
 def test_start_up_ends_once_and_only_where_it_was_paused():
     script = textwrap.dedent("""
         import gc
-        from flows import startup
-
+        from flows.servers import startup
         startup.end()  # a process that never paused (a program calling posttrain's functions) is left alone
         assert gc.isenabled() and gc.get_freeze_count() == 0
         startup.pause()

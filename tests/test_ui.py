@@ -123,7 +123,7 @@ def _need_chromium() -> None:
 
 def _stop(proc: subprocess.Popen) -> None:
     # Launched as a background job of a non-interactive shell, `posttrain ui` once inherited SIGINT ignored
-    # and outlived Ctrl-C by 60 s (flows/ui.py now installs its own handler). Killed, its server dies with it.
+    # and outlived Ctrl-C by 60 s (flows/servers/ui.py now installs its own handler). Killed, its server dies with it.
     proc.send_signal(signal.SIGINT)
     try:
         proc.communicate(timeout=60)
@@ -212,11 +212,11 @@ def test_posttrain_ui_refuses_a_home_without_runs_and_a_busy_port(home, capsys):
 
 def test_dataset_inputs_wait_in_the_journal_while_the_store_is_unreachable(home, tmp_path):
     """An outage journals a stage's dataset inputs like its other writes; `posttrain sync` records them."""
-    from flows.data_inputs import stage_datasets
-    from flows.home import configure_environment
-    from flows.recording import Recorder, pending_runs, replay_pending
-    from flows.spec import load_pipeline
-    from flows.tracking import Tracker
+    from flows.recording.data_inputs import stage_datasets
+    from flows.recording.home import configure_environment
+    from flows.recording.journal import Recorder, pending_runs, replay_pending
+    from flows.spec.loading import load_pipeline
+    from flows.recording.tracking import Tracker
     from stages.data.sources import materialize
 
     configure_environment()
@@ -240,7 +240,7 @@ def test_dataset_inputs_wait_in_the_journal_while_the_store_is_unreachable(home,
 def test_the_prefect_ui_address_is_printed_only_when_its_server_answers(prefect_server, home, monkeypatch):
     from prefect.settings import get_current_settings
 
-    from flows.ui import prefect_ui_address
+    from flows.servers.ui import prefect_ui_address
 
     api = get_current_settings().api.url  # the session's real Prefect server
     monkeypatch.setenv("PREFECT_API_URL", api)

@@ -1,4 +1,4 @@
-"""posttrain's warm process (flows/warm.py): started by a cold run, it runs later `posttrain run`s
+"""posttrain's warm process (flows/servers/warm.py): started by a cold run, it runs later `posttrain run`s
 as forked children that write to the caller's own stdout and exit with the caller's status;
 it computes what a cold run computes; it refuses a changed environment; Ctrl-C reaches the
 run and a killed caller takes its run down; an edited module retires it. Real CLI processes,
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import QUICKSTART, ROOT
-from flows.tags import TAG_PID
-from flows.tracking import process_alive
+from flows.recording.tags import TAG_PID
+from flows.recording.tracking import process_alive
 from test_run_output import SMALL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -37,7 +37,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from stages.data.specs import (  # the declarations, read here and by flows/spec.py
+from stages.data.specs import (  # the declarations, read here and by flows/spec/loading.py
     ArithmeticData,
     ArithmeticPreferenceData,
     DataError,

@@ -1,4 +1,4 @@
-"""A stage trained by several processes at once (``resources: {processes: N}``, flows/distributed.py).
+"""A stage trained by several processes at once (``resources: {processes: N}``, flows/execution/distributed.py).
 
 torchrun (CPU, gloo) or ``accelerate launch`` (GPUs) start N copies of the stage, with
 ``WORLD_SIZE`` and ``RANK`` in their environment. The Hugging Face trainers form the process
