@@ -23,6 +23,13 @@ What we map, and where it departs from DeepSeekMath's GRPO:
   ratio is exactly 1; ``ratio/mean`` is logged either way and moves off 1 once samples
   are reused.
 
+Where posttrain's vLLM engine samples (``backend: vllm``, or ``auto`` where vLLM serves the model),
+the samples are not the float32 trainer's: each token's advantage is weighted by pi_trainer /
+pi_sampler, truncated at ``correction.cap`` (``correction``, default ``token_tis`` under vLLM, none
+when TRL samples with the training model), which is TRL's own vLLM correction, and the mismatch is
+logged every step (``correction/logp_diff_abs_mean``, ``correction/kl_sampler_trainer``,
+``correction/weight_mean``, ``correction/clipped_frac``).
+
 Rollouts sample with exactly the stage's settings: the checkpoint's generation_config.json
 (``min_p``, ``repetition_penalty``, ``suppress_tokens``, ...) is swapped for a neutral one
 while training (transformers would fill TRL's unset fields from it) and restored for saving.
@@ -125,8 +132,15 @@ def _trainer_class():
 
         dynamic = None  # (DynamicSampling, the training rows, random.Random) when the stage declares it
         step_metrics = None  # stages/training/callbacks.py StepMetrics, set by train_grpo before training
+        correction = None  # stages/rl_common.py SamplerCorrection, set by train_grpo
 
         def _generate_and_score_completions(self, inputs):
+            batch = self._dynamic_batch(inputs)
+            if self.model.training and batch.get("sampling_per_token_logps") is not None:
+                batch = self._corrected(batch)
+            return batch
+
+        def _dynamic_batch(self, inputs):
             batch = super()._generate_and_score_completions(inputs)
             if self.dynamic is None or not self.model.training:
                 return batch
@@ -143,6 +157,32 @@ def _trainer_class():
             self.step_metrics.update({"dynamic/rounds": float(rounds),
                                       "dynamic/kept_zero_variance_frac": sum(not g.signal for g in chosen) / wanted})
             return merge_groups(chosen)
+
+        def _corrected(self, batch: dict) -> dict:
+            """Samples posttrain's engine drew: each token's advantage times its weight pi_trainer / pi_sampler
+            (stages/rl_math.py ``sampler_correction``). Every GRPO-family loss of TRL is linear in a token's
+            advantage with its sign kept, so this is TRL's own vLLM correction (grpo_trainer.py, which runs
+            only under its ``use_vllm``); TRL takes (B, T) advantages as they are. The KL term is not weighted."""
+            from stages.rl_math import sampler_correction
+
+            trainer = batch.get("old_per_token_logps")
+            if trainer is None:  # on-policy: the trainer's log-probs of these tokens under the current weights
+                ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+                attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+                with torch.no_grad():
+                    trainer, _, _ = self._get_per_token_logps_and_entropies(
+                        self.model, ids, attention, batch["completion_ids"].size(1),
+                        batch_size=self.args.per_device_train_batch_size)
+            mask = batch["completion_mask"].float()
+            if batch.get("tool_mask") is not None:  # an environment's observations: not the policy's tokens
+                mask = mask * batch["tool_mask"].float()
+            weights, metrics = sampler_correction(trainer, batch["sampling_per_token_logps"], mask,
+                                                  self.correction.kind, self.correction.cap)
+            self.step_metrics.update(metrics)
+            if self.correction.kind != "none":
+                advantages = batch["advantages"]
+                batch["advantages"] = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * weights
+            return batch
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
@@ -316,7 +356,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     from datasets import Dataset
 
     from stages.models.lora import save_trained
-    from stages.rl_common import log_curves
+    from stages.rl_common import log_curves, resolve_correction
     from stages.training.callbacks import StepMetrics, quiet_trainer, stop_gracefully, tracking_callback
 
     seed = config.seed if config.seed is not None else ctx.seed
@@ -336,12 +376,15 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
 
     args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
-    ctx.log_params({"resolved_backend": backend, "backend_reason": why})
+    correction, correction_why = resolve_correction(config, backend)
+    ctx.log_params({"resolved_backend": backend, "backend_reason": why,
+                    "resolved_correction": f"{correction.kind} cap {correction.cap}", "correction_reason": correction_why})
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)
     _prepare(trainer, config, dataset, seed)
     trainer.step_metrics = step_metrics
+    trainer.correction = correction
     history: list[dict] = []
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps",
                                            _step_logger(config, trainer, history, ctx), step_metrics))

@@ -25,6 +25,10 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   weights (LoRA merged) before every rollout batch, else HF generate on the policy itself.
   The engine's log-probs are the recorded ones; ``logprob/sampler_abs_log_ratio`` is their
   mean distance from the recomputed old log-probs (0 to float error in float32, top_p 1).
+  Where the engine samples (a bfloat16 vLLM engine is not the float32 trainer), each token's
+  surrogate is weighted by pi_trainer / pi_sampler, truncated (``correction``, default
+  ``token_tis`` at cap 3 under vLLM, none under HF generate; stages/rl_math.py
+  ``sampler_correction``); the mismatch is logged either way (``correction/*``).
 - The critic is a separate network (a copy of the policy's transformer backbone plus a
   zero-initialised scalar head), initialised from the policy checkpoint; no shared trunk.
   Each network has its own AdamW optimiser, so there is no ``vf_coef``: Adam is invariant
@@ -73,7 +77,7 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -103,7 +107,7 @@ from stages.models.loading import load_model_and_tokenizer
 from stages.models.placement import check_devices, place, placement_params
 from stages.rewards.reward_model import bind_reward_models, reward_model_correlations
 from stages.rewards.registry import ScoredBatch, reward_columns
-from stages.rl_common import RLStageConfig, log_curves
+from stages.rl_common import RLStageConfig, SamplerCorrection, log_curves, resolve_correction
 from stages.rl_math import (
     AdaptiveKLController,
     FixedKLController,
@@ -113,6 +117,7 @@ from stages.rl_math import (
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
+    sampler_correction,
 )
 from stages.rollout.training import open_rollout_engine, rollout_backend, sync_policy
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
@@ -277,6 +282,7 @@ class Targets:
     k1: torch.Tensor
     k3: torch.Tensor
     entropy: torch.Tensor  # of the rollout-time policy
+    sampler_weights: torch.Tensor | None = None  # pi_trainer / pi_sampler per token, where another sampler drew
 
 
 @torch.no_grad()
@@ -324,8 +330,9 @@ def minibatch_losses(policy, critic, rollout: Rollout, targets: Targets, rows, c
     logits = completion_logits(policy, rollout, rows, config.sampling.temperature)
     logprobs = token_logprobs(logits, rollout.completion_ids_B_T[rows])
     values = completion_values(critic, rollout, rows)
+    weights = None if targets.sampler_weights is None else targets.sampler_weights[rows]
     policy_loss, clip_frac, ratio_mean = ppo_policy_loss(
-        logprobs, targets.old_logprobs[rows], targets.advantages[rows], mask, config.clip_epsilon)
+        logprobs, targets.old_logprobs[rows], targets.advantages[rows], mask, config.clip_epsilon, weights)
     value_loss, value_clip_frac = ppo_value_loss(
         values, targets.old_values[rows], targets.returns[rows], mask, config.cliprange_value)
     return policy_loss, value_loss, clip_frac, ratio_mean, value_clip_frac
@@ -429,6 +436,7 @@ class PPORun:
     device: torch.device
     engine: VLLMBackend | None = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
     episodes: EpisodeRunner | None = None  # the stage's environment, when it declares one
+    correction: SamplerCorrection = field(default_factory=lambda: SamplerCorrection(kind="none"))  # train_ppo
 
     @classmethod
     def load(cls, config: RLStageConfig, inputs: StageInputs, seed: int, ctx=None) -> "PPORun":
@@ -490,11 +498,16 @@ class PPORun:
         beta = self.kl_control.value
         targets = compute_targets(self.policy, self.reference, self.critic, rollout, torch.tensor(scored.total),
                                   beta, config)
+        # the sampler's recorded log-probs against the trainer's (stages/rl_math.py sampler_correction)
+        weights, correction = sampler_correction(targets.old_logprobs, rollout.sample_logprobs_B_T, rollout.mask_B_T,
+                                                 self.correction.kind, self.correction.cap)
+        if self.correction.kind != "none":
+            targets.sampler_weights = weights
         update = ppo_update(self.policy, self.critic, self.optimizers, rollout, targets, config, generator)
         metrics = {**rollout_metrics(rollout, scored, targets, config.sampling.attempts), **update,
                    **reward_model_correlations(scored, self.scorer.specs),
                    **(episode_metrics(episodes, config.environment) if episodes is not None else {}),
-                   "kl_beta": beta, "reward/errors": float(self.scorer.errors)}
+                   **correction, "kl_beta": beta, "reward/errors": float(self.scorer.errors)}
         self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts) * world_size())
         return metrics, sample_rows(rollout, prompts, answers, scored)
 
@@ -524,7 +537,10 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     if backend == "vllm":
         run.engine = open_rollout_engine(config, inputs.policy, run.tokenizer, [prompt_messages(r) for r in records],
                                          inputs.trust_remote_code)
-    ctx.log_params({"resolved_backend": backend, "backend_reason": why})
+    run.correction, correction_why = resolve_correction(config, backend)
+    ctx.log_params({"resolved_backend": backend, "backend_reason": why,
+                    "resolved_correction": f"{run.correction.kind} cap {run.correction.cap}",
+                    "correction_reason": correction_why})
     batches = (shard(batch) for batch in prompt_batches(records, config.prompts_per_step, seed))
     generator = torch.Generator().manual_seed(seed)  # minibatch order
     ctx.log_params({"resolved_seed": seed, "prompts": len(records), "world_size": joined_world(),

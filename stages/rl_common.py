@@ -33,6 +33,29 @@ class DynamicSampling(SpecModel):
         "(advantage 0: no policy gradient), counted in `dynamic/kept_zero_variance_frac`.")
 
 
+class SamplerCorrection(SpecModel):
+    """How the trainer learns from samples another sampler drew (stages/rl_math.py ``sampler_correction``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["token_tis", "sequence_mask", "none"] = Field(
+        "token_tis", description="token_tis: each token's policy-gradient term weighted by pi_trainer / "
+        "pi_sampler, truncated at `cap`; sequence_mask: each sequence weighted by the product of its tokens' "
+        "ratios, and dropped when that is above `cap`; none: no weight, the mismatch only logged.")
+    cap: float = Field(3.0, gt=1.0, le=100.0, allow_inf_nan=False,
+                       description="The truncation (token_tis) or the drop threshold (sequence_mask) of the weight.")
+
+
+def resolve_correction(config, backend: str) -> tuple[SamplerCorrection, str]:
+    """(correction, why): the declared one, else token_tis at cap 3 where posttrain's vLLM engine samples
+    (in its own dtype and kernels: not the trainer's distribution) and none where the trainer samples."""
+    if config.correction is not None:
+        return config.correction, "declared"
+    if backend == "vllm":
+        return SamplerCorrection(), "auto: the vLLM engine samples, not the trainer"
+    return SamplerCorrection(kind="none"), "auto: the training model samples"
+
+
 class RLCommon(ExecutionLimits):
     """What every ``rl`` stage declares, whichever its algorithm: the two algorithms' configs
     (``GRPOStageConfig``, ``PPOStageConfig``) add their own fields, and ``RLStageConfig`` is
@@ -78,6 +101,12 @@ class RLCommon(ExecutionLimits):
         "training model) or `auto` (vLLM wherever it can serve the model, else hf); logged as resolved_backend.")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM engine settings for rollouts "
                                    "(dtype auto: the checkpoint's, so sampler and trainer log-probs agree).")
+    correction: SamplerCorrection | None = Field(
+        None, description="Importance-sampling correction where the sampler is not the trainer "
+        "(stages/rl_math.py `sampler_correction`); default token_tis at cap 3 when the vLLM engine samples "
+        "(resolved_backend vllm), none when the training model does; either way the mismatch is logged "
+        "(correction/logp_diff_abs_mean, correction/kl_sampler_trainer, correction/weight_mean, "
+        "correction/clipped_frac).")
     lora: LoraSpec | None = Field(
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")
@@ -212,6 +241,11 @@ class GRPOStageConfig(RLCommon):
             raise ValueError("kl_beta 0 loads no KL reference: remove placement.reference")
         if "cispo_cap" in self.model_fields_set and self.loss != "cispo":
             raise ValueError(f"cispo_cap only applies to loss cispo, not {self.loss}; remove it or set loss: cispo")
+        if self.correction is not None and self.correction.kind != "none" and self.backend == "hf" \
+                and self.environment is None:
+            raise ValueError("correction weighs samples another sampler drew; with backend hf TRL samples with "
+                             "the training model itself and records no sampler log-probs: use backend vllm (or "
+                             "auto), or remove correction")
         if self.sampling.attempts < 2:
             raise ValueError(f"grpo needs sampling.attempts >= 2 to compare completions of a prompt "
                              f"(got {self.sampling.attempts})")

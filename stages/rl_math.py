@@ -1,4 +1,5 @@
-"""The RL maths posttrain owns: advantages, masks, KL estimators, GAE, PPO losses, KL control.
+"""The RL maths posttrain owns: advantages, masks, KL estimators, GAE, PPO losses, KL control,
+and the correction of samples drawn by a sampler other than the trainer.
 
 Small pure torch functions, each checked against hand-computed numbers in
 tests/test_rl_math.py. Shapes live in names: ``G`` a group of completions of one prompt,
@@ -131,8 +132,10 @@ def ppo_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_epsilon: float,
+    sampler_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clipped surrogate (Schulman et al. 2017, eq. 7), negated, averaged over real tokens.
+    """Clipped surrogate (Schulman et al. 2017, eq. 7), negated, averaged over real tokens; each
+    token's term times its ``sampler_weights`` (``sampler_correction``) where another sampler drew it.
 
     Returns (loss, clip_frac, ratio_mean): the share of tokens where the clipped term was the
     active one, and the mean importance ratio (both detached).
@@ -140,7 +143,8 @@ def ppo_policy_loss(
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    surrogate = torch.maximum(unclipped, clipped)
+    loss = masked_mean(surrogate if sampler_weights is None else surrogate * sampler_weights, mask)
     clip_frac = masked_mean((clipped > unclipped).to(ratio.dtype), mask).detach()
     return loss, clip_frac, masked_mean(ratio, mask).detach()
 
@@ -157,6 +161,47 @@ def ppo_value_loss(
     clipped = (values_clipped - returns) ** 2
     loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
     return loss, masked_mean((clipped > unclipped).to(values.dtype), mask).detach()
+
+
+# ---------------------------------------------------------------- a sampler other than the trainer
+
+
+def sampler_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
+                       kind: str, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """(per-token weights B x T, mismatch metrics) for samples a sampler drew (a bfloat16 vLLM engine, a
+    server, older weights) but the trainer learns from: the importance weight pi_trainer / pi_sampler.
+
+    ``token_tis``: each token's weight exp(logp_trainer - logp_sampler), truncated at ``cap`` (truncated
+    importance sampling, as TRL's ``token_truncate``); ``sequence_mask``: each sequence's weight is the
+    product over its tokens, and a sequence whose weight is above ``cap`` is dropped (weight 0), as
+    TRL's ``sequence_mask``; ``none``: weight 1, the mismatch only measured. A token the sampler gave no
+    log-prob (NaN) weighs 1. The weight multiplies the token's policy-gradient term, never its KL term.
+
+    Metrics over real tokens: ``correction/logp_diff_abs_mean`` (mean |logp_trainer - logp_sampler|),
+    ``correction/kl_sampler_trainer`` (KL(sampler || trainer) per token, the k1 estimate over the
+    sampler's own draws: mean of logp_sampler - logp_trainer), ``correction/weight_mean`` and
+    ``correction/clipped_frac`` (tokens truncated, or sequences dropped).
+    """
+    mask = mask.to(trainer_logprobs.dtype)
+    diff = torch.nan_to_num((trainer_logprobs - sampler_logprobs.to(trainer_logprobs)) * mask, nan=0.0)
+    if kind == "token_tis":
+        raw = torch.exp(diff)
+        weights, clipped = torch.clamp(raw, max=cap), masked_mean((raw > cap).to(mask), mask)
+    elif kind == "sequence_mask":
+        sequence = torch.exp(diff.sum(-1, keepdim=True))
+        kept = (sequence <= cap).to(mask)
+        weights = (sequence * kept).expand_as(diff)
+        real = (mask.sum(-1) > 0).to(mask)
+        clipped = ((1 - kept.squeeze(-1)) * real).sum() / real.sum().clamp(min=1.0)
+    elif kind == "none":
+        weights, clipped = torch.ones_like(diff), torch.zeros(())
+    else:
+        raise ValueError(f"unknown correction kind {kind!r}: token_tis, sequence_mask or none")
+    weights = weights * mask
+    metrics = {"correction/logp_diff_abs_mean": masked_mean(diff.abs(), mask),
+               "correction/kl_sampler_trainer": masked_mean(-diff, mask),
+               "correction/weight_mean": masked_mean(weights, mask), "correction/clipped_frac": clipped}
+    return weights.detach(), {name: float(value) for name, value in metrics.items()}
 
 
 # ---------------------------------------------------------------- KL coefficient

@@ -306,3 +306,51 @@ def test_the_grpo_stage_computes_what_trl_computes_on_the_same_batches(tiny_chec
     if "reused" in case:  # the reused batches (steps 2 and 4) went past the cap, the fresh ones did not
         assert ours["clip_frac"][0] == ours["clip_frac"][2] == 0.0
         assert ours["clip_frac"][1] > 0 and ours["clip_frac"][3] > 0, ours["clip_frac"]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo"])
+def test_sampler_weights_folded_into_advantages_are_trls_own_vllm_correction(tiny_checkpoint, tmp_path, loss_type):
+    """The stage corrects engine samples by weighting each token's advantage (TRL takes (B, T) advantages);
+    TRL's own correction multiplies each token's loss by the same weight, but only under its use_vllm. On
+    one batch, through TRL's _compute_loss both ways, the loss and every gradient agree: the KL term is
+    weighted by neither, and a weight of 0 (a masked sequence) takes the token out of both."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=3,
+                      beta=0.05, loss_type=loss_type, epsilon_high=5.0 if loss_type == "cispo" else None,
+                      report_to="none", use_cpu=True, bf16=False, disable_dropout=True)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_checkpoint), args=args,
+                          reward_funcs=[plain_length_penalty], processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1"}]}] * 4))
+    generator = torch.Generator().manual_seed(0)
+    vocab = trainer.model.config.vocab_size
+    batch = {"prompt_ids": torch.randint(0, vocab, (4, 5), generator=generator), "prompt_mask": torch.ones(4, 5, dtype=torch.long),
+             "completion_ids": torch.randint(0, vocab, (4, 3), generator=generator),
+             "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]),
+             "advantages": torch.tensor([0.5, -0.5, 1.0, -1.0]), "num_items_in_batch": torch.tensor(9),
+             "ref_per_token_logps": -torch.rand(4, 3, generator=generator) - 8.0,
+             # a previous update's log-probs, so the ratio is off 1 and the clipping takes part
+             "old_per_token_logps": -torch.rand(4, 3, generator=generator) - 8.0}
+    weights = torch.tensor([[0.5, 2.0, 3.0], [1.0, 0.0, 0.0], [0.25, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+    def loss_and_grads(inputs, use_vllm):
+        trainer.model.zero_grad()
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = use_vllm
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    trl_loss, trl_grads = loss_and_grads({**batch, "importance_sampling_ratio": weights}, use_vllm=True)
+    ours_loss, ours_grads = loss_and_grads({**batch, "advantages": batch["advantages"].unsqueeze(1) * weights},
+                                           use_vllm=False)
+    trainer.use_vllm = False
+    assert ours_loss == pytest.approx(trl_loss, rel=1e-5, abs=1e-8)
+    assert len(ours_grads) == len(trl_grads) > 0
+    # float32 sums in another order: each gradient within 1e-5 of the largest entry of its tensor
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours_grads, trl_grads))
+    assert worst < 1e-5, worst
+    plain_loss, _ = loss_and_grads(batch, use_vllm=False)
+    assert plain_loss != pytest.approx(trl_loss, rel=1e-3)  # the weights changed the loss: the test can fail

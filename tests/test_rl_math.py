@@ -16,6 +16,7 @@ from stages.rl_math import (
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
+    sampler_correction,
 )
 
 
@@ -210,3 +211,59 @@ def test_fixed_kl_controller_never_moves():
     controller = FixedKLController(0.05)
     controller.update(100.0, n_steps=1000)
     assert controller.value == 0.05
+
+
+# ---------------------------------------------------------------- a sampler other than the trainer
+
+
+def test_token_tis_weights_each_token_by_trainer_over_sampler_truncated_at_the_cap():
+    import math
+
+    # log-prob differences trainer - sampler: 0, ln 2, ln 4, -ln 2 (and a padded token, and a NaN the sampler
+    # could not give): weights 1, 2, min(4, 3) = 3, 0.5; the NaN token weighs 1; padding 0
+    sampler = torch.tensor([[-1.0, -2.0, -3.0, -1.0, float("nan"), -9.0]])
+    trainer = sampler + torch.tensor([[0.0, math.log(2), math.log(4), -math.log(2), 0.0, 5.0]])
+    trainer[0, 4] = -1.0
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    weights, metrics = sampler_correction(trainer, sampler, mask, "token_tis", 3.0)
+    close(weights, [[1.0, 2.0, 3.0, 0.5, 1.0, 0.0]])
+    close(metrics["correction/clipped_frac"], 1 / 5)  # one real token of five above the cap
+    close(metrics["correction/weight_mean"], (1 + 2 + 3 + 0.5 + 1) / 5)
+    ln2 = math.log(2)
+    close(metrics["correction/logp_diff_abs_mean"], (0 + ln2 + 2 * ln2 + ln2 + 0) / 5)
+    close(metrics["correction/kl_sampler_trainer"], -(0 + ln2 + 2 * ln2 - ln2 + 0) / 5)  # sampler - trainer
+
+
+def test_sequence_mask_drops_a_sequence_whose_ratio_product_passes_the_cap():
+    import math
+
+    sampler = torch.zeros(3, 2)
+    # sequence ratios: exp(0.5 + 0.5) = e (kept at cap 3), exp(1 + 1) = e^2 (dropped), exp(-1) (kept)
+    trainer = torch.tensor([[0.5, 0.5], [1.0, 1.0], [-1.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0]])  # the last token of row 3 is padding
+    weights, metrics = sampler_correction(trainer, sampler, mask, "sequence_mask", 3.0)
+    close(weights, [[math.e, math.e], [0.0, 0.0], [math.exp(-1), 0.0]])
+    close(metrics["correction/clipped_frac"], 1 / 3)  # one sequence of three dropped
+
+
+def test_no_correction_weighs_one_and_still_measures_the_mismatch():
+    trainer, sampler = torch.tensor([[-1.0, -1.5]]), torch.tensor([[-1.2, -1.5]])
+    weights, metrics = sampler_correction(trainer, sampler, torch.ones(1, 2), "none", 3.0)
+    close(weights, [[1.0, 1.0]])
+    close(metrics["correction/logp_diff_abs_mean"], 0.1)
+    close(metrics["correction/clipped_frac"], 0.0)
+    with pytest.raises(ValueError, match="unknown correction kind"):
+        sampler_correction(trainer, sampler, torch.ones(1, 2), "icepop", 3.0)
+
+
+def test_ppo_policy_loss_weights_each_token_term_by_its_sampler_weight():
+    # the clipped-surrogate example above, one token at a time: terms -1.2, -0.5, 0.8, -2.0 weighted by
+    # 0.5, 2, 1, 0 -> (-0.6 - 1.0 + 0.8 + 0) / 4 = -0.2; the gradient of a weighted token scales with it
+    ratio = torch.tensor([[1.5, 0.5, 0.5, 1.0]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, 2.0]])
+    old = torch.tensor([[-1.0, -2.0, -0.5, -1.5]])
+    logprobs = (old + ratio.log()).requires_grad_()
+    loss, _, _ = ppo_policy_loss(logprobs, old, advantages, torch.ones(1, 4), 0.2, torch.tensor([[0.5, 2.0, 1.0, 0.0]]))
+    close(loss, -0.2)
+    loss.backward()
+    close(logprobs.grad, [[0.0, -0.25, 0.0, 0.0]])  # token 2: -A r w / 4 = -1 * 0.5 * 2 / 4

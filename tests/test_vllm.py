@@ -205,6 +205,38 @@ def test_grpo_rolls_out_through_vllm_on_policy(vllm_tiny, ctx_factory, home):
     ratios = [p.value for p in ctx.metric_history("ratio/mean")]
     assert len(ratios) == 3 and all(abs(r - 1.0) < 1e-3 for r in ratios), ratios
     assert Path(outputs["checkpoint"]).is_dir()
+    # the engine samples, so the correction is on by default; a float32 engine's weights are 1 to float error
+    assert run.data.params["resolved_correction"] == "token_tis cap 3.0"
+    assert run.data.params["correction_reason"] == "auto: the vLLM engine samples, not the trainer"
+    gaps = [p.value for p in ctx.metric_history("correction/logp_diff_abs_mean")]
+    assert len(gaps) == 3 and all(gap < 1e-4 for gap in gaps), gaps
+
+
+def test_grpo_weights_a_bfloat16_engines_samples_by_trainer_over_sampler(vllm_tiny, ctx_factory, home):
+    """A bfloat16 engine under the float32 trainer: the mismatch is measured every step, and the weights
+    correct it (token_tis, truncated at the cap; sequence_mask drops the sequences past it)."""
+    from stages import rl
+    from stages.rl_common import rl_stage_config
+
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    common = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["short"], kl_beta=0.05,
+                  sampling={"attempts": 4, "max_tokens": 4}, prompts_per_step=4, max_steps=2, lr=5e-3,
+                  engine={"dtype": "bfloat16", "kv_cache_gib": 0.25})
+    ctx = ctx_factory("grpo-bf16")
+    rl.run(rl_stage_config(**common), grpo_inputs(home, vllm_tiny, rewards), ctx)
+    history = {name: [p.value for p in ctx.metric_history(name)] for name in (
+        "correction/logp_diff_abs_mean", "correction/kl_sampler_trainer", "correction/weight_mean")}
+    assert all(len(values) == 2 for values in history.values()), history
+    # bf16 is not fp32: 6e-4 nats a token on this tiny model (measured), against under 1e-4 for a float32 engine
+    assert all(gap > 3e-4 for gap in history["correction/logp_diff_abs_mean"]), history
+    assert all(0 < w <= 3.0 for w in history["correction/weight_mean"]), history
+
+    strict = rl_stage_config(**common, correction={"kind": "sequence_mask", "cap": 1.0001})
+    ctx = ctx_factory("grpo-bf16-mask")
+    rl.run(strict, grpo_inputs(home, vllm_tiny, rewards), ctx)
+    assert ctx.recorded_run().data.params["resolved_correction"] == "sequence_mask cap 1.0001"
+    dropped = [p.value for p in ctx.metric_history("correction/clipped_frac")]
+    assert len(dropped) == 2 and all(0 < d < 1 for d in dropped), dropped  # some sequences past 1.0001, not all
 
 
 def test_ppo_rolls_out_through_vllm_and_records_the_engine_logprobs(vllm_tiny, ctx_factory, home):
@@ -223,6 +255,9 @@ def test_ppo_rolls_out_through_vllm_and_records_the_engine_logprobs(vllm_tiny, c
     assert ctx.recorded_run().data.params["resolved_backend"] == "vllm"
     gaps = [p.value for p in ctx.metric_history("logprob/sampler_abs_log_ratio")]
     assert len(gaps) == 2 and all(gap < 1e-4 for gap in gaps), gaps  # step 2: after a sync of updated weights
+    assert ctx.recorded_run().data.params["resolved_correction"] == "token_tis cap 3.0"
+    weights = [p.value for p in ctx.metric_history("correction/weight_mean")]
+    assert len(weights) == 2 and all(abs(w - 1.0) < 1e-3 for w in weights), weights
 
 
 def test_online_dpo_samples_its_pairs_through_vllm(vllm_tiny, ctx_factory, home):
