@@ -240,11 +240,11 @@ class OnlineDPORun:
 
         settings = self.config.sampling.seeded(self.seed + step)
         if self.engine is not None:
-            sync_policy(self.engine, self.policy)  # the policy the last update left (LoRA merged)
+            sync_policy(self.engine, self.policy, step - 1)  # the policy the last update left (LoRA merged)
             self.engine_syncs += 1
             return self.engine.generate(prompts, settings)
-        return HFGenerateBackend(self.policy, self.tokenizer, len(prompts), keep_logprobs=False).generate(
-            prompts, settings)
+        return HFGenerateBackend(self.policy, self.tokenizer, len(prompts), keep_logprobs=False,
+                                 weights_version=step - 1).generate(prompts, settings)
 
     def score(self, batch: list[dict], prompts, groups):
         """The ScoredBatch of every sample (prompt-major), under the stage's ``reward_errors`` policy."""

@@ -219,7 +219,8 @@ def build_episode_rollout(episodes, prompt_index: list[int], tokenizer) -> Rollo
     turn, its ``env_mask`` (1: sampled by the policy, 0: an observation) as the action mask."""
     rows = [(e.prompt_ids, e.completion_ids, e.logprobs, e.env_mask) for e in episodes]
     samples = [Sample(text=tokenizer.decode(e.completion_ids, skip_special_tokens=True), token_ids=e.completion_ids,
-                      logprobs=e.logprobs, truncated=e.budget_hit) for e in episodes]
+                      logprobs=e.logprobs, truncated=e.budget_hit, weights_version=e.weights_version)
+               for e in episodes]
     return pad_rollout(rows, samples, prompt_index, tokenizer.pad_token_id)
 
 
@@ -414,7 +415,7 @@ def sample_rows(rollout: Rollout, prompts, answers, scored: ScoredBatch) -> list
     for j, sample in enumerate(rollout.samples[:SAMPLE_TABLE_ROWS]):
         i = rollout.prompt_index[j]
         row = {"prompt": prompts[i][-1]["content"], "answer": answers[i], "completion": sample.text,
-               "reward": scored.total[j], "truncated": sample.truncated}
+               "reward": scored.total[j], "truncated": sample.truncated, "weights_version": sample.weights_version}
         row.update({f"reward/{c.name}": c.scores[j] for c in scored.components})
         rows.append(row)
     return rows
@@ -477,8 +478,9 @@ class PPORun:
         # each process samples its shard of the prompts with its own seed (rank 0's is the one-process seed)
         settings = config.sampling.seeded(self.seed + step + 1_000_003 * rank())
         if self.engine is not None:
-            sync_policy(self.engine, self.policy)  # the policy the last update left, merged LoRA included
-        backend = self.engine or HFGenerateBackend(self.policy, self.tokenizer, len(batch) * settings.attempts)
+            sync_policy(self.engine, self.policy, step - 1)  # the policy the last update left, merged LoRA included
+        backend = self.engine or HFGenerateBackend(self.policy, self.tokenizer, len(batch) * settings.attempts,
+                                                   weights_version=step - 1)
         if self.episodes is None:
             prompts = [prompt_messages(r) for r in batch]
             rollout = build_rollout(prompt_token_ids(self.tokenizer, prompts), backend.generate(prompts, settings),

@@ -141,18 +141,20 @@ def test_synced_weights_reach_the_engine_including_merged_lora(engine, vllm_tiny
         for name, parameter in policy.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
-    sync_policy(engine, policy)
+    assert engine.generate([prompts[0]], SamplingSettings(max_tokens=2, seed=1))[0][0].weights_version == 0
+    sync_policy(engine, policy, 7)  # the weights after 7 updates: the samples say so
     settings = SamplingSettings(temperature=1.0, max_tokens=5, attempts=2, seed=2)
     prompt = prompts[0]
     ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
                     add_special_tokens=False)["input_ids"]
     sample = engine.generate([prompt], settings)[0][0]
+    assert sample.weights_version == 7
     expected = tempered_logprobs(policy.eval(), ids, sample, 1.0)
     assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4)
     names = {name for name, _ in merged_named_weights(policy)}
     assert names == set(load_model_and_tokenizer(vllm_tiny)[0].state_dict())  # the tied LM head included
     fresh, _ = load_model_and_tokenizer(vllm_tiny)  # back to the checkpoint for the other tests
-    sync_policy(engine, fresh)
+    sync_policy(engine, fresh, 0)
     sample = engine.generate([prompt], settings)[0][0]
     assert torch.allclose(torch.tensor(sample.logprobs), tempered_logprobs(fresh, ids, sample, 1.0), atol=1e-4)
 
@@ -258,6 +260,16 @@ def test_ppo_rolls_out_through_vllm_and_records_the_engine_logprobs(vllm_tiny, c
     assert ctx.recorded_run().data.params["resolved_correction"] == "token_tis cap 3.0"
     weights = [p.value for p in ctx.metric_history("correction/weight_mean")]
     assert len(weights) == 2 and all(abs(w - 1.0) < 1e-3 for w in weights), weights
+    # each sample says which policy drew it: step 1's the checkpoint (0 updates), step 2's after one update
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    run_id = ctx.recorded_run().info.run_id
+    for step, version in ((1, 0), (2, 1)):
+        table = json.loads(open(MlflowClient().download_artifacts(run_id, f"samples/step_{step:05d}.json")).read())
+        column = table["columns"].index("weights_version")
+        assert {row[column] for row in table["data"]} == {version}, (step, table["data"])
 
 
 def test_online_dpo_samples_its_pairs_through_vllm(vllm_tiny, ctx_factory, home):

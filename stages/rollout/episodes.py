@@ -56,6 +56,7 @@ class Episode:
     ended: str = ""  # answer, max_turns or token_budget
     answer: str | None = None  # the final turn's text when the episode ended with an answer
     tool_results: list[ToolResult] = field(default_factory=list)  # every call's result, in order
+    weights_version: int = 0  # the policy version of its model turns (Sample.weights_version; one per episode)
 
     @property
     def budget_hit(self) -> bool:
@@ -126,6 +127,7 @@ class EpisodeRunner:
     def take_turn(self, episode: Episode, sample, last_turn: bool) -> None:
         """Append a sampled turn; end the episode, or execute its tool calls and append the observation."""
         episode.completion_ids += list(sample.token_ids)
+        episode.weights_version = sample.weights_version
         episode.logprobs += list(sample.logprobs) or [0.0] * len(sample.token_ids)
         episode.env_mask += [1] * len(sample.token_ids)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)

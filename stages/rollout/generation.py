@@ -122,8 +122,11 @@ JUDGE_SAMPLING = sampling_with(JUDGE_DEFAULTS, _judge_rules)
 class Sample:
     text: str
     token_ids: list[int]
-    logprobs: list[float]  # empty when the backend was asked not to keep them
+    logprobs: list[float]  # the sampler's, per token; empty when the backend was asked not to keep them
     truncated: bool
+    # the policy version that drew it: optimizer updates applied to the weights it was sampled with (0: the
+    # checkpoint as loaded); a training stage's engine is told the version at each sync (``load_weights``)
+    weights_version: int = 0
 
 
 class GenerationBackend(Protocol):
@@ -304,13 +307,15 @@ class HFGenerateBackend:
         """Nothing beyond the sampling settings (hashes from before vLLM existed stay valid)."""
         return {}
 
-    def __init__(self, model, tokenizer, prompt_batch_size: int = 32, progress=None, keep_logprobs: bool = True):
+    def __init__(self, model, tokenizer, prompt_batch_size: int = 32, progress=None, keep_logprobs: bool = True,
+                 weights_version: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.prompt_batch_size = prompt_batch_size
         self.progress = progress
         # Evaluation needs no log-probs; keeping them stacks (rows x tokens x vocab) scores.
         self.keep_logprobs = keep_logprobs
+        self.weights_version = weights_version  # the updates ``model`` has had (a training stage's policy)
 
     def close(self) -> None:
         import torch
@@ -409,6 +414,7 @@ class HFGenerateBackend:
                     token_ids=kept,
                     logprobs=logprobs_N_T[row, : len(kept)].tolist() if logprobs_N_T is not None else [],
                     truncated=truncated and not stopped,
+                    weights_version=self.weights_version,
                 )
             )
         if greedy:  # every attempt of a greedy decode is the same completion
@@ -472,17 +478,19 @@ class VLLMBackend:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        self.weights_version = 0  # the checkpoint as loaded; load_weights sets the version it pushes
 
     def identity(self) -> dict:
         """What about this engine changes samples (beyond the sampling settings): part of the eval hash."""
         return {"engine": f"vllm-{self.version}", "device": "cuda" if self.on_gpu else "cpu", "dtype": self.dtype}
 
-    def load_weights(self, named_tensors) -> None:
+    def load_weights(self, named_tensors, version: int) -> None:
         """Replace the engine's weights in place with ``(name, tensor)`` pairs in the HF checkpoint's
-        naming (a policy's ``state_dict`` after a training step), and drop cached prefixes computed
-        with the old weights."""
+        naming (a policy's ``state_dict`` after ``version`` optimizer updates), and drop cached prefixes
+        computed with the old weights; later samples carry ``version``."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
         self.llm.reset_prefix_cache()
+        self.weights_version = version
 
     def close(self) -> None:
         """Shut the engine down: a later stage in this process may start its own (an eval
@@ -538,7 +546,8 @@ class VLLMBackend:
                 logprobs = ([entry[token].logprob for token, entry in zip(ids, completion.logprobs)]
                             if self.keep_logprobs and completion.logprobs else [])
                 group.append(Sample(text=completion.text, token_ids=ids, logprobs=logprobs,
-                                    truncated=completion.finish_reason == "length"))
+                                    truncated=completion.finish_reason == "length",
+                                    weights_version=self.weights_version))
             if greedy:
                 group = [group[0]] * settings.attempts
             results.append(group)

@@ -40,13 +40,14 @@ def merged_named_weights(model):
     return named
 
 
-def sync_policy(engine: VLLMBackend, model) -> None:
-    """Push ``model``'s current weights into ``engine`` (LoRA adapters merged while they are copied)."""
+def sync_policy(engine: VLLMBackend, model, version: int) -> None:
+    """Push ``model``'s current weights, after ``version`` optimizer updates, into ``engine`` (LoRA adapters
+    merged while they are copied); the samples it draws next carry ``version``."""
     peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
     if peft:
         model.merge_adapter()
     try:
-        engine.load_weights(merged_named_weights(model))
+        engine.load_weights(merged_named_weights(model), version)
     finally:
         if peft:
             model.unmerge_adapter()
@@ -116,7 +117,7 @@ class GRPORollouts:
         backend = self.open()
         step = trainer.state.global_step
         if self.synced_step != step:  # the policy moved since the last rollout: the engine follows
-            sync_policy(backend, trainer.model)
+            sync_policy(backend, trainer.model, step)
             self.synced_step, self.syncs = step, self.syncs + 1
         return backend
 
