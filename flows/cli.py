@@ -96,63 +96,15 @@ def _run_arguments(run: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if argv is None and args.command == "run":  # the program itself (console script, -m), not an in-process caller
-        import os
+        from flows.servers.launch import run_program
 
-        from flows.servers import startup
-        startup.pause()  # until the first stage's work starts (flows/servers/startup.py)
-
-        from flows.servers import warm
-        from flows.recording.home import posttrain_home
-
-        home, environment = posttrain_home(), dict(os.environ)
-        if warm.enabled() and (status := warm.run_warm(home, sys.argv[1:])) is not None:
-            return status
-        at_exit = SkipTeardownAtExit()
-        at_exit.status = _command(args)
-        if warm.enabled() and home.is_dir():  # the next run of this home skips the imports this one paid for
-            warm.start_in_background(home, environment)
-        return at_exit.status
+        return run_program(sys.argv[1:], lambda: _command(args))  # start-up made fast (flows/servers/launch.py)
     if args.command == "schema":  # reads nothing and writes nothing: no home, no store
         from flows.spec.reference import reference_markdown, schema_text
 
         sys.stdout.write(reference_markdown() if args.reference else schema_text())
         return EXIT_OK
     return _command(args)
-
-
-class SkipTeardownAtExit:
-    """Ends the process without the interpreter's teardown, once everything else at exit has run.
-
-    After a run, freeing what torch, transformers, MLflow and Prefect loaded (modules, C++
-    destructors) took 2.5 to 2.8 s of the process's wall time on a loaded 2-core machine: half a
-    stage's worth on ``--only``. Registered before the command runs, this hook runs after every
-    atexit hook registered later (MLflow's and Prefect's flushes, logging's), and the threads
-    are already joined then; it closes logging and finalizers registered before it, flushes
-    stdout and stderr, and leaves with ``os._exit(status)``. Until ``status`` is set (the
-    command returned) it does nothing: an uncaught error exits as usual, traceback and all.
-    """
-
-    def __init__(self):
-        import atexit
-
-        self.status: int | None = None
-        atexit.register(self)
-
-    def __call__(self) -> None:
-        import logging
-        import os
-        import weakref
-
-        if self.status is None:
-            return
-        logging.shutdown()
-        weakref.finalize._exitfunc()  # weakref.finalize(atexit=True) objects, had it registered before us
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(self.status)
 
 
 def _command(args) -> int:

@@ -137,7 +137,7 @@ def _trainer_class():
         def _generate_and_score_completions(self, inputs):
             batch = self._dynamic_batch(inputs)
             if self.model.training and batch.get("sampling_per_token_logps") is not None:
-                batch = self._corrected(batch)
+                batch = sampler_corrected(self, batch)
             return batch
 
         def _dynamic_batch(self, inputs):
@@ -157,32 +157,6 @@ def _trainer_class():
             self.step_metrics.update({"dynamic/rounds": float(rounds),
                                       "dynamic/kept_zero_variance_frac": sum(not g.signal for g in chosen) / wanted})
             return merge_groups(chosen)
-
-        def _corrected(self, batch: dict) -> dict:
-            """Samples posttrain's engine drew: each token's advantage times its weight pi_trainer / pi_sampler
-            (stages/rl_math.py ``sampler_correction``). Every GRPO-family loss of TRL is linear in a token's
-            advantage with its sign kept, so this is TRL's own vLLM correction (grpo_trainer.py, which runs
-            only under its ``use_vllm``); TRL takes (B, T) advantages as they are. The KL term is not weighted."""
-            from stages.rl_math import sampler_correction
-
-            trainer = batch.get("old_per_token_logps")
-            if trainer is None:  # on-policy: the trainer's log-probs of these tokens under the current weights
-                ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-                attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-                with torch.no_grad():
-                    trainer, _, _ = self._get_per_token_logps_and_entropies(
-                        self.model, ids, attention, batch["completion_ids"].size(1),
-                        batch_size=self.args.per_device_train_batch_size)
-            mask = batch["completion_mask"].float()
-            if batch.get("tool_mask") is not None:  # an environment's observations: not the policy's tokens
-                mask = mask * batch["tool_mask"].float()
-            weights, metrics = sampler_correction(trainer, batch["sampling_per_token_logps"], mask,
-                                                  self.correction.kind, self.correction.cap)
-            self.step_metrics.update(metrics)
-            if self.correction.kind != "none":
-                advantages = batch["advantages"]
-                batch["advantages"] = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * weights
-            return batch
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
@@ -207,6 +181,35 @@ def _trainer_class():
             return loss
 
     return PosttrainGRPOTrainer
+
+
+def sampler_corrected(trainer, batch: dict) -> dict:
+    """Samples posttrain's engine drew: each token's advantage times its weight pi_trainer / pi_sampler
+    (stages/rl_math.py ``sampler_correction``). Every GRPO-family loss of TRL is linear in a token's
+    advantage with its sign kept, so this is TRL's own vLLM correction (grpo_trainer.py, which runs
+    only under its ``use_vllm``); TRL takes (B, T) advantages as they are. The KL term is not weighted."""
+    import torch
+
+    from stages.rl_math import sampler_correction
+
+    logps = batch.get("old_per_token_logps")
+    if logps is None:  # on-policy: the trainer's log-probs of these tokens under the current weights
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, attention, batch["completion_ids"].size(1),
+                batch_size=trainer.args.per_device_train_batch_size)
+    mask = batch["completion_mask"].float()
+    if batch.get("tool_mask") is not None:  # an environment's observations: not the policy's tokens
+        mask = mask * batch["tool_mask"].float()
+    weights, metrics = sampler_correction(logps, batch["sampling_per_token_logps"], mask,
+                                          trainer.correction.kind, trainer.correction.cap)
+    trainer.step_metrics.update(metrics)
+    if trainer.correction.kind != "none":
+        advantages = batch["advantages"]
+        batch["advantages"] = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) * weights
+    return batch
 
 
 def turn_off_dropout(model) -> None:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import atexit, logging, logging.handlers, sys, weakref
     from pathlib import Path
-    from flows.cli import SkipTeardownAtExit
+    from flows.servers.launch import SkipTeardownAtExit
 
     out = Path(sys.argv[1])
     buffered = logging.handlers.MemoryHandler(1000, target=logging.FileHandler(out / "run.log"))  # written on close

@@ -1,5 +1,6 @@
 """What a run starts and leaves for the next: servers and start-up.
 
+``launch`` runs ``posttrain run`` as a program with every start-up acceleration behind one call;
 ``prefect_server`` is posttrain's own Prefect API server (started on first use, shared, stopped
 when idle); ``db_templates`` and ``make_db_templates`` are the migrated empty databases a new
 home copies (``shipped_databases/``); ``startup`` runs a program's start-up without garbage
