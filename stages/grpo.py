@@ -132,11 +132,12 @@ def _trainer_class():
 
         dynamic = None  # (DynamicSampling, the training rows, random.Random) when the stage declares it
         step_metrics = None  # stages/training/callbacks.py StepMetrics, set by train_grpo before training
-        correction = None  # stages/rl_common.py SamplerCorrection, set by train_grpo
+        correction = None  # stages/rl_common.py SamplerCorrection where another sampler draws, set by train_grpo
 
         def _generate_and_score_completions(self, inputs):
             batch = self._dynamic_batch(inputs)
-            if self.model.training and batch.get("sampling_per_token_logps") is not None:
+            if self.correction is not None and self.model.training and \
+                    batch.get("sampling_per_token_logps") is not None:
                 batch = sampler_corrected(self, batch)
             return batch
 
@@ -387,7 +388,9 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
                                peft_config=config.lora.peft_config() if config.lora else None)
     _prepare(trainer, config, dataset, seed)
     trainer.step_metrics = step_metrics
-    trainer.correction = correction
+    # where the training model samples (HF generate, an environment's episodes on it) there is nothing to
+    # correct or measure: no extra forward pass for it
+    trainer.correction = correction if backend == "vllm" or config.correction is not None else None
     history: list[dict] = []
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps",
                                            _step_logger(config, trainer, history, ctx), step_metrics))
