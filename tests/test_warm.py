@@ -125,7 +125,7 @@ def test_ctrl_c_reaches_the_run_and_a_killed_caller_takes_its_run_down(warm_home
 
 def test_an_edited_module_retires_the_warm_process_and_the_run_goes_cold(warm_home):
     home = warm_home
-    module = ROOT / "flows" / "graph.py"  # imported by the warm process
+    module = ROOT / "flows" / "planning" / "graph.py"  # imported by the warm process
     stat = module.stat()
     os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     try:
