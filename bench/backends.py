@@ -34,6 +34,18 @@ TASK = {"reasoning_gym": "chain_sum", "config": {"min_terms": 2, "max_terms": 2,
         "seed": 1_000_000, "answer_format": "answer_tags", "role": "heldout"}
 
 
+def smollm2_and_prompts(home: Path, n: int):
+    """(SmolLM2's checkpoint converted in ``home``, ``n`` chain_sum heldout prompts as chat messages)."""
+    from pydantic import TypeAdapter
+
+    from stages.data.sources import DataSpec, load_records, prompt_messages
+    from stages.models.loading import ModelSpec, resolve_base_checkpoint
+
+    checkpoint = resolve_base_checkpoint(TypeAdapter(ModelSpec).validate_python(SMOLLM2), 0, home / "cache", home)
+    data = TypeAdapter(DataSpec).validate_python({**TASK, "n": n})
+    return checkpoint, [prompt_messages(r) for r in load_records(data, home)]
+
+
 def structure(groups) -> dict:
     """What a backend returned, shape by shape (the contract both backends keep)."""
     samples = [s for group in groups for s in group]
@@ -60,15 +72,9 @@ def main() -> None:
     args = parser.parse_args()
 
     home = isolated_home()
-    from pydantic import TypeAdapter
-
-    from stages.data.sources import DataSpec, load_records, prompt_messages
     from stages.rollout.generation import EngineSettings, SamplingSettings, open_backend
-    from stages.models.loading import ModelSpec, resolve_base_checkpoint
 
-    checkpoint = resolve_base_checkpoint(TypeAdapter(ModelSpec).validate_python(SMOLLM2), 0, home / "cache", home)
-    data = TypeAdapter(DataSpec).validate_python({**TASK, "n": args.prompts})
-    prompts = [prompt_messages(r) for r in load_records(data, home)]
+    checkpoint, prompts = smollm2_and_prompts(home, args.prompts)
     sampled = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens, attempts=args.attempts, seed=1)
     greedy = SamplingSettings(temperature=0.0, max_tokens=args.max_tokens, attempts=1, seed=1)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import isolated_home  # noqa: E402
-from bench.backends import SMOLLM2, TASK  # noqa: E402
+from bench.backends import smollm2_and_prompts  # noqa: E402
 
 
 def trainer_logprobs(model, prompt_ids: list[int], sample, temperature: float):
@@ -59,16 +59,11 @@ def main() -> None:
     args = parser.parse_args()
 
     home = isolated_home()
-    from pydantic import TypeAdapter
-
-    from stages.data.sources import DataSpec, load_records, prompt_messages
-    from stages.models.loading import ModelSpec, load_model_and_tokenizer, resolve_base_checkpoint
+    from stages.models.loading import load_model_and_tokenizer
     from stages.rl_math import sampler_correction
     from stages.rollout.generation import EngineSettings, SamplingSettings, open_backend, prompt_token_ids
 
-    checkpoint = resolve_base_checkpoint(TypeAdapter(ModelSpec).validate_python(SMOLLM2), 0, home / "cache", home)
-    data = TypeAdapter(DataSpec).validate_python({**TASK, "n": args.prompts})
-    prompts = [prompt_messages(r) for r in load_records(data, home)]
+    checkpoint, prompts = smollm2_and_prompts(home, args.prompts)
     model, tokenizer = load_model_and_tokenizer(checkpoint)
     model.float().eval()
     prompt_ids = prompt_token_ids(tokenizer, prompts)
