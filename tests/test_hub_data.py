@@ -100,6 +100,19 @@ def test_a_hub_dataset_in_the_cache_trains_sft_and_its_commit_is_recorded(home, 
                                        {"role": "assistant", "content": "He has 1 + 2 = 3 apples.\n#### 3"}],
                           "answer": "3"}
 
+    def resolved(stage):
+        found = client.search_runs([experiment.experiment_id], f"tags.`posttrain.stage` = '{stage}' and "
+                                   "attributes.status = 'FINISHED'", order_by=["attributes.start_time ASC"])
+        return [json.loads(r.inputs.dataset_inputs[0].dataset.profile)["spec"]["resolved"] for r in found]
+
+    path = tmp_path / "p.yaml"
+    assert run_cli("run", str(path)) == 0  # the same snapshot: every stage cached
+    assert resolved("sft") == [f"hub:openai/gsm8k@{REV_1}"]
+    gsm8k_cache(hf_cache, REV_2, start=3)  # the cache's `main` moves to a new commit: what reads it reruns
+    assert run_cli("run", str(path)) == 0
+    assert resolved("sft") == [f"hub:openai/gsm8k@{REV_1}", f"hub:openai/gsm8k@{REV_2}"]
+    assert len(resolved("eval_sft")) == 2
+
 
 def test_a_new_revision_in_the_cache_reruns_the_stages_that_read_it(home, tmp_path, hf_cache):
     from flows.planning.lineage import fingerprint
