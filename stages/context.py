@@ -23,6 +23,8 @@ from stages.spec_model import SpecModel
 EXECUTION_FIELDS = frozenset({"save_steps", "time_limit_minutes", "resources", "placement", "alerts"})
 # The tag a stage sets when it is learning nothing and why (stages/training/alerts.py): the orchestrator shows it
 ALERT_TAG = "posttrain.alert"
+# The tag a resumed stage sets: JSON {"step": k, "run": the run that stopped at step k, "checkpoint": its path}
+RESUMED_TAG = "posttrain.resumed_from"
 
 
 class StageTimeLimit(Exception):
@@ -199,6 +201,8 @@ class StageContext(Protocol):
     resume_dir: Path
     """Trainer checkpoints that outlive a crash: the next execution of the same stage (same
     fingerprint) finds them here and resumes; removed once the stage is published."""
+    run_id: str
+    """This execution's run (what a checkpoint names as the run that wrote it)."""
 
     def output_dir(self, name: str) -> Path:
         """A fresh staging dir for an output; published (moved and logged) only on success."""

@@ -60,9 +60,10 @@ def build_dpo_config(config: DPOStageConfig, output_dir: Path, seed: int):
     from trl import DPOConfig
 
     from stages.training.callbacks import device_arguments
+    from stages.training.resume import resumable_arguments
 
     return DPOConfig(
-        output_dir=str(output_dir),
+        **resumable_arguments(output_dir, config.save_steps),
         **schedule_arguments(config),
         beta=config.beta,
         loss_type=[config.loss, "sft"] if config.sft_weight > 0 else [config.loss],
@@ -70,7 +71,6 @@ def build_dpo_config(config: DPOStageConfig, output_dir: Path, seed: int):
         gradient_checkpointing=False,
         logging_steps=config.logging_steps,
         eval_strategy="no",  # evaluated once at the end (and once before) by the stage
-        save_strategy="no",
         report_to="none",
         seed=seed,
         data_seed=seed,
@@ -82,7 +82,7 @@ def build_dpo_config(config: DPOStageConfig, output_dir: Path, seed: int):
 def run(config: DPOStageConfig, inputs: StageInputs, ctx) -> dict:
     from trl import DPOTrainer
 
-    args = build_dpo_config(config, ctx.work_dir / "trainer", ctx.seed if config.seed is None else config.seed)
+    args = build_dpo_config(config, ctx.resume_dir, ctx.seed if config.seed is None else config.seed)
     return train_on_preferences(pooling_pair_metrics(DPOTrainer, POOLED_METRICS), args, config, inputs, ctx)
 
 

@@ -51,7 +51,7 @@ from stages.rollout.generation import neutral_generation_config
 from stages.rollout.episodes import environment_scorers
 from stages.models.placement import check_devices, place, placement_params
 from stages.rewards.registry import ENVIRONMENT_FN, RewardSpec, reward_columns
-from stages.rollout.training import rollout_backend
+from stages.rollout.training import GRPORollouts, rollout_backend
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
 # TRL's metric names -> the names every rl stage logs (stages/rl.py lists them)
@@ -292,9 +292,10 @@ def build_grpo_config(config, output_dir: Path, seed: int):
 
     from stages.training.data_parallel import world_size
     from stages.training.callbacks import device_arguments
+    from stages.training.resume import resumable_arguments
 
     return GRPOConfig(
-        output_dir=str(output_dir),
+        **resumable_arguments(output_dir, config.save_steps),
         max_steps=config.max_steps,
         learning_rate=config.lr,
         lr_scheduler_type="constant",
@@ -315,7 +316,6 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         # TRL's CISPO caps the weight at epsilon_high itself (absolute); the other losses clip at 1 + epsilon
         epsilon_high=config.cispo_cap if config.loss == "cispo" else None,
         logging_steps=1,
-        save_strategy="no",
         report_to="none",
         seed=seed,
         data_seed=seed,
@@ -361,7 +361,8 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
 
     from stages.models.lora import save_trained
     from stages.rl_common import log_curves, resolve_correction
-    from stages.training.callbacks import StepMetrics, quiet_trainer, stop_gracefully, tracking_callback
+    from stages.training.callbacks import StepMetrics, quiet_trainer, tracking_callback
+    from stages.training.resume import train_resumably
 
     seed = config.seed if config.seed is not None else ctx.seed
     check_devices(config.placement)  # before anything loads
@@ -378,7 +379,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
                                      rollouts.runner.environment if config.environment is not None else None)
                     for name in rewards]
 
-    args = build_grpo_config(config, ctx.work_dir / "trainer", seed)
+    args = build_grpo_config(config, ctx.resume_dir, seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
     correction, correction_why = resolve_correction(config, backend)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why,
@@ -392,22 +393,23 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     # correct or measure: no extra forward pass for it
     trainer.correction = correction if backend == "vllm" or config.correction is not None else None
     history: list[dict] = []
+    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps",
-                                           _step_logger(config, trainer, history, ctx), step_metrics))
+                                           _step_logger(config, trainer, history, watch, ctx), step_metrics))
     quiet_trainer(trainer)
     ctx.log_params({"prompts": len(records), "resolved_seed": seed, "world_size": args.world_size,
                     "generation_batch": args.generation_batch_size,
                     **placement_params(trainer.ref_model, reward_funcs)})
     try:
-        with stop_gracefully(trainer, ctx, resumable=False):
-            trainer.train()
+        _, resumed_step = train_resumably(trainer, ctx, _stage_state(trainer, history, watch, rollouts, scorer))
     finally:
         if rollouts is not None:
             ctx.log_metrics({"engine_weight_syncs": float(rollouts.syncs)})
             rollouts.close()
 
     log_curves(ctx, history)
-    metrics = _final_metrics(history, trainer.state.global_step, scorer.errors)
+    metrics = {**_final_metrics(history, trainer.state.global_step, scorer.errors),
+               "resumed_from_step": float(resumed_step)}
     ctx.log_metrics(metrics)
 
     trainer.model.config._name_or_path = str(inputs.policy)  # was the KL anchor's, for TRL
@@ -416,10 +418,9 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     return {**outputs, "metrics": metrics}
 
 
-def _step_logger(config, trainer, history: list[dict], ctx):
-    """What happens at each step's log: its metrics kept for the curves, the silent-failure watch
+def _step_logger(config, trainer, history: list[dict], watch: SilentFailureWatch, ctx):
+    """What happens at each step's log: its metrics kept for the curves, the silent-failure ``watch``
     (stages/training/alerts.py), and every ``sample_every`` steps a table of sample completions."""
-    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
 
     def on_metrics(state, metrics):
         if "reward/mean" not in metrics:  # the end-of-training summary log, or a reused batch's update
@@ -430,6 +431,36 @@ def _step_logger(config, trainer, history: list[dict], ctx):
             ctx.log_table(sample_rows(trainer._logs), f"samples/step_{state.global_step:05d}.json")
 
     return on_metrics
+
+
+def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollouts, scorer: Scorer):
+    """What a resumed GRPO stage needs besides the trainer's checkpoint (stages/training/resume.py): the
+    curves so far, the silent-failure watch, the rollouts' seed counter and weight syncs, the reward error
+    count, dynamic sampling's prompt draws. (A judge's audit schedule restarts with the execution.)"""
+    from stages.training.resume import StageState
+
+    engine = rollouts if isinstance(rollouts, GRPORollouts) else getattr(rollouts, "engine", None)
+
+    def save() -> dict:
+        return {"history": history, "streaks": watch.streaks, "raised": watch.raised, "messages": watch.messages,
+                "calls": rollouts.calls if rollouts is not None else 0,
+                "syncs": engine.syncs if engine is not None else 0,
+                "reward_errors": scorer.policy.count, "errors_shown": scorer.policy.shown,
+                "dynamic_rng": trainer.dynamic[2].getstate() if trainer.dynamic is not None else None}
+
+    def restore(saved: dict) -> None:
+        history[:] = saved["history"]
+        watch.streaks, watch.raised, watch.messages = saved["streaks"], saved["raised"], saved["messages"]
+        if rollouts is not None:
+            rollouts.calls = saved["calls"]
+        if engine is not None:
+            engine.syncs = saved["syncs"]
+        scorer.policy.count, scorer.policy.shown = saved["reward_errors"], saved["errors_shown"]
+        if trainer.dynamic is not None:
+            version, internal, gauss = saved["dynamic_rng"]
+            trainer.dynamic[2].setstate((version, tuple(internal), gauss))
+
+    return StageState(save, restore, every=trainer.num_iterations)
 
 
 def _prompt_rows(config, records: list[dict]) -> list[dict]:

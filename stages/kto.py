@@ -40,9 +40,10 @@ def build_kto_config(config: KTOStageConfig, output_dir, seed: int):
     from trl import KTOConfig
 
     from stages.training.callbacks import device_arguments, schedule_arguments
+    from stages.training.resume import resumable_arguments
 
     return KTOConfig(
-        output_dir=str(output_dir),
+        **resumable_arguments(output_dir, config.save_steps),
         **schedule_arguments(config),
         beta=config.beta,
         desirable_weight=config.desirable_weight,
@@ -50,7 +51,6 @@ def build_kto_config(config: KTOStageConfig, output_dir, seed: int):
         gradient_checkpointing=False,
         logging_steps=config.logging_steps,
         eval_strategy="no",
-        save_strategy="no",
         report_to="none",
         seed=seed,
         data_seed=seed,
@@ -63,7 +63,7 @@ def run(config: KTOStageConfig, inputs: StageInputs, ctx) -> dict:
     from trl import KTOTrainer
 
     seed = ctx.seed if config.seed is None else config.seed
-    args = build_kto_config(config, ctx.work_dir / "trainer", seed)
+    args = build_kto_config(config, ctx.resume_dir, seed)
     return train_on_preferences(KTOTrainer, args, config, inputs, ctx, lambda records: unpaired(records, seed))
 
 

@@ -12,13 +12,14 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits, StageInputs
+from stages.training.resume import Resumable
 from stages.data.sources import read_materialized
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.models.placement import ReferencePlacement, check_devices, place, placement_params
 from stages.training.callbacks import metric_renamer
 
 
-class PreferenceOptimisationConfig(ExecutionLimits):
+class PreferenceOptimisationConfig(ExecutionLimits, Resumable):
     """What DPO and KTO stages share: a policy, a frozen reference, preference pairs."""
 
     model_config = ConfigDict(extra="forbid")
@@ -102,7 +103,8 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     from stages.models.lora import save_trained
     from stages.models.loading import load_model_and_tokenizer
     from stages.data.preferences import check_preference_records, split_heldout, trl_dataset
-    from stages.training.callbacks import quiet_trainer, stop_gracefully, tracking_callback
+    from stages.training.callbacks import quiet_trainer, tracking_callback
+    from stages.training.resume import train_resumably
 
     to_dataset = to_dataset or trl_dataset
     seed = ctx.seed if config.seed is None else config.seed
@@ -130,8 +132,7 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
                     **placement_params(trainer.ref_model)})
 
     started = time.perf_counter()
-    with stop_gracefully(trainer, ctx, resumable=False):
-        result = trainer.train()
+    result, resumed_step = train_resumably(trainer, ctx)
     metrics: dict[str, float] = {"train_seconds": time.perf_counter() - started}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     metrics.update({
@@ -139,6 +140,7 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
         "first_loss": float(losses[0]) if losses else float(result.training_loss),
         "final_loss": float(losses[-1]) if losses else float(result.training_loss),
         "steps": float(trainer.state.global_step),
+        "resumed_from_step": float(resumed_step),
     })
     if heldout:
         after = trainer.evaluate()  # logged at the last step through the tracking callback

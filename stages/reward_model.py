@@ -34,6 +34,7 @@ from typing import ClassVar, Literal
 from pydantic import ConfigDict, Field
 
 from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_issues
+from stages.training.resume import Resumable
 from stages.data.sources import read_materialized
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.rewards.reward_model import (  # re-exported: stages.reward_model is where callers look
@@ -47,7 +48,7 @@ from stages.rewards.reward_model import (  # re-exported: stages.reward_model is
 from stages.training.callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments
 
 
-class RewardModelStageConfig(ExecutionLimits):
+class RewardModelStageConfig(ExecutionLimits, Resumable):
     """Train a Bradley-Terry reward model on preference pairs."""
 
     model_config = ConfigDict(extra="forbid")
@@ -108,16 +109,16 @@ def training_arguments(config: RewardModelStageConfig, ctx, seed: int, evaluate:
     from trl import RewardConfig
 
     from stages.training.callbacks import device_arguments
+    from stages.training.resume import resumable_arguments
 
     return RewardConfig(
-        output_dir=str(ctx.work_dir / "trainer"),
+        **resumable_arguments(ctx.resume_dir, config.save_steps),
         **schedule_arguments(config),
         center_rewards_coefficient=config.center_rewards_coefficient,
         gradient_checkpointing=False,
         logging_steps=config.logging_steps,
         eval_strategy="steps" if evaluate else "no",
         eval_steps=config.eval_every,
-        save_strategy="no",
         report_to="none",
         seed=seed,
         data_seed=seed,
@@ -132,7 +133,8 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
 
     from stages.models.lora import save_trained
     from stages.data.preferences import check_preference_records, split_heldout, trl_dataset
-    from stages.training.callbacks import quiet_trainer, stop_gracefully, tracking_callback
+    from stages.training.callbacks import quiet_trainer, tracking_callback
+    from stages.training.resume import train_resumably
 
     seed = ctx.seed if config.seed is None else config.seed
     records = read_materialized(inputs.data)
@@ -159,8 +161,7 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
         before = trainer.evaluate()
         metrics["initial_heldout_pairwise_accuracy"] = float(before["eval_accuracy"])
     started = time.perf_counter()
-    with stop_gracefully(trainer, ctx, resumable=False):
-        result = trainer.train()
+    result, resumed_step = train_resumably(trainer, ctx)
     metrics["train_seconds"] = time.perf_counter() - started
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     metrics.update({
@@ -168,6 +169,7 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
         "first_loss": float(losses[0]) if losses else float(result.training_loss),
         "final_loss": float(losses[-1]) if losses else float(result.training_loss),
         "steps": float(trainer.state.global_step),
+        "resumed_from_step": float(resumed_step),
     })
     if heldout:
         after = trainer.evaluate()  # logged at the last step through the tracking callback

@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_v
 
 from stages.training.alerts import AlertSettings
 from stages.context import ExecutionLimits
+from stages.training.resume import Resumable
 from stages.difficulty import DifficultyFilter
 from stages.rollout.environments import EnvironmentSpec
 from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
@@ -200,7 +201,7 @@ class RLCommon(ExecutionLimits):
         return list(self.rewards)
 
 
-class GRPOStageConfig(RLCommon):
+class GRPOStageConfig(RLCommon, Resumable):
     """``algorithm: grpo``: TRL's GRPOTrainer, advantages centred within each prompt's group (stages/grpo.py)."""
 
     algorithm: Literal["grpo"] = Field(description="grpo (TRL GRPOTrainer) or ppo (posttrain's, with a critic).")

@@ -25,9 +25,10 @@ from pydantic import ConfigDict, Field, model_validator
 from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_issues
 from stages.data.sources import read_materialized
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
+from stages.training.resume import Resumable
 
 
-class SFTStageConfig(ExecutionLimits):
+class SFTStageConfig(ExecutionLimits, Resumable):
     """Supervised fine-tuning on demonstrations."""
 
     model_config = ConfigDict(extra="forbid")
@@ -51,11 +52,6 @@ class SFTStageConfig(ExecutionLimits):
     assistant_only_loss: bool = Field(True, description="Train only on the assistant's tokens.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     logging_steps: int = Field(10, ge=1, description="Log loss and learning rate every N steps.")
-    save_steps: int | None = Field(
-        50, ge=1,
-        description="Write a resumable trainer checkpoint every N steps (kept only until the stage finishes); "
-        "an interrupted or killed run resumes from the latest. Null: only on Ctrl-C.",
-    )
     seed: int | None = Field(None, description="Training seed; default the pipeline seed.")
     lora: LoraSpec | None = Field(None, description=LORA_DESCRIPTION)
 
@@ -85,7 +81,8 @@ def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
 
     from stages.models.lora import save_trained
     from stages.models.loading import load_model_and_tokenizer
-    from stages.training.callbacks import last_checkpoint, quiet_trainer, stop_gracefully, tracking_callback
+    from stages.training.callbacks import quiet_trainer, tracking_callback
+    from stages.training.resume import train_resumably
 
     seed = ctx.seed if config.seed is None else config.seed
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 when launched data-parallel (flows/execution/distributed.py)
@@ -110,12 +107,8 @@ def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
         callbacks=[tracking_callback(ctx, rename_metrics, f"sft: {args.max_steps} steps")],
     )
     quiet_trainer(trainer)
-    resume_from = last_checkpoint(ctx.resume_dir)
-    if resume_from:
-        ctx.log_params({"resumed_from": resume_from})
     started = time.perf_counter()
-    with stop_gracefully(trainer, ctx):
-        result = trainer.train(resume_from_checkpoint=resume_from)
+    result, resumed_step = train_resumably(trainer, ctx)
     seconds = time.perf_counter() - started
 
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -124,7 +117,7 @@ def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
         "final_loss": float(losses[-1]) if losses else float(result.training_loss),
         "first_loss": float(losses[0]) if losses else float(result.training_loss),
         "steps": float(trainer.state.global_step),
-        "resumed_from_step": float(int(resume_from.rsplit("-", 1)[-1])) if resume_from else 0.0,
+        "resumed_from_step": float(resumed_step),
         "train_seconds": seconds,
     }
     ctx.log_metrics(metrics)
@@ -138,7 +131,8 @@ def training_arguments(config: SFTStageConfig, ctx, seed: int, world_size: int, 
     """TRL's ``SFTConfig`` for this stage: resumable, the global batch split over ``world_size`` processes."""
     from trl import SFTConfig
 
-    from stages.training.callbacks import device_arguments, resumable_arguments
+    from stages.training.callbacks import device_arguments
+    from stages.training.resume import resumable_arguments
 
     return SFTConfig(
         **resumable_arguments(ctx.resume_dir, config.save_steps),

@@ -119,6 +119,8 @@ def test_kill_9_mid_sft_is_marked_failed_never_reused_and_resumed(home, prefect_
     assert resumed.data.metrics["resumed_from_step"] >= 20
     assert resumed.data.metrics["steps"] == STEPS  # the same optimizer steps as an uninterrupted run
     assert resumed.data.params["resumed_from"].endswith(f"checkpoint-{int(resumed.data.metrics['resumed_from_step'])}")
+    link = json.loads(resumed.data.tags["posttrain.resumed_from"])  # the run that stopped, and where
+    assert link["run"] == dead.info.run_id and link["step"] == resumed.data.metrics["resumed_from_step"]
     (evaluated,) = stage_runs(client, "faults", "eval_sft")
     assert json.loads(evaluated.data.tags["posttrain.upstream"]) == {"sft": resumed.info.run_id}
     assert not list(home.glob("resume/*/sft-*"))  # the resume state goes once the stage is published
@@ -350,9 +352,11 @@ def test_stage_past_its_time_limit_stops_with_a_checkpoint_and_resumes(home, pre
     assert stage_runs(client, "faults", "eval_sft") == []
 
     # the limit is how it runs, not what it computes: lifting it keeps the fingerprint and resumes
+    capsys.readouterr()
     assert run_cli("run", str(path), "--set", "stages.sft.max_steps=600") == 0
     _, resumed = stage_runs(client, "faults", "sft")
     assert resumed.data.metrics["resumed_from_step"] == done and resumed.data.metrics["steps"] == 600
+    assert f"resumed sft: from step {done} where run {stopped.info.run_id} stopped" in capsys.readouterr().out
 
 
 def test_stage_that_cannot_stop_itself_is_stopped_after_the_grace(home, prefect_server, tmp_path, monkeypatch):

@@ -19,6 +19,10 @@ RL_METRICS = ["reward/mean", "reward/correct/mean", "reward/zero_variance_group_
               "clip_frac", "ratio/mean", "completion/mean_tokens", "completion/truncated_frac"]
 
 
+# the fields that say where and how often resumable checkpoints are written: not what a step computes
+CHECKPOINTING = ("output_dir", "logging_dir", "save_strategy", "save_steps", "save_total_limit")
+
+
 def grpo_config(**overrides):
     fields = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"], kl_beta=0.05,
                   sampling={"attempts": 4, "max_tokens": 3}, prompts_per_step=4, max_steps=3, sample_every=2)
@@ -267,8 +271,8 @@ def test_the_grpo_stage_computes_what_trl_computes_on_the_same_batches(tiny_chec
                log_completions=False, dataloader_num_workers=0),
         **trl_fields})
     ours_args = build_grpo_config(config, tmp_path / "ours", seed).to_dict()
-    differ = {k: (v, plain.to_dict().get(k)) for k, v in ours_args.items()
-              if k not in ("output_dir", "logging_dir") and v != plain.to_dict().get(k)}
+    differ = {k: (v, plain.to_dict().get(k)) for k, v in ours_args.items()  # where checkpoints go, not what is computed
+              if k not in CHECKPOINTING and v != plain.to_dict().get(k)}
     assert not differ, differ
 
     inputs = inputs_for(home, tiny_checkpoint,

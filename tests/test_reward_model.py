@@ -313,7 +313,7 @@ def test_center_rewards_coefficient_adds_the_centring_penalty(tiny_checkpoint, h
     tokenizer.padding_side = "right"
     config = reward_model.RewardModelStageConfig(kind="reward_model", data="prefs", batch_size=8,
                                                  center_rewards_coefficient=0.3)
-    args = reward_model.training_arguments(config, SimpleNamespace(work_dir=home / "rm"), 0, evaluate=False)
+    args = reward_model.training_arguments(config, SimpleNamespace(resume_dir=home / "rm"), 0, evaluate=False)
     trainer = RewardTrainer(model=model, args=args, train_dataset=trl_dataset(read_materialized(data)),
                             processing_class=tokenizer)
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))

@@ -66,6 +66,7 @@ class StageRow:
     unrecorded: str = ""  # what could not be written to MLflow (the store was unreachable), in words
     log: str = ""  # the stage's log file (captured output; the traceback if it failed)
     alerts: list[str] = field(default_factory=list)  # what the stage said it is not learning, and why
+    resumed: dict | None = None  # {step, run, checkpoint}: where it resumed, when an earlier run stopped it
 
 
 # ------------------------------------------------------------------ what a stage reads
@@ -211,7 +212,7 @@ def _run(job: StageJob, tracker: Tracker, console) -> StageRow:
     published = tracker.publish_outputs(recorder, job.pipeline.name, job.stage, ctx.staged)
     record_stage_model(recorder, job.pipeline.name, job.stage, job.config, job.upstream_runs, published)
     row = StageRow(job.stage, job.kind, "ran", time.perf_counter() - started, recorder.run_id,
-                   headline_metrics(metrics, job.kind), outputs=published, alerts=ctx.alerts)
+                   headline_metrics(metrics, job.kind), outputs=published, alerts=ctx.alerts, resumed=ctx.resumed)
     shutil.rmtree(work_dir, ignore_errors=True)
     shutil.rmtree(resume_dir, ignore_errors=True)
     return _report_row(row, recorder)

@@ -186,6 +186,10 @@ def print_summary(report: PipelineReport, console) -> None:
         table.add_row(row.stage, row.kind, row.status, f"{row.seconds:.1f}",
                       _format_metrics(row.metrics) or row.note[:160], row.run_id or "", style=style)
     console.print(table)
+    for row in report.rows:  # stages that continued where an earlier run stopped (stages/training/resume.py)
+        if row.resumed:
+            stopped = f" where run {row.resumed['run']} stopped" if row.resumed.get("run") else ""
+            console.print(f"resumed {row.stage}: from step {row.resumed['step']}{stopped}", highlight=False)
     for row in report.rows:  # stages that ran without learning, and the likely cause (stages/training/alerts.py)
         for alert in row.alerts:
             console.print(f"[bold yellow]alert[/bold yellow] {row.stage}: {escape(alert)}", highlight=False)

@@ -6,7 +6,7 @@ A tag is part of the store's schema: cache lookups, ``posttrain compare``, the r
 
 from __future__ import annotations
 
-from stages.context import ALERT_TAG
+from stages.context import ALERT_TAG, RESUMED_TAG
 
 # ------------------------------------------------------------------ every run
 TAG_ROLE = "posttrain.role"  # "pipeline", "stage" or "compare"
@@ -17,6 +17,7 @@ TAG_PID = "posttrain.pid"
 TAG_PROCESS_START = "posttrain.process_start"
 TAG_ERROR = "posttrain.error"  # why a run failed or was killed, in words
 TAG_ALERT = ALERT_TAG  # a stage that learns nothing, and the likely cause (stages/training/alerts.py)
+TAG_RESUMED = RESUMED_TAG  # JSON {step, run, checkpoint}: a stage that resumed where an earlier run stopped
 TAG_PREFECT_FLOW_RUN = "posttrain.prefect_flow_run_id"
 
 # ------------------------------------------------------------------ an experiment (one per pipeline)

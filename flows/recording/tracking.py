@@ -31,6 +31,7 @@ from flows.recording.tags import (
     TAG_PID,
     TAG_PIPELINE,
     TAG_PROCESS_START,
+    TAG_RESUMED,
     TAG_ROLE,
     TAG_STAGE,
     TAG_VERSION,
@@ -234,6 +235,7 @@ class MlflowStageContext:
         self.console = console
         self.staged: dict[str, str] = {}
         self.alerts: list[str] = []  # what the stage said it is not learning, and why (stages/training/alerts.py)
+        self.resumed: dict | None = None  # where the stage resumed from (stages/training/resume.py), if it did
         self.latest: dict[str, tuple[int, float]] = {}  # metric -> (step, value), as MLflow shows a run's metrics
         self.recorder = recorder or Recorder(tracker.client, run_id, tracker.home)
         self._staging = work_dir / "staging"
@@ -289,6 +291,8 @@ class MlflowStageContext:
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.recorder.tags(tags)
+        if TAG_RESUMED in tags:  # the summary says where the stage resumed
+            self.resumed = json.loads(tags[TAG_RESUMED])
         if TAG_ALERT in tags:  # every alert so far, one per line: the summary lists them, the terminal warns
             self.alerts = tags[TAG_ALERT].splitlines()
             if (line := _terminal_line()) is not None:

@@ -150,30 +150,6 @@ def quiet_trainer(trainer) -> None:
     trainer.remove_callback(ProgressCallback)
 
 
-def resumable_arguments(resume_dir: Path, save_steps: int | None) -> dict:
-    """Trainer arguments that write resumable checkpoints (model, optimizer, scheduler, RNG
-    states; only the latest kept) into the stage's resume dir every ``save_steps`` steps."""
-    return {
-        "output_dir": str(resume_dir),
-        "save_strategy": "steps" if save_steps else "no",
-        "save_steps": save_steps or 500,
-        "save_total_limit": 1,
-    }
-
-
-def last_checkpoint(resume_dir: Path) -> str | None:
-    """The newest complete trainer checkpoint an earlier, interrupted execution left, if any."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    if not resume_dir.is_dir():
-        return None
-    found = get_last_checkpoint(str(resume_dir))
-    # a checkpoint whose writing was cut short has no trainer_state.json (written last): skip it
-    if found and not (Path(found) / "trainer_state.json").is_file():
-        return None
-    return found
-
-
 @contextmanager
 def stop_gracefully(trainer, ctx, resumable: bool = True):
     """Stop ``trainer.train()`` between optimizer steps (with a resumable checkpoint saved when
