@@ -442,20 +442,19 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
     engine = rollouts if isinstance(rollouts, GRPORollouts) else getattr(rollouts, "engine", None)
 
     def save() -> dict:
-        return {"history": history, "streaks": watch.streaks, "raised": watch.raised, "messages": watch.messages,
+        return {"history": history, "watch": watch.state(), "reward_errors": scorer.policy.state(),
                 "calls": rollouts.calls if rollouts is not None else 0,
                 "syncs": engine.syncs if engine is not None else 0,
-                "reward_errors": scorer.policy.count, "errors_shown": scorer.policy.shown,
                 "dynamic_rng": trainer.dynamic[2].getstate() if trainer.dynamic is not None else None}
 
     def restore(saved: dict) -> None:
         history[:] = saved["history"]
-        watch.streaks, watch.raised, watch.messages = saved["streaks"], saved["raised"], saved["messages"]
+        watch.restore(saved["watch"])
+        scorer.policy.restore(saved["reward_errors"])
         if rollouts is not None:
             rollouts.calls = saved["calls"]
         if engine is not None:
             engine.syncs = saved["syncs"]
-        scorer.policy.count, scorer.policy.shown = saved["reward_errors"], saved["errors_shown"]
         if trainer.dynamic is not None:
             version, internal, gauss = saved["dynamic_rng"]
             trainer.dynamic[2].setstate((version, tuple(internal), gauss))

@@ -57,6 +57,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from stages.training.alerts import AlertSettings
 from stages.context import ExecutionLimits, StageInputs, StageKind
+from stages.training.resume import Resumable
 from stages.data.sources import prompt_batches, prompt_messages, read_materialized
 from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, AdaptersOff, LoraSpec
@@ -65,7 +66,7 @@ MAX_GRAD_NORM = 1.0
 SAMPLE_TABLE_ROWS = 16
 
 
-class OnlineDPOStageConfig(ExecutionLimits):
+class OnlineDPOStageConfig(ExecutionLimits, Resumable):
     """Online DPO: pairs sampled from the current policy each step, ranked by rewards, trained with DPO."""
 
     model_config = ConfigDict(extra="forbid")
@@ -234,6 +235,26 @@ class OnlineDPORun:
         return cls(config, policy, reference, tokenizer, torch.optim.AdamW(trainable, lr=config.lr),
                    Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor), seed)
 
+    def resumable_state(self) -> tuple[dict, dict]:
+        """(tensors, JSON-able state) of everything the next step depends on besides the loop's record
+        (stages/training/resume.py): the policy, its optimizer, torch's RNG, the counts so far."""
+        import torch
+
+        tensors = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                   "torch_rng": torch.get_rng_state()}
+        return tensors, {"engine_syncs": self.engine_syncs, "tied_prompts": self.tied_prompts,
+                         "pairs_trained": self.pairs_trained, "reward_errors": self.scorer.policy.state()}
+
+    def restore(self, tensors: dict, state: dict) -> None:
+        import torch
+
+        self.policy.load_state_dict(tensors["policy"])
+        self.optimizer.load_state_dict(tensors["optimizer"])
+        torch.set_rng_state(tensors["torch_rng"])
+        self.engine_syncs, self.tied_prompts = state["engine_syncs"], state["tied_prompts"]
+        self.pairs_trained = state["pairs_trained"]
+        self.scorer.policy.restore(state["reward_errors"])
+
     def sample(self, prompts: list[list[dict]], step: int):
         from stages.rollout.generation import HFGenerateBackend
         from stages.rollout.training import sync_policy
@@ -339,13 +360,14 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
                                            [prompt_messages(r) for r in records], inputs.trust_remote_code)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why, "resolved_seed": seed,
                     "prompts": len(records), "samples_per_step": config.prompts_per_step * config.sampling.attempts})
-    history, started = train_steps(config, state, records, seed, ctx)
+    history, resumed, started = train_steps(config, state, records, seed, ctx)
     log_curves(ctx, history)
     losses = [h["loss"] for h in history if "loss" in h]
     metrics = {"steps": float(config.max_steps), "train_seconds": time.perf_counter() - started,
                "pairs_trained": float(state.pairs_trained), "tied_prompts": float(state.tied_prompts),
                "tie_frac": state.tied_prompts / (config.max_steps * config.prompts_per_step),
-               "reward_errors": float(state.scorer.errors), "engine_weight_syncs": float(state.engine_syncs)}
+               "reward_errors": float(state.scorer.errors), "engine_weight_syncs": float(state.engine_syncs),
+               "resumed_from_step": float(resumed)}
     if losses:
         metrics.update({"first_loss": losses[0], "final_loss": losses[-1]})
     ctx.log_metrics(metrics)
@@ -354,26 +376,22 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
 
 
 def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed: int, ctx):
-    """``max_steps`` steps, each logged; the engine (if any) closed at the end. (history, start time)."""
+    """``max_steps`` steps, each logged, resumable (stages/training/resume.py ``train_loop``); the engine (if
+    any) closed at the end. (history, the step it resumed from, start time)."""
     from stages.training.alerts import SilentFailureWatch
+    from stages.training.resume import LoopState, train_loop
 
     batches = prompt_batches(records, config.prompts_per_step, seed)
-    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
-    history, started = [], time.perf_counter()
+    started = time.perf_counter()
+    loop = LoopState(save=state.resumable_state, restore=state.restore,
+                     skip=lambda done: [next(batches) for _ in range(done)])
     try:
-        with ctx.progress(f"online_dpo: {config.max_steps} steps", config.max_steps) as bar:
-            for step in range(1, config.max_steps + 1):
-                metrics, rows = state.step(step, next(batches))
-                ctx.log_metrics(metrics, step=step)
-                watch.report(ctx, step, metrics)
-                history.append({"step": step, **metrics})
-                if rows and (step in (1, config.max_steps) or step % config.sample_every == 0):
-                    ctx.log_table(rows, f"samples/step_{step:05d}.json")
-                bar.advance()
+        history, resumed = train_loop(ctx, "online_dpo", config, lambda step: state.step(step, next(batches)), loop,
+                                      SilentFailureWatch(config.alerts, config.sampling.max_tokens))
     finally:
         if state.engine is not None:
             state.engine.close()
-    return history, started
+    return history, resumed, started
 
 
 KIND = StageKind("online_dpo", OnlineDPOStageConfig, run, ("reward/mean", "rewards/margin", "tie_frac", "steps"),

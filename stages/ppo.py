@@ -121,6 +121,7 @@ from stages.rl_math import (
 )
 from stages.rollout.training import open_rollout_engine, rollout_backend, sync_policy
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
+from stages.training.resume import LoopState, train_loop
 
 SAMPLE_TABLE_ROWS = 16
 MAX_GRAD_NORM = 1.0
@@ -526,6 +527,25 @@ class PPORun:
         """The policy as the stage's ``checkpoint`` (and, with lora, ``adapter``) outputs."""
         return save_trained(self.policy, self.tokenizer, ctx)  # stages/models/lora.py
 
+    def resumable_state(self, generator: torch.Generator) -> tuple[dict, dict]:
+        """(tensors, JSON-able state) of everything the next step depends on besides the loop's own record
+        (stages/training/resume.py ``LoopCheckpoints``): both networks, both optimizers, the minibatch order's
+        generator and torch's RNG, the KL coefficient (adaptive control moves it), the reward error count."""
+        tensors = {"policy": self.policy.state_dict(), "critic": self.critic.state_dict(),
+                   "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+                   "generator": generator.get_state(), "torch_rng": torch.get_rng_state()}
+        return tensors, {"kl_beta": self.kl_control.value, "reward_errors": self.scorer.policy.state()}
+
+    def restore(self, generator: torch.Generator, tensors: dict, state: dict) -> None:
+        self.policy.load_state_dict(tensors["policy"])
+        self.critic.load_state_dict(tensors["critic"])
+        for optimizer, saved in zip(self.optimizers, tensors["optimizers"]):
+            optimizer.load_state_dict(saved)
+        generator.set_state(tensors["generator"])
+        torch.set_rng_state(tensors["torch_rng"])
+        self.kl_control.value = state["kl_beta"]
+        self.scorer.policy.restore(state["reward_errors"])
+
 
 def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     """Run PPO on ``inputs.policy`` against ``inputs.rewards``; save the policy."""
@@ -549,23 +569,19 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
                     "rollout_sequences": config.prompts_per_step * config.sampling.attempts,
                     **placement_params(run.reference, run.scorer.fns.values())})
 
-    history, metrics, started = [], {}, time.perf_counter()
-    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
+    started = time.perf_counter()
+    state = LoopState(save=lambda: run.resumable_state(generator),
+                      restore=lambda tensors, saved: run.restore(generator, tensors, saved),
+                      skip=lambda done: [next(batches) for _ in range(done)])
     try:
-        with ctx.progress(f"ppo: {config.max_steps} rollout batches", config.max_steps) as bar:
-            for step in range(1, config.max_steps + 1):
-                metrics, rows = run.step(step, next(batches), generator)
-                ctx.log_metrics(metrics, step=step)
-                watch.report(ctx, step, metrics)
-                history.append({"step": step, **metrics})
-                if step in (1, config.max_steps) or step % config.sample_every == 0:
-                    ctx.log_table(rows, f"samples/step_{step:05d}.json")
-                bar.advance()
+        history, resumed = train_loop(ctx, "ppo", config, lambda step: run.step(step, next(batches), generator), state,
+                                      SilentFailureWatch(config.alerts, config.sampling.max_tokens))
     finally:
         if run.engine is not None:
             run.engine.close()
 
     log_curves(ctx, history)
     outputs = run.save(ctx)
-    final = {**metrics, "steps": float(config.max_steps), "train_seconds": time.perf_counter() - started}
+    final = {**{k: v for k, v in history[-1].items() if k != "step"}, "steps": float(config.max_steps),
+             "resumed_from_step": float(resumed), "train_seconds": time.perf_counter() - started}
     return {**outputs, "metrics": final}

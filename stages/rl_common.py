@@ -57,7 +57,7 @@ def resolve_correction(config, backend: str) -> tuple[SamplerCorrection, str]:
     return SamplerCorrection(kind="none"), "auto: the training model samples"
 
 
-class RLCommon(ExecutionLimits):
+class RLCommon(ExecutionLimits, Resumable):
     """What every ``rl`` stage declares, whichever its algorithm: the two algorithms' configs
     (``GRPOStageConfig``, ``PPOStageConfig``) add their own fields, and ``RLStageConfig`` is
     their union, told apart by ``algorithm``."""
@@ -201,7 +201,7 @@ class RLCommon(ExecutionLimits):
         return list(self.rewards)
 
 
-class GRPOStageConfig(RLCommon, Resumable):
+class GRPOStageConfig(RLCommon):
     """``algorithm: grpo``: TRL's GRPOTrainer, advantages centred within each prompt's group (stages/grpo.py)."""
 
     algorithm: Literal["grpo"] = Field(description="grpo (TRL GRPOTrainer) or ppo (posttrain's, with a critic).")

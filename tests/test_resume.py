@@ -44,6 +44,38 @@ def stage(kind: str, home: Path, checkpoint: Path):
         data = materialize(ArithmeticData(generator="arithmetic", n=120, role="train"), Path("."), home / "data")
         config = sft.SFTStageConfig(kind="sft", data="train", batch_size=8, lr=5e-3, **every)
         return sft.run, config, StageInputs(model=checkpoint, datasets={"data": data})
+    if kind == "ppo":
+        from stages.ppo import train_ppo
+        from stages.rl_common import rl_stage_config
+
+        data = materialize(ArithmeticData(generator="arithmetic", n=40, role="train"), Path("."), home / "data")
+        config = rl_stage_config(kind="rl", algorithm="ppo", policy="base", data="train", rewards=["short"],
+                                 kl_beta=0.05, kl_target=0.5, kl_horizon=100, sampling={"attempts": 4, "max_tokens": 4},
+                                 prompts_per_step=2, ppo_epochs=2, minibatch_size=4, max_steps=STEPS,
+                                 save_steps=SAVE_EVERY, lr=1e-3, sample_every=4)
+        rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+        return train_ppo, config, StageInputs(policy=checkpoint, datasets={"train": data}, rewards=rewards)
+    if kind == "online_dpo":
+        from stages import online_dpo
+
+        data = materialize(ArithmeticData(generator="arithmetic", n=40, role="train"), Path("."), home / "data")
+        config = online_dpo.OnlineDPOStageConfig(
+            kind="online_dpo", model="base", data="train", rewards=["short"], prompts_per_step=2,
+            sampling={"attempts": 4, "max_tokens": 4}, max_steps=STEPS, save_steps=SAVE_EVERY, lr=1e-3, sample_every=4)
+        rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+        return online_dpo.run, config, StageInputs(model=checkpoint, datasets={"train": data}, rewards=rewards)
+    if kind == "grpo_agent":  # GRPO on an environment's episodes: the episode runner's seed counter resumes too
+        from stages import rl
+        from stages.rl_common import rl_stage_config
+
+        data = materialize(ArithmeticData(generator="arithmetic_calculator", n=20, role="train", ops=["*"],
+                                          min_operand=10, max_operand=99), Path("."), home / "data")
+        config = rl_stage_config(kind="rl", algorithm="grpo", policy="base", data="train",
+                                 rewards=["correct", "environment"], prompts_per_step=2, max_steps=STEPS,
+                                 save_steps=SAVE_EVERY, backend="hf", sampling={"attempts": 2, "max_tokens": 6},
+                                 environment={"fn": "calculator", "max_turns": 2, "max_episode_tokens": 12})
+        rewards = {"correct": RewardSpec(fn="exact_answer"), "environment": RewardSpec(fn="environment", weight=0.5)}
+        return rl.run, config, StageInputs(policy=checkpoint, datasets={"data": data}, rewards=rewards)
     if kind == "grpo":
         from stages import rl
         from stages.rl_common import rl_stage_config
@@ -104,12 +136,16 @@ def weights(checkpoint: str) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
-def resumed_step(resume_dir: Path) -> int:
-    from stages.training.resume import last_checkpoint
+def complete(folder: Path) -> bool:
+    """A checkpoint folder that is whole: a trainer's writes trainer_state.json last; posttrain's own loop (ppo)
+    renames the folder into place whole, stage_state.json in it."""
+    return (folder / "trainer_state.json").is_file() or (folder / "tensors.pt").is_file()
 
-    found = last_checkpoint(resume_dir)
-    assert found is not None, f"no complete checkpoint in {resume_dir}"
-    return int(found.rsplit("-", 1)[-1])
+
+def resumed_step(resume_dir: Path) -> int:
+    steps = [int(p.name.split("-")[1]) for p in resume_dir.glob("checkpoint-*") if complete(p)]
+    assert steps, f"no complete checkpoint in {resume_dir}"
+    return max(steps)
 
 
 def assert_same_stage(whole: tuple[dict, object], stopped_ctx, resumed: tuple[dict, object], k: int) -> None:
@@ -146,9 +182,8 @@ def interrupt_after(resume_dir: Path, step: int) -> threading.Thread:
     """A thread that sends this process SIGINT (what Ctrl-C sends) once the checkpoint of ``step`` is written."""
 
     def watch():
-        target = resume_dir / f"checkpoint-{step}" / "trainer_state.json"
         deadline = time.monotonic() + 300
-        while not target.exists() and time.monotonic() < deadline:
+        while not complete(resume_dir / f"checkpoint-{step}") and time.monotonic() < deadline:
             time.sleep(0.002)
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -157,7 +192,7 @@ def interrupt_after(resume_dir: Path, step: int) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("kind", ["sft", "reward_model", "dpo", "kto", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", "reward_model", "dpo", "kto", "grpo", "grpo_agent", "ppo", "online_dpo"])
 def test_a_stage_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(kind, tiny_checkpoint, home):
     whole = run_stage(kind, home, tiny_checkpoint, "whole", home / "resume-whole")
 
@@ -184,7 +219,7 @@ run_stage({kind!r}, Path({home!r}), Path({checkpoint!r}), "killed", Path({resume
 """
 
 
-@pytest.mark.parametrize("kind", ["sft", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", "grpo", "ppo"])
 def test_a_stage_killed_with_sigkill_resumes_from_its_periodic_checkpoint(kind, tiny_checkpoint, home):
     """kill -9 of the stage's process group: nothing is saved at the kill; the next execution resumes from
     the last periodic checkpoint and still ends with the uninterrupted stage's weights and metrics."""
@@ -193,9 +228,8 @@ def test_a_stage_killed_with_sigkill_resumes_from_its_periodic_checkpoint(kind, 
                            checkpoint=str(tiny_checkpoint), resume_dir=str(resume_dir))
     process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    target = resume_dir / f"checkpoint-{SAVE_EVERY}" / "trainer_state.json"
     deadline = time.monotonic() + 300
-    while not target.exists():
+    while not complete(resume_dir / f"checkpoint-{SAVE_EVERY}"):
         assert process.poll() is None, process.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline, "no periodic checkpoint within 300 s"
         time.sleep(0.002)

@@ -56,6 +56,13 @@ class RewardErrorPolicy:
             "reward_errors: score to score such completions 0 and go on")
 
 
+    def state(self) -> dict:
+        """The counts a resumed stage carries on from (stages/training/resume.py)."""
+        return {"count": self.count, "shown": self.shown}
+
+    def restore(self, saved: dict) -> None:
+        self.count, self.shown = saved["count"], saved["shown"]
+
     def _show(self, errors: list[tuple[str, str, str]]) -> None:
         """Each error counted and carried on (a judge's unreadable reply, a reward's exception) goes to the
         stage's log with its completion, the first SHOWN_ERRORS of the stage; the rest are counted only."""

@@ -85,6 +85,13 @@ class SilentFailureWatch:
         self.messages += new
         return new
 
+    def state(self) -> dict:
+        """What a resumed stage needs to keep watching where it stopped (stages/training/resume.py)."""
+        return {"streaks": self.streaks, "raised": self.raised, "messages": self.messages}
+
+    def restore(self, saved: dict) -> None:
+        self.streaks, self.raised, self.messages = dict(saved["streaks"]), list(saved["raised"]), list(saved["messages"])
+
     def report(self, ctx, step: int, metrics: dict[str, float]) -> None:
         """``observe``, and tell ``ctx`` of new alerts: the run's ``posttrain.alert`` tag holds every alert so
         far, one per line (the orchestrator shows it on the stage's line and in the summary)."""

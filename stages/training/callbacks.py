@@ -6,11 +6,6 @@ progress bar; every logged value goes to the stage's MLflow run under our metric
 
 from __future__ import annotations
 
-import signal
-import sys
-import threading
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable
 
 
@@ -148,64 +143,3 @@ def quiet_trainer(trainer) -> None:
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-
-
-@contextmanager
-def stop_gracefully(trainer, ctx, resumable: bool = True):
-    """Stop ``trainer.train()`` between optimizer steps (with a resumable checkpoint saved when
-    ``resumable``, i.e. the trainer writes to the stage's resume dir):
-    on Ctrl-C (then raise KeyboardInterrupt; a second Ctrl-C interrupts at once) and at the
-    stage's deadline (then raise StageTimeLimit, saying how far it got).
-
-    Signal handlers can only be set from the main thread; elsewhere Ctrl-C interrupts at
-    once and the last periodic checkpoint is what a later run resumes from.
-    """
-    import time
-
-    from transformers import TrainerCallback
-
-    from stages.context import StageTimeLimit
-    from stages.training.data_parallel import agreed_flags
-
-    deadline = getattr(ctx, "deadline", None)
-
-    class StopRequest(TrainerCallback):
-        interrupted = False
-        timed_out = False
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if deadline is not None and time.monotonic() >= deadline:
-                self.timed_out = True
-            self.interrupted, self.timed_out = agreed_flags(self.interrupted, self.timed_out)
-            if self.interrupted or self.timed_out:
-                control.should_save = resumable
-                control.should_training_stop = True
-            return control
-
-    request = StopRequest()
-    trainer.add_callback(request)
-
-    def handler(signum, frame):
-        if request.interrupted:
-            raise KeyboardInterrupt
-        request.interrupted = True
-        print("\ninterrupted: stopping after this optimizer step" + (" and saving a checkpoint" if resumable else "")
-              + " (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
-
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, handler) if main else None
-    try:
-        yield
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
-        trainer.remove_callback(request)
-    if request.interrupted:
-        raise KeyboardInterrupt
-    if request.timed_out:
-        state = trainer.state
-        kept = ("; a resumable checkpoint was saved and the next run of this stage resumes from it"
-                if resumable else "")
-        raise StageTimeLimit(f"time limit reached after {state.global_step} of {state.max_steps} optimizer steps"
-                             + kept)
-

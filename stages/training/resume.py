@@ -1,4 +1,4 @@
-"""A trainer-backed stage that stops (Ctrl-C, kill -9, its time limit) continues where it stopped.
+"""A training stage that stops (Ctrl-C, kill -9, its time limit) continues where it stopped.
 
 Every ``save_steps`` optimizer steps, and when it is stopped gracefully, a stage writes a
 checkpoint of everything its next step depends on into the stage's resume dir (kept until
@@ -13,19 +13,27 @@ and metrics as an execution never stopped (tests/test_resume.py).
 
 A checkpoint is complete once the trainer's ``trainer_state.json`` is written, which it
 writes last; the stage's state is written into the checkpoint's folder before the trainer
-writes its own files, so a complete checkpoint always has it.
+writes its own files, so a complete checkpoint always has it. Stages that run their own loop
+(PPO, online DPO) use ``train_loop`` and ``LoopCheckpoints`` instead: the same promise, with
+the weights, optimizer and RNG states they hand over.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pydantic import Field
 
-from stages.context import RESUMED_TAG
+from stages.context import RESUMED_TAG, StageTimeLimit
 from stages.spec_model import SpecModel
 
 STATE_FILE = "stage_state.json"
@@ -86,8 +94,6 @@ def train_resumably(trainer, ctx, state: StageState | None = None) -> tuple[Any,
     the mean over every step since the stage began (not only those of this execution), and the step it
     resumed from (0: from the start). The trainer's ``output_dir`` must be ``ctx.resume_dir``
     (``resumable_arguments``)."""
-    from stages.training.callbacks import stop_gracefully
-
     state = state or StageState()
     resume_from = last_checkpoint(ctx.resume_dir)
     saved = _read_state(resume_from) if resume_from else {}
@@ -95,9 +101,7 @@ def train_resumably(trainer, ctx, state: StageState | None = None) -> tuple[Any,
         state.restore(saved.get("stage", {}))
         for name, value in saved.get("counters", {}).items():
             setattr(trainer, name, value)
-        ctx.log_params({"resumed_from": resume_from})
-        ctx.set_tags({RESUMED_TAG: json.dumps({"step": saved["step"], "run": saved.get("run"),
-                                               "checkpoint": resume_from})})
+        announce_resume(ctx, saved["step"], saved.get("run"), resume_from)
     with stop_gracefully(trainer, ctx):
         trainer.add_callback(_state_writer(trainer, state, saved.get("loss_sum", 0.0), getattr(ctx, "run_id", None)))
         result = trainer.train(resume_from_checkpoint=resume_from)
@@ -143,3 +147,181 @@ def _state_writer(trainer, state: StageState, loss_sum_before: float, run_id: st
             return control
 
     return StateWriter()
+
+
+class StopRequest:
+    """Ctrl-C and the stage's time limit as a request to stop after the step in progress: ``due()`` after each
+    step says whether to stop there (every process agrees), ``stop(done, total)`` then raises what stops the
+    stage (KeyboardInterrupt, or StageTimeLimit saying how far it got)."""
+
+    def __init__(self, ctx):
+        self.deadline = getattr(ctx, "deadline", None)
+        self.interrupted = self.timed_out = False
+
+    def due(self) -> bool:
+        from stages.training.data_parallel import agreed_flags
+
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.timed_out = True
+        self.interrupted, self.timed_out = agreed_flags(self.interrupted, self.timed_out)
+        return self.interrupted or self.timed_out
+
+    def stop(self, done: int, total: int) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
+        if self.timed_out:
+            raise StageTimeLimit(f"time limit reached after {done} of {total} optimizer steps; a resumable "
+                                 "checkpoint was saved and the next run of this stage resumes from it")
+
+
+@contextmanager
+def stop_requests(ctx) -> Iterator[StopRequest]:
+    """A ``StopRequest`` for the block: the first Ctrl-C asks to stop after the step in progress, a second
+    one interrupts at once. Signal handlers can only be set from the main thread; elsewhere Ctrl-C
+    interrupts at once and the last periodic checkpoint is what a later run resumes from."""
+    request = StopRequest(ctx)
+
+    def handler(signum, frame):
+        if request.interrupted:
+            raise KeyboardInterrupt
+        request.interrupted = True
+        print("\ninterrupted: stopping after this optimizer step and saving a checkpoint "
+              "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, handler) if main else None
+    try:
+        yield request
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def stop_gracefully(trainer, ctx):
+    """Stop ``trainer.train()`` between optimizer steps with a resumable checkpoint (the trainer writes to
+    the stage's resume dir): on Ctrl-C (then raise KeyboardInterrupt) and at the stage's deadline (then
+    raise StageTimeLimit, saying how far it got)."""
+    from transformers import TrainerCallback
+
+    with stop_requests(ctx) as request:
+        class StopAtRequest(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if request.due():
+                    control.should_save = control.should_training_stop = True
+                return control
+
+        callback = StopAtRequest()
+        trainer.add_callback(callback)
+        try:
+            yield
+        finally:
+            trainer.remove_callback(callback)
+    if request.interrupted or request.timed_out:
+        request.stop(trainer.state.global_step, trainer.state.max_steps)
+
+
+class LoopCheckpoints:
+    """Resumable checkpoints of a training loop posttrain writes itself (PPO): ``checkpoint-N/`` in the
+    stage's resume dir holding ``tensors.pt`` (weights, optimizer states, RNG states: whatever the loop
+    hands over) and ``stage_state.json`` (JSON-able state, and the run that wrote it). A checkpoint is
+    written to a temporary folder and renamed into place whole, then the older one goes, so a kill at any
+    moment leaves the last complete checkpoint readable. Written by one process (rank 0)."""
+
+    def __init__(self, ctx, save_steps: int | None):
+        self.dir, self.save_steps, self.run_id = Path(ctx.resume_dir), save_steps, getattr(ctx, "run_id", None)
+
+    def latest(self) -> tuple[int, dict, dict] | None:
+        """(step, tensors, state) of the newest complete checkpoint, or None."""
+        import torch
+
+        found = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in self.dir.glob("checkpoint-*")
+                       if p.name.rsplit("-", 1)[1].isdigit() and (p / STATE_FILE).is_file())
+        if not found:
+            return None
+        step, folder = found[-1]
+        saved = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+        return step, torch.load(folder / "tensors.pt", weights_only=False), saved
+
+    def due(self, step: int, stopping: bool, last: bool) -> bool:
+        """Whether to write a checkpoint after ``step``: every ``save_steps``, and when the stage is stopping,
+        never after the last step (a finished stage is published, not resumed)."""
+        return not last and (stopping or bool(self.save_steps and step % self.save_steps == 0))
+
+    def save(self, step: int, tensors: dict, state: dict) -> None:
+        import torch
+
+        from stages.training.data_parallel import rank
+
+        if rank() != 0:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        partial = self.dir / f".checkpoint-{step}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        torch.save(tensors, partial / "tensors.pt")
+        (partial / STATE_FILE).write_text(json.dumps({"step": step, "run": self.run_id, "stage": state}),
+                                          encoding="utf-8")
+        final = self.dir / f"checkpoint-{step}"
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        for older in self.dir.glob("checkpoint-*"):
+            if older != final:
+                shutil.rmtree(older, ignore_errors=True)
+
+    def resumed(self, ctx, step: int, saved: dict) -> None:
+        announce_resume(ctx, step, saved.get("run"), str(self.dir / f"checkpoint-{step}"))
+
+
+def announce_resume(ctx, step: int, run: str | None, checkpoint: str) -> None:
+    """Say on the stage's run that it resumed from ``step`` of ``run``: the ``resumed_from`` param (the
+    checkpoint) and the ``posttrain.resumed_from`` tag, which the orchestrator's summary reads."""
+    ctx.log_params({"resumed_from": checkpoint})
+    ctx.set_tags({RESUMED_TAG: json.dumps({"step": step, "run": run, "checkpoint": checkpoint})})
+
+
+class LoopState:
+    """What a stage's own loop (PPO, online DPO) hands to its checkpoints: ``save()`` gives (tensors,
+    JSON-able state) of everything the next step depends on besides the loop's record, ``restore(tensors,
+    state)`` puts it back, ``skip(n)`` moves the prompt batches past the ``n`` steps already done."""
+
+    def __init__(self, save: Callable[[], tuple[dict, dict]], restore: Callable[[dict, dict], None],
+                 skip: Callable[[int], None]):
+        self.save, self.restore, self.skip = save, restore, skip
+
+
+def train_loop(ctx, name: str, config, step: Callable[[int], tuple[dict[str, float], list[dict]]],
+               state: LoopState, watch) -> tuple[list[dict], int]:
+    """Steps 1..``config.max_steps`` of a stage's own loop, resumable: each step's metrics logged at its
+    step and kept for the curves, the silent-failure ``watch`` told, a sample table every
+    ``config.sample_every`` steps (and at the first and last), a checkpoint every ``config.save_steps`` and
+    on Ctrl-C or at the time limit (then the stage stops: KeyboardInterrupt, StageTimeLimit). An earlier
+    execution's newest checkpoint is resumed first. Returns (the record of every step, the step it resumed
+    from: 0 when it started afresh)."""
+    checkpoints, history, done = LoopCheckpoints(ctx, config.save_steps), [], 0
+    found = checkpoints.latest()
+    if found is not None:
+        done, tensors, saved = found
+        state.restore(tensors, saved["stage"])
+        history[:] = saved["stage"]["history"]
+        watch.restore(saved["stage"]["watch"])
+        state.skip(done)
+        checkpoints.resumed(ctx, done, saved)
+    last = config.max_steps
+    with stop_requests(ctx) as request, ctx.progress(f"{name}: {last} steps", last) as bar:
+        bar.advance(done)
+        for number in range(done + 1, last + 1):
+            metrics, rows = step(number)
+            ctx.log_metrics(metrics, step=number)
+            watch.report(ctx, number, metrics)
+            history.append({"step": number, **metrics})
+            if rows and (number in (1, last) or number % config.sample_every == 0):
+                ctx.log_table(rows, f"samples/step_{number:05d}.json")
+            bar.advance()
+            stopping = request.due()
+            if checkpoints.due(number, stopping, last=number == last):
+                tensors, saved = state.save()
+                checkpoints.save(number, tensors, {**saved, "history": history, "watch": watch.state()})
+            if stopping:
+                request.stop(number, last)
+    return history, done
