@@ -34,9 +34,11 @@ def check_rewards_command(loaded, only: list[str], console) -> int:
         expected = ", ".join(part for part in (
             f">= {r.case.min:g}" if r.case.min is not None else "",
             f"<= {r.case.max:g}" if r.case.max is not None else "",
-            f"parsed={r.case.parsed}" if r.case.parsed is not None else "") if part)
+            f"parsed={r.case.parsed}" if r.case.parsed is not None else "",
+            f"steps {_scores(r.case.steps)}" if r.case.steps is not None else "") if part)
         verdict = "ok" if not r.violations else "VIOLATION: " + "; ".join(r.violations)
-        table.add_row(r.reward, r.case.case, r.completion_repr, str(r.case.answer), f"{r.score:g}", str(r.parsed),
+        score = f"{r.score:g}" + (f" steps {_scores(r.steps)}" if r.steps is not None else "")  # a process reward's
+        table.add_row(r.reward, r.case.case, r.completion_repr, str(r.case.answer), score, str(r.parsed),
                       expected, verdict, style="red" if r.violations else None)
     console.print(table)
     bad = sum(1 for r in results if r.violations)
@@ -91,3 +93,7 @@ def _bound_judges(loaded, judges: dict) -> dict:
     inputs = StageInputs(trust_remote_code=bool(getattr(spec.model, "trust_remote_code", False)),
                          judge_cache=home / "cache" / "judge", scorer_checkpoints=scorers)
     return bind_reward_models(judges, inputs)
+
+
+def _scores(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:g}" for v in values) + "]"

@@ -38,6 +38,7 @@ from stages.rollout.environments import EnvironmentSpec
 from stages.rollout.generation import BackendName, EngineSettings, SamplingSettings, open_backend
 from stages.rewards.registry import RewardSpec, reward_columns
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
+from stages.rewards.steps import process_metrics
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
 
@@ -197,6 +198,7 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
         parsed = [p or e.budget_hit for p, e in zip(parsed, episodes)]
 
     metrics = summarise(samples, correct, scored, parsed, k, config.pass_k)
+    metrics.update(process_metrics(scored.components, correct))  # process rewards: answers through wrong steps
     if episodes is not None:
         metrics.update(episode_metrics(episodes, config.environment))
     picks = None

@@ -288,11 +288,12 @@ class Targets:
 
 
 @torch.no_grad()
-def compute_targets(policy, reference, critic, rollout: Rollout, scores_B: torch.Tensor, beta: float,
+def compute_targets(policy, reference, critic, rollout: Rollout, scores: torch.Tensor, beta: float,
                     config: RLStageConfig) -> Targets:
     """Old log-probs and entropy of the rollout-time policy (full tempered distribution), per-token
-    reward = -beta * k1 (+ the score at the last action), then GAE and whitening, all over the actions
-    (``mask_B_T``): an episode's observation tokens get none of them."""
+    reward = -beta * k1 + the scores, then GAE and whitening, all over the actions (``mask_B_T``): an
+    episode's observation tokens get none of them. ``scores``: one per completion (B, placed at its last
+    action), or already placed on the tokens (B x T, ``placed_scores``: a process reward's steps)."""
     everything = slice(None)
     mask = rollout.mask_B_T
     policy_logits = completion_logits(policy, rollout, everything, config.sampling.temperature)
@@ -304,12 +305,46 @@ def compute_targets(policy, reference, critic, rollout: Rollout, scores_B: torch
     values = completion_values(critic, rollout, everything) * mask
     k1, _, k3 = kl_estimators(old_logprobs, ref_logprobs)
     rewards = -beta * k1 * mask
-    last_B = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # the last action (an episode's answer turn ends in one)
-    rewards[torch.arange(len(last_B)), last_B] += scores_B.to(rewards)
+    if scores.dim() == 2:
+        rewards += scores.to(rewards) * mask
+    else:
+        rewards[torch.arange(len(scores)), last_actions(mask)] += scores.to(rewards)
     advantages, returns = gae(rewards, values, mask, config.gamma, config.lam)
     if config.whiten_advantages:
         advantages = masked_whiten(advantages, mask) if world_size() == 1 else whiten_over_processes(advantages, mask)
     return Targets(old_logprobs * mask, values, advantages, returns, k1 * mask, k3 * mask, entropy * mask)
+
+
+def last_actions(mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Each row's last action (an episode's answer turn ends in one)."""
+    return mask_B_T.shape[1] - 1 - mask_B_T.flip(-1).argmax(-1)
+
+
+def placed_scores(rollout: Rollout, scored: ScoredBatch, tokenizer, process_weight: float) -> torch.Tensor:
+    """B x T: each completion's reward on its tokens. A process reward (one that scored the completion's
+    steps, stages/rewards/steps.py) puts ``process_weight`` x its weight x each step's score at the step's
+    last token, and (1 - ``process_weight``) x its weight x its completion score at the last action; every
+    other reward's weighted score goes to the last action. A step's last token is the first whose decoded
+    prefix reaches the step's last character."""
+    mask = rollout.mask_B_T
+    placed = torch.zeros(mask.shape, dtype=torch.float32)
+    last = last_actions(mask).tolist()
+    process = [c for c in scored.components if c.steps is not None] if process_weight else []
+    for row, sample in enumerate(rollout.samples):
+        outcome = scored.total[row]
+        ends = decoded_ends(tokenizer, sample.token_ids) if process else []
+        for component in process:
+            outcome -= process_weight * component.weight * component.scores[row]
+            for step in component.steps[row]:
+                token = next((i for i, end in enumerate(ends) if end >= step.end), last[row])
+                placed[row, min(token, last[row])] += process_weight * component.weight * step.score
+        placed[row, last[row]] += outcome
+    return placed
+
+
+def decoded_ends(tokenizer, token_ids: list[int]) -> list[int]:
+    """For each token, the length of the text decoded up to and including it (as samples are decoded)."""
+    return [len(tokenizer.decode(token_ids[:i + 1], skip_special_tokens=True)) for i in range(len(token_ids))]
 
 
 def whiten_over_processes(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -499,8 +534,13 @@ class PPORun:
         scored = self.score(texts, columns, episodes)
 
         beta = self.kl_control.value
-        targets = compute_targets(self.policy, self.reference, self.critic, rollout, torch.tensor(scored.total),
-                                  beta, config)
+        if config.process_weight and not any(c.steps is not None for c in scored.components):
+            raise RuntimeError(f"process_weight is {config.process_weight} but none of the stage's rewards "
+                               f"({', '.join(self.scorer.specs)}) scored steps: use a process reward (e.g. "
+                               "chain_steps) or remove process_weight")
+        scores = (placed_scores(rollout, scored, self.tokenizer, config.process_weight) if config.process_weight
+                  else torch.tensor(scored.total))
+        targets = compute_targets(self.policy, self.reference, self.critic, rollout, scores, beta, config)
         # the sampler's recorded log-probs against the trainer's (stages/rl_math.py sampler_correction)
         weights, correction = sampler_correction(targets.old_logprobs, rollout.sample_logprobs_B_T, rollout.mask_B_T,
                                                  self.correction.kind, self.correction.cap)

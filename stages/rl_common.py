@@ -157,7 +157,8 @@ class RLCommon(ExecutionLimits, Resumable):
                  for name in config.model_fields if name in data and name not in own}
         if wrong:
             raise ValueError("; ".join(f"{name} only applies to algorithm {algorithm}" for name, algorithm in wrong.items())
-                             + f", not {data.get('algorithm')}")
+                             + f", not {data.get('algorithm')}" + "".join(
+                                 f" ({WHY_NOT_ELSEWHERE[name]})" for name in wrong if name in WHY_NOT_ELSEWHERE))
         return data
 
     @model_validator(mode="after")
@@ -269,6 +270,13 @@ class PPOStageConfig(RLCommon):
     critic: str | None = Field(
         None, description="PPO: a `reward_model` stage whose checkpoint (backbone and score head) initialises "
         "the critic; default the policy's backbone with a zero value head.")
+    process_weight: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="PPO: dense credit from process rewards (rewards that score a completion's steps, e.g. "
+        "chain_steps): each step's score, times the reward's weight and this, is placed at the step's last token, "
+        "and the reward's completion score at the last token only (1 - this) of its weight; GAE carries step "
+        "scores back. 0: every reward at the last token (outcome only). Not with `environment` (an episode's "
+        "answer is scored, not its transcript).")
 
     # references that must name a reward_model stage (the spec checks the kind)
     reward_model_references: ClassVar[tuple[str, ...]] = ("critic",)
@@ -290,8 +298,21 @@ class PPOStageConfig(RLCommon):
             refs["critic"] = self.critic
         return refs
 
+    @model_validator(mode="after")
+    def _ppo_rules(self):
+        if self.process_weight and self.environment is not None:
+            raise ValueError("process_weight places step scores on the completion's tokens; with `environment` the "
+                             "reward scores an episode's final answer, not its transcript: remove one of them")
+        return self
+
 
 RL_ALGORITHMS: dict[str, type[RLCommon]] = {"grpo": GRPOStageConfig, "ppo": PPOStageConfig}
+# why a field of one algorithm has no meaning in the other, said when a stage declares it there
+WHY_NOT_ELSEWHERE = {
+    "process_weight": "dense credit needs a critic: GRPO's advantage is one number per completion, its reward "
+                      "centred in its prompt's group, and TRL's trainer has no value function to carry a step's "
+                      "score back to the tokens before it; in a grpo stage a process reward counts as its "
+                      "completion score (e.g. chain_steps: the share of steps right), or use algorithm ppo"}
 
 
 def _algorithm(value) -> str | None:

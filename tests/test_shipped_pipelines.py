@@ -2,7 +2,7 @@
 stages, in this process without Prefect), and shows what it is for at that scale.
 
 Run elsewhere: quickstart.yaml (tests/test_pipeline.py, tests/test_run_output.py), rlhf.yaml and dpo.yaml
-(tests/test_rlhf_pipeline.py). Here: ppo, iterate, agent, agent-ppo, judge and smollm2-reasoning;
+(tests/test_rlhf_pipeline.py). Here: ppo, iterate, agent, agent-ppo, judge, smollm2-reasoning and process;
 ``test_every_shipped_pipeline_is_run_by_a_test`` keeps the list whole.
 """
 
@@ -23,7 +23,7 @@ TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "mode
 EVAL = ["sampling.attempts=2", "sampling.max_tokens=4", "max_prompts=6"]
 RUN_ELSEWHERE = {"quickstart": "tests/test_pipeline.py", "rlhf": "tests/test_rlhf_pipeline.py",
                  "dpo": "tests/test_rlhf_pipeline.py"}
-RUN_HERE = ("ppo", "iterate", "agent", "agent-ppo", "judge", "smollm2-reasoning")
+RUN_HERE = ("ppo", "iterate", "agent", "agent-ppo", "judge", "smollm2-reasoning", "process")
 
 
 def stage_overrides(stages: dict[str, list[str]]) -> list[str]:
@@ -80,6 +80,19 @@ def test_ppo_pipeline_trains_a_critic_and_evaluates_the_policy(run):
     assert {"value_loss", "policy_loss", "kl", "reward/mean", "reward/correct/unparsed_frac"} <= set(metrics)
     upstream = json.loads(client.get_run(rows["eval_ppo"].run_id).data.tags["posttrain.upstream"])
     assert upstream == {"ppo": rows["ppo"].run_id}
+
+
+def test_process_pipeline_trains_ppo_on_step_scores_beside_ppo_on_the_outcome(run):
+    rows, client = run("process", TINY + ["data.train.n=200", "data.heldout.n=8"] + stage_overrides({
+        "sft": ["max_steps=10"], "eval_sft": EVAL, "eval_ppo_outcome": EVAL, "eval_ppo_process": EVAL,
+        **{arm: ["max_steps=2", "prompts_per_step=4", "minibatch_size=8"] for arm in ("ppo_outcome", "ppo_process")}}))
+    assert list(rows) == ["sft", "eval_sft", "ppo_outcome", "ppo_process", "eval_ppo_outcome", "eval_ppo_process"]
+    process = client.get_run(rows["ppo_process"].run_id).data
+    assert process.params["process_weight"] == "1.0" and "reward/steps/mean" in process.metrics
+    assert "reward/steps/mean" not in client.get_run(rows["ppo_outcome"].run_id).data.metrics
+    for arm in ("eval_sft", "eval_ppo_outcome", "eval_ppo_process"):  # both arms at the same evaluation settings
+        metrics = client.get_run(rows[arm].run_id).data.metrics
+        assert {"pass_at_1", "steps/steps/all_right_rate", "steps/steps/correct_with_wrong_step_frac"} <= set(metrics)
 
 
 def test_iterate_pipeline_trains_round_two_on_round_ones_probe_failures(run):

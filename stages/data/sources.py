@@ -55,6 +55,8 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 
 
 def generate_arithmetic(spec: ArithmeticData) -> list[dict]:
+    if spec.generator == "arithmetic_chain":
+        return generate_chains(spec)
     rng = random.Random(spec.seed)
     records = []
     for _ in range(spec.n):
@@ -72,6 +74,34 @@ def generate_arithmetic(spec: ArithmeticData) -> list[dict]:
         else:
             turns = []
         records.append({"messages": [question, *turns, {"role": "assistant", "content": str(shown)}],
+                        "answer": str(answer)})
+    return records
+
+
+def generate_chains(spec: ArithmeticData) -> list[dict]:
+    """Chains of ``spec.terms`` numbers to compute step by step, demonstrated as running results ("12+5=17,
+    17+8=25, 25-3=22"). An imperfect demonstrator (``demo_error_rate``) writes one step's result off by 1 or 2;
+    half the time the next step carries on from the wrong value (the final answer is wrong), half the time
+    from the right one (a slip: the final answer is right, reached through a wrong step)."""
+    rng = random.Random(spec.seed)
+    records = []
+    for _ in range(spec.n):
+        numbers = [rng.randint(spec.min_operand, spec.max_operand) for _ in range(spec.terms)]
+        ops = [rng.choice(spec.ops) for _ in range(spec.terms - 1)]
+        wrong_at, carry_wrong, slip = None, False, 0
+        if rng.random() < spec.demo_error_rate:
+            wrong_at, carry_wrong, slip = rng.randrange(len(ops)), rng.random() < 0.5, rng.choice([-2, -1, 1, 2])
+        running, answer, steps = numbers[0], numbers[0], []
+        for i, (op, b) in enumerate(zip(ops, numbers[1:])):
+            result = _OPS[op](running, b)
+            answer = _OPS[op](answer, b)
+            written = result + slip if i == wrong_at else result
+            steps.append(f"{running}{op}{b}={written}")
+            running = written if carry_wrong else result
+        chain = str(numbers[0]) + "".join(f"{op}{b}" for op, b in zip(ops, numbers[1:]))
+        question = {"role": "user", "content": f"Compute {chain} step by step, writing each running result "
+                                               "(a+b=c), separated by commas."}
+        records.append({"messages": [question, {"role": "assistant", "content": ", ".join(steps)}],
                         "answer": str(answer)})
     return records
 

@@ -32,10 +32,13 @@ class ArithmeticData(SpecModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    generator: Literal["arithmetic", "arithmetic_calculator"] = Field(
+    generator: Literal["arithmetic", "arithmetic_calculator", "arithmetic_chain"] = Field(
         description="Built-in generator of arithmetic questions: `arithmetic` demonstrates the answer alone; "
         "`arithmetic_calculator` demonstrates an agent's episode: a call of the `calculator` environment's tool, "
-        "its result, then the answer (demo_error_rate then miscopies the result).")
+        "its result, then the answer (demo_error_rate then miscopies the result); `arithmetic_chain` asks for a "
+        "chain of `terms` numbers computed step by step and demonstrates running results (\"12+5=17, 17+8=25\"), "
+        "which the chain_steps process reward checks step by step (demo_error_rate then writes one step wrong: "
+        "half the time the next step carries on from the right value, so the final answer is still right).")
     role: Role = Field(description=ROLE_HELP)
     n: int = Field(ge=1, le=1_000_000, description="Number of examples.")
     seed: int = Field(0, description="Seed of the generator; different seeds draw different samples.")
@@ -49,6 +52,7 @@ class ArithmeticData(SpecModel):
         description="Share of demonstrations whose assistant answer is wrong (an imperfect "
         "demonstrator); the reference `answer` stays correct.",
     )
+    terms: int = Field(3, ge=2, le=12, description="generator arithmetic_chain: numbers in each chain.")
 
     @model_validator(mode="after")
     def _operand_range(self):
@@ -56,6 +60,8 @@ class ArithmeticData(SpecModel):
             raise ValueError(
                 f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})"
             )
+        if "terms" in self.model_fields_set and self.generator != "arithmetic_chain":
+            raise ValueError(f"terms only applies to generator arithmetic_chain, not {self.generator}")
         return self
 
 

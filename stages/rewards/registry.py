@@ -143,6 +143,8 @@ class RewardOutput:
     scores: list[float]
     parsed: list[bool]
     errors: list[tuple[int, str]] = field(default_factory=list)  # (index, why): counted, the score is not one
+    # a process reward's scored steps, per completion (stages/rewards/steps.py StepScore: span and score)
+    steps: list[list] | None = None
 
 
 class RewardError(ValueError):
@@ -241,6 +243,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     REASONING_GYM_FN: _lazy("stages.data.reasoning_gym:reasoning_gym_answer"),
     "regex_format": regex_format,
     "length_penalty": length_penalty,
+    "chain_steps": _lazy("stages.rewards.steps:chain_steps"),
 }
 
 
@@ -323,6 +326,7 @@ class ComponentScores:
     scores: list[float]
     parsed: list[bool]
     errors: list[tuple[int, str]] = field(default_factory=list)
+    steps: list[list] | None = None  # a process reward's StepScores per completion ([] where it raised)
 
 
 @dataclass
@@ -354,7 +358,25 @@ def _normalise_output(name: str, result: Any, expected: int) -> RewardOutput:
     bad = [index for index, _ in output.errors if not 0 <= index < expected]
     if bad:
         raise RewardError(f"reward {name!r} reported errors at indices {bad} of {expected} completions")
-    return RewardOutput(scores, output.parsed, list(output.errors))
+    return RewardOutput(scores, output.parsed, list(output.errors), _checked_steps(name, output.steps, expected))
+
+
+def _checked_steps(name: str, steps, expected: int) -> list[list] | None:
+    """A process reward's steps: one list per completion of StepScores (stages/rewards/steps.py: spans within
+    the completion, in order, not overlapping; finite scores), else a RewardError saying what is wrong."""
+    if steps is None:
+        return None
+    steps = list(steps)
+    if len(steps) != expected:
+        raise RewardError(f"reward {name!r} returned steps for {len(steps)} completions, not {expected}")
+    for index, scored in enumerate(steps):
+        end = 0
+        for step in scored:
+            if not _is_step(step) or not (end <= step.start <= step.end) or not math.isfinite(step.score):
+                raise RewardError(f"reward {name!r}: completion {index}'s steps must be StepScore(start, end, score) "
+                                  f"in order, not overlapping, with finite scores; got {step!r}")
+            end = step.end
+    return [list(scored) for scored in steps]
 
 
 def score_component(name: str, spec: RewardSpec, completions: list[str], columns: dict[str, list],
@@ -376,14 +398,15 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
             return fn(texts, **cols, **spec.kwargs)
 
         chunk = max(len(completions), 1)
-    scores, parsed, errors = [], [], []
+    scores, parsed, errors, steps = [], [], [], []
     for start in range(0, len(completions), chunk):
         part = slice(start, start + chunk)
         output = _score_chunk(name, call, completions[part], {key: values[part] for key, values in columns.items()})
         scores += output.scores
         parsed += output.parsed
         errors += [(start + index, message) for index, message in output.errors]
-    return ComponentScores(name, spec.weight, scores, parsed, errors)
+        steps += output.steps if output.steps is not None else [None] * len(output.scores)
+    return ComponentScores(name, spec.weight, scores, parsed, errors, _process_steps(steps))
 
 
 def _bounded_call(spec: RewardSpec) -> Callable[[list[str], dict[str, list]], Any]:
@@ -422,7 +445,7 @@ def _score_chunk(name: str, call, completions: list[str], columns: dict[str, lis
     except Exception as error:
         if len(completions) == 1:  # nothing to isolate: this completion is the culprit
             return RewardOutput([0.0], [False], [(0, _describe(error))])
-    scores, parsed, errors = [], [], []
+    scores, parsed, errors, steps = [], [], [], []
     for i, text in enumerate(completions):
         single = {key: [values[i]] for key, values in columns.items()}
         try:
@@ -430,13 +453,26 @@ def _score_chunk(name: str, call, completions: list[str], columns: dict[str, lis
             scores.append(output.scores[0])
             parsed.append(output.parsed[0])
             errors += [(i, message) for _, message in output.errors]
+            steps.append(output.steps[0] if output.steps is not None else None)
         except RewardError:
             raise
         except Exception as error:  # counted and reported, scored 0 and marked unparsed
             errors.append((i, _describe(error)))
             scores.append(0.0)
             parsed.append(False)
-    return RewardOutput(scores, parsed, errors)
+            steps.append(None)
+    return RewardOutput(scores, parsed, errors, _process_steps(steps))
+
+
+def _is_step(step) -> bool:
+    """A StepScore (stages/rewards/steps.py, which imports this module: told by its fields)."""
+    return all(isinstance(getattr(step, name, None), int) for name in ("start", "end")) and \
+        isinstance(getattr(step, "score", None), (int, float))
+
+
+def _process_steps(steps: list) -> list[list] | None:
+    """Per completion its steps ([] where the reward raised on it), or None: no completion has steps."""
+    return [s or [] for s in steps] if any(s is not None for s in steps) else None
 
 
 def reward_columns(records: list[dict], prompts: list, attempts: int) -> dict[str, list]:
@@ -481,14 +517,17 @@ class RewardCase(SpecModel):
     min: float | None = Field(None, description="The score must be at least this.")
     max: float | None = Field(None, description="The score must be at most this.")
     parsed: bool | None = Field(None, description="Whether the reward must report the completion as parsed.")
+    steps: list[float] | None = Field(
+        None, description="A process reward's step scores the completion must get, in order (e.g. [1, 0, 0] for a "
+        "right first step then two wrong ones: a shortcut to a right answer shows here, not in the final score).")
     task: dict[str, Any] | None = Field(
         None, description="For a reasoning_gym reward (required there): the entry the completion answers, as in a "
         "reasoning_gym dataset's records: {reasoning_gym: chain_sum, config: {...}, seed: 0, size: 10, index: 3, "
         "answer_format: answer_tags}; config, seed (0) and answer_format (answer_tags) may be left out.")
 
     def model_post_init(self, __context) -> None:
-        if self.min is None and self.max is None and self.parsed is None:
-            raise ValueError("a reward case needs an expectation: min, max and/or parsed")
+        if self.min is None and self.max is None and self.parsed is None and self.steps is None:
+            raise ValueError("a reward case needs an expectation: min, max, parsed and/or steps")
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
 
@@ -500,6 +539,7 @@ class CaseResult:
     score: float
     parsed: bool
     error: str | None
+    steps: list[float] | None = None  # a process reward's step scores
 
     @property
     def completion_repr(self) -> str:
@@ -516,6 +556,12 @@ class CaseResult:
             problems.append(f"score {self.score:g} > max {self.case.max:g}")
         if self.case.parsed is not None and self.parsed != self.case.parsed:
             problems.append(f"parsed={self.parsed}, expected {self.case.parsed}")
+        if self.case.steps is not None:
+            if self.steps is None:
+                problems.append("the reward scores no steps (not a process reward), but the case expects step scores")
+            elif len(self.steps) != len(self.case.steps) or any(
+                    abs(got - want) > 1e-9 for got, want in zip(self.steps, self.case.steps)):
+                problems.append(f"step scores {[round(s, 6) for s in self.steps]}, expected {self.case.steps}")
         return problems
 
 
@@ -528,4 +574,7 @@ def check_reward_cases(name: str, spec: RewardSpec, cases: list[RewardCase],
                              [[{"role": "user", "content": c.prompt or ""}] for c in cases], 1)
     scored = score_component(name, spec, completions, columns, fn)
     errors = dict(scored.errors)
-    return [CaseResult(name, case, scored.scores[i], scored.parsed[i], errors.get(i)) for i, case in enumerate(cases)]
+    steps = scored.steps or [None] * len(cases)
+    return [CaseResult(name, case, scored.scores[i], scored.parsed[i], errors.get(i),
+                       [s.score for s in steps[i]] if steps[i] is not None else None)
+            for i, case in enumerate(cases)]

@@ -1,0 +1,134 @@
+"""Process rewards: scores of a completion's steps, not only of its end.
+
+A process reward returns, beside the completion's score, the steps it scored: per completion a
+list of ``StepScore(start, end, score)``, the step's character span in the completion and its
+score (``RewardOutput.steps``, stages/rewards/registry.py). Steps are split by a declared rule
+(``split_steps``): ``lines`` (one step per non-empty line), ``delimiter`` (a string between
+steps, ``", "`` by default) or ``tags`` (each ``<step>...</step>``).
+
+``chain_steps`` is a verifiable process reward: chain arithmetic written as running results
+("12+5=17, 17+8=25, 25-3=22", the ``arithmetic_chain`` generator's format), each step checked by
+arithmetic against the chain in the prompt, so step labels come from a verifier, not from
+annotators. PPO places each step's score at the step's last token (stages/ppo.py
+``placed_scores``, ``process_weight``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+SplitRule = Literal["lines", "delimiter", "tags"]
+# one step of a chain: "a op b = c", integers; spaces allowed around each part
+STEP = re.compile(r"\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*(-?\d+)\s*")
+# the chain a prompt asks for: "12+5+8-3" (the first such expression of the user's message)
+CHAIN = re.compile(r"-?\d+(?:\s*[+\-*]\s*\d+)+")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_TAG = re.compile(r"<step>(.*?)</step>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class StepScore:
+    """One scored step: characters [start, end) of the completion, and its score."""
+
+    start: int
+    end: int
+    score: float
+
+
+def split_steps(text: str, split: SplitRule = "delimiter", delimiter: str = ",") -> list[tuple[int, int]]:
+    """The character spans [start, end) of ``text``'s steps, surrounding white space left out; empty
+    steps are dropped."""
+    if split == "tags":
+        raw = [(m.start(1), m.end(1)) for m in _TAG.finditer(text)]
+    else:
+        separator = "\n" if split == "lines" else delimiter
+        if not separator:
+            raise ValueError("split delimiter: the delimiter must be a non-empty string")
+        raw, start = [], 0
+        while True:
+            at = text.find(separator, start)
+            raw.append((start, len(text) if at < 0 else at))
+            if at < 0:
+                break
+            start = at + len(separator)
+    spans = []
+    for start, end in raw:
+        piece = text[start:end]
+        stripped = piece.strip()
+        if stripped:
+            left = start + len(piece) - len(piece.lstrip())
+            spans.append((left, left + len(stripped)))
+    return spans
+
+
+def chain_terms(prompt_text: str) -> list[tuple[str, int]] | None:
+    """The chain a prompt asks for as (op, operand) pairs, the first with op "" ("12+5-3" ->
+    [("", 12), ("+", 5), ("-", 3)]), or None where the prompt holds none."""
+    found = CHAIN.search(prompt_text)
+    if not found:
+        return None
+    expression = found[0].replace(" ", "")
+    parts = re.findall(r"([+\-*]?)(\d+)", expression)
+    terms = [("", int(parts[0][1]) * (-1 if expression.startswith("-") else 1))]
+    terms += [(op, int(number)) for op, number in parts[1:]]
+    return terms
+
+
+def check_chain(text: str, terms: list[tuple[str, int]], split: SplitRule = "delimiter",
+                delimiter: str = ",") -> list[StepScore]:
+    """Each step of ``text`` scored 1.0 when it is the chain's next step done right, else 0.0: step i must
+    read "r op b = c" with r the previous step's result (the chain's first number at step 0), op and b
+    the chain's (i+1)-th operator and operand, and c = r op b. A step past the chain's end is wrong."""
+    scored, running = [], terms[0][1]
+    for i, (start, end) in enumerate(split_steps(text, split, delimiter)):
+        match = STEP.fullmatch(text[start:end])
+        right = False
+        if match and i + 1 < len(terms):
+            a, op, b, c = int(match[1]), match[2], int(match[3]), int(match[4])
+            expected_op, expected_b = terms[i + 1]
+            right = a == running and op == expected_op and b == expected_b and c == _OPS[op](a, b)
+        scored.append(StepScore(start, end, 1.0 if right else 0.0))
+        if match:
+            running = int(match[4])  # the next step continues from what this one wrote, right or wrong
+    return scored
+
+
+def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delimiter", delimiter: str = ",",
+                **_):
+    """The verifiable process reward of chain arithmetic: each step checked (``check_chain``), the
+    completion's score the share of the chain's steps done right (a missing step counts as wrong, an
+    extra one too). A completion with no step of the form "a op b = c" is unparsed."""
+    from stages.rewards.registry import RewardError, RewardOutput
+
+    scores, parsed, steps = [], [], []
+    for text, messages in zip(completions, prompts):
+        user = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+        terms = chain_terms(user)
+        if terms is None or len(terms) < 2:
+            raise RewardError(f"chain_steps needs the chain to compute in the prompt (e.g. 12+5+8-3); the user "
+                              f"message {user[:120]!r} holds none")
+        checked = check_chain(text, terms, split, delimiter)
+        steps.append(checked)
+        parsed.append(any(STEP.fullmatch(text[s.start:s.end]) for s in checked))
+        scores.append(sum(s.score for s in checked) / max(len(terms) - 1, len(checked)))
+    return RewardOutput(scores, parsed, steps=steps)
+
+
+def process_metrics(components, correct: list[bool]) -> dict[str, float]:
+    """For each process reward among ``components`` (those that scored steps): the share of attempts whose
+    every step is right (a step scoring at least 1, the completion's score at least 1: none missing), and
+    the share of correct attempts (by the stage's verifier, ``correct``) that are not: right answers
+    reached through a wrong, missing or extra step."""
+    metrics = {}
+    for component in components:
+        if component.steps is None:
+            continue
+        sound = [bool(steps) and score >= 1.0 and all(s.score >= 1.0 for s in steps)
+                 for steps, score in zip(component.steps, component.scores)]
+        right = [s for s, c in zip(sound, correct) if c]
+        metrics[f"steps/{component.name}/all_right_rate"] = sum(sound) / max(len(sound), 1)
+        metrics[f"steps/{component.name}/correct_with_wrong_step_frac"] = (
+            sum(not s for s in right) / len(right) if right else 0.0)
+    return metrics

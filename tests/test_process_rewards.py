@@ -1,0 +1,207 @@
+"""Process rewards: chain_steps checks each step by arithmetic, check-reward catches a right answer reached
+through a wrong step, PPO places each step's score on that step's last token and GAE carries it back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from stages.data.sources import ArithmeticData, generate_arithmetic
+from stages.rewards.registry import ComponentScores, RewardCase, RewardSpec, ScoredBatch, check_reward_cases
+from stages.rewards.steps import StepScore, chain_steps, chain_terms, process_metrics, split_steps
+from stages.rl_math import gae
+
+PROMPT = [{"role": "user", "content": "Compute 12+5+8-3 step by step."}]
+
+
+def test_split_rules_give_the_spans_of_the_steps():
+    text = " 1+2=3 ,3+4=7,, 7-1=6 "
+    assert [text[a:b] for a, b in split_steps(text)] == ["1+2=3", "3+4=7", "7-1=6"]
+    piped = "1+2=3 | 3+4=7"
+    assert [piped[a:b] for a, b in split_steps(piped, "delimiter", " | ")] == ["1+2=3", "3+4=7"]
+    lines = "1+2=3\n\n 3+4=7 \n"
+    assert [lines[a:b] for a, b in split_steps(lines, "lines")] == ["1+2=3", "3+4=7"]
+    tagged = "think <step>1+2=3</step> then <step> 3+4=7 </step> done"
+    assert [tagged[a:b] for a, b in split_steps(tagged, "tags")] == ["1+2=3", "3+4=7"]
+
+
+@pytest.mark.parametrize("completion, steps, score", [
+    ("12+5=17, 17+8=25, 25-3=22", [1, 1, 1], 1.0),       # every step right
+    ("12+5=17, 17+8=26, 26-3=23", [1, 0, 1], 2 / 3),     # a slip carried on consistently: only the slip is wrong
+    ("12+5=17, 17+8=26, 26-3=22", [1, 0, 0], 1 / 3),     # the right answer through two wrong steps
+    ("12+5=17, 17+8=26, 25-3=22", [1, 0, 0], 1 / 3),     # a step that does not continue the chain
+    ("12+5=17, 17+9=26, 26-3=23", [1, 0, 1], 2 / 3),     # the wrong operand
+    ("12+5=17, 17+8=25", [1, 1], 2 / 3),                 # a step missing
+    ("12+5=17, 17+8=25, 25-3=22, 22+0=22", [1, 1, 1, 0], 3 / 4),  # a step too many
+    ("twenty-two", [0], 0.0),
+])
+def test_chain_steps_checks_each_step_by_arithmetic(completion, steps, score):
+    output = chain_steps([completion], [PROMPT])
+    assert [s.score for s in output.steps[0]] == steps
+    assert output.scores[0] == pytest.approx(score)
+    assert output.parsed[0] == (completion != "twenty-two")
+    assert all(completion[s.start:s.end].strip() == completion[s.start:s.end] for s in output.steps[0])
+
+
+def test_chain_terms_read_the_chain_from_the_prompt():
+    assert chain_terms("Compute 12+5+8-3 step by step (a+b=c).") == [("", 12), ("+", 5), ("+", 8), ("-", 3)]
+    assert chain_terms("What is -4 * 2 - 1?") == [("", -4), ("*", 2), ("-", 1)]
+    assert chain_terms("no chain here") is None
+
+
+def test_the_chain_generator_demonstrates_running_results_and_its_slips():
+    records = generate_arithmetic(ArithmeticData(generator="arithmetic_chain", role="train", n=3000, terms=4,
+                                                 ops=["+", "-"], demo_error_rate=0.4))
+    demos = [r["messages"][1]["content"] for r in records]
+    checked = chain_steps(demos, [r["messages"][:1] for r in records])
+    sound = [score == 1.0 for score in checked.scores]
+    right = [demo.rsplit("=", 1)[1] == r["answer"] for demo, r in zip(demos, records)]
+    assert 0.57 < sum(sound) / len(records) < 0.63  # 40% of the demonstrations write one step wrong
+    # half of those carry on from the right value: a right answer reached through a wrong step
+    assert 0.11 < sum(r and not s for r, s in zip(right, sound)) / len(records) < 0.16
+    assert all(r for r, s in zip(right, sound) if s)  # every sound chain ends at the answer
+
+
+def test_step_checks_catch_a_right_answer_reached_through_a_wrong_step():
+    """The outcome reward pays the shortcut in full; its step scores give it away."""
+    shortcut = "12+5=17, 17+8=26, 26-3=22"
+    outcome = check_reward_cases("correct", RewardSpec(fn="exact_answer", kwargs={"extract": "last_number"}),
+                                 [RewardCase(case="shortcut", completion=shortcut, answer="22", max=0.0)])
+    assert outcome[0].score == 1.0 and outcome[0].violations == ["score 1 > max 0"]
+
+    cases = [RewardCase(case="shortcut", completion=shortcut, prompt=PROMPT[0]["content"], steps=[1, 0, 0]),
+             RewardCase(case="success", completion=shortcut, prompt=PROMPT[0]["content"], steps=[1, 1, 1])]
+    results = check_reward_cases("steps", RewardSpec(fn="chain_steps"), cases)
+    assert results[0].violations == [] and results[0].steps == [1.0, 0.0, 0.0]
+    assert results[1].violations == ["step scores [1.0, 0.0, 0.0], expected [1.0, 1.0, 1.0]"]
+    # a reward that scores no steps cannot meet a case that expects step scores
+    plain = check_reward_cases("correct", RewardSpec(fn="exact_answer"), [RewardCase(
+        case="success", completion="22", answer="22", steps=[1])])
+    assert plain[0].violations == ["the reward scores no steps (not a process reward), but the case expects step "
+                                   "scores"]
+
+
+def test_check_reward_command_shows_and_checks_step_scores(home, tmp_path, capsys):
+    pipeline = ROOT / "pipelines" / "process.yaml"
+    assert run_cli("check-reward", str(pipeline)) == 0
+    out = capsys.readouterr().out
+    assert "7 cases, 0 violations" in out and "steps [0, 0]" in out
+    # a check that expected every step of the shortcut right is a violation the command reports
+    text = pipeline.read_text()
+    assert text.count("max: 0.0, steps: [0, 0]}") == 1
+    lenient = tmp_path / "process.yaml"
+    lenient.write_text(text.replace("max: 0.0, steps: [0, 0]}", "steps: [1, 1]}"))
+    assert run_cli("check-reward", str(lenient)) == 1
+    out = capsys.readouterr().out
+    assert "7 cases, 1 violation" in out and "VIOLATION: step scores" in out
+
+
+def test_step_scores_land_on_each_steps_last_token(tiny_checkpoint):
+    """A hand-built rollout: the step ending at character 7 of "12+5=17, 17+8=26, 26-3=22" is scored on the
+    token that completes "12+5=17", and so on; the outcome (minus the process share) at the last token."""
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.ppo import build_rollout, placed_scores
+    from stages.rollout.generation import Sample
+
+    _, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
+    texts = ["12+5=17, 17+8=26, 26-3=22", "12+5=17"]
+    samples = [Sample(text=t, token_ids=tokenizer(t, add_special_tokens=False)["input_ids"], logprobs=[], truncated=False)
+               for t in texts]
+    for sample in samples:
+        sample.logprobs = [0.0] * len(sample.token_ids)
+    rollout = build_rollout([[1, 2], [1, 2]], [[samples[0]], [samples[1]]], tokenizer.pad_token_id)
+    steps = chain_steps(texts, [PROMPT, PROMPT])
+    components = [ComponentScores("correct", 1.0, [1.0, 0.0], [True, True]),
+                  ComponentScores("steps", 2.0, steps.scores, steps.parsed, steps=steps.steps)]
+    scored = ScoredBatch(components, [1.0 + 2.0 * steps.scores[0], 2.0 * steps.scores[1]])
+
+    placed = placed_scores(rollout, scored, tokenizer, process_weight=0.75)
+    for row, text in enumerate(texts):
+        ids = samples[row].token_ids
+        ends = {len(tokenizer.decode(ids[:i + 1])): i for i in range(len(ids))}
+        expected = torch.zeros(rollout.mask_B_T.shape[1])
+        for step in steps.steps[row]:
+            expected[ends[step.end]] += 0.75 * 2.0 * step.score
+        outcome = scored.total[row] - 0.75 * 2.0 * steps.scores[row]
+        expected[len(ids) - 1] += outcome
+        assert torch.allclose(placed[row], expected), (row, placed[row], expected)
+        assert tokenizer.decode(ids[:ends[steps.steps[row][0].end] + 1]) == "12+5=17"
+    # summed over the tokens: the outcome share plus each step's own score (not the steps' mean)
+    dense = [scored.total[row] + 0.75 * 2.0 * (sum(s.score for s in steps.steps[row]) - steps.scores[row])
+             for row in range(2)]
+    assert torch.allclose(placed.sum(-1), torch.tensor(dense))
+    # process_weight 0 and no process reward: everything at the last token
+    assert torch.allclose(placed_scores(rollout, scored, tokenizer, 0.0).sum(-1), torch.tensor(scored.total))
+
+
+def test_gae_over_dense_rewards_equals_a_reference_computation():
+    """Step scores placed mid-sequence: GAE by the textbook recursion, written out for each row by hand."""
+    rewards = torch.tensor([[0.0, 0.5, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.2, 0.0, 0.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3, 0.1, 0.4, 9.0], [0.5, -0.1, 0.2, 0.3, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.float)
+    gamma, lam = 0.9, 0.8
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    for row in range(2):
+        n = int(mask[row].sum())
+        r, v = rewards[row, :n].tolist(), values[row, :n].tolist() + [0.0]
+        expected, running = [0.0] * n, 0.0
+        for t in reversed(range(n)):
+            delta = r[t] + gamma * v[t + 1] - v[t]
+            running = delta + gamma * lam * running
+            expected[t] = running
+        assert advantages[row, :n].tolist() == pytest.approx(expected, abs=1e-6)
+        assert returns[row, :n].tolist() == pytest.approx([a + b for a, b in zip(expected, v)], abs=1e-6)
+        assert advantages[row, n:].abs().sum() == 0
+    # an early step's score reaches the tokens before it, discounted by gamma * lam per token
+    only_step = torch.zeros(1, 4)
+    only_step[0, 1] = 1.0
+    advantages, _ = gae(only_step, torch.zeros(1, 4), torch.ones(1, 4), gamma, lam)
+    assert advantages[0].tolist() == pytest.approx([gamma * lam, 1.0, 0.0, 0.0])
+
+
+def test_process_metrics_count_right_answers_reached_through_a_wrong_step():
+    completions = ["12+5=17, 17+8=25, 25-3=22", "12+5=17, 17+8=26, 26-3=22", "22", "12+5=17, 17+8=25, 25-3=21"]
+    steps = chain_steps(completions, [PROMPT] * 4)
+    component = ComponentScores("steps", 1.0, steps.scores, steps.parsed, steps=steps.steps)
+    metrics = process_metrics([component], correct=[True, True, True, False])
+    assert metrics["steps/steps/all_right_rate"] == 0.25
+    assert metrics["steps/steps/correct_with_wrong_step_frac"] == pytest.approx(2 / 3)  # a wrong step, no steps
+
+
+def test_process_weight_is_ppos_and_refused_where_it_cannot_apply():
+    from stages.rl_common import rl_stage_config
+
+    common = dict(kind="rl", policy="base", data="train", rewards=["steps"])
+    assert rl_stage_config(algorithm="ppo", process_weight=0.5, **common).process_weight == 0.5
+    with pytest.raises(ValueError, match="process_weight only applies to algorithm ppo, not grpo .dense credit "
+                                         "needs a critic"):
+        rl_stage_config(algorithm="grpo", process_weight=0.5, **common)
+    with pytest.raises(ValueError, match="with `environment` the reward scores an episode's final answer"):
+        rl_stage_config(algorithm="ppo", process_weight=0.5, environment={"fn": "calculator"}, **common)
+    with pytest.raises(ValueError, match="terms only applies to generator arithmetic_chain"):
+        ArithmeticData(generator="arithmetic", role="train", n=4, terms=3)
+
+
+def test_ppo_with_process_rewards_trains_and_refuses_rewards_without_steps(tiny_checkpoint, ctx_factory, home):
+    from stages.context import StageInputs
+    from stages.data.sources import materialize
+    from stages.ppo import train_ppo
+    from stages.rl_common import rl_stage_config
+
+    data = materialize(ArithmeticData(generator="arithmetic_chain", role="train", n=40, terms=3), Path("."),
+                       home / "data")
+    rewards = {"correct": RewardSpec(fn="exact_answer", kwargs={"extract": "last_number"}),
+               "steps": RewardSpec(fn="chain_steps")}
+    fields = dict(kind="rl", algorithm="ppo", policy="base", data="train", prompts_per_step=2, max_steps=2,
+                  sampling={"attempts": 2, "max_tokens": 12}, minibatch_size=4, process_weight=1.0)
+    outputs = train_ppo(rl_stage_config(rewards=["correct", "steps"], **fields),
+                        StageInputs(policy=tiny_checkpoint, datasets={"train": data}, rewards=rewards),
+                        ctx_factory("ppo-process"))
+    assert outputs["metrics"]["steps"] == 2.0 and "reward/steps/mean" in outputs["metrics"]
+    with pytest.raises(RuntimeError, match="none of the stage's rewards .correct. scored steps"):
+        train_ppo(rl_stage_config(rewards=["correct"], **fields),
+                  StageInputs(policy=tiny_checkpoint, datasets={"train": data}, rewards={"correct": rewards["correct"]}),
+                  ctx_factory("ppo-no-steps"))
