@@ -122,6 +122,7 @@ from stages.rl_math import (
 from stages.rollout.training import open_rollout_engine, rollout_backend, sync_policy
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 from stages.training.resume import LoopState, train_loop
+from stages.rewards.steps import step_token_indices
 
 SAMPLE_TABLE_ROWS = 16
 MAX_GRAD_NORM = 1.0
@@ -332,19 +333,14 @@ def placed_scores(rollout: Rollout, scored: ScoredBatch, tokenizer, process_weig
     process = [c for c in scored.components if c.steps is not None] if process_weight else []
     for row, sample in enumerate(rollout.samples):
         outcome = scored.total[row]
-        ends = decoded_ends(tokenizer, sample.token_ids) if process else []
         for component in process:
             outcome -= process_weight * component.weight * component.scores[row]
-            for step in component.steps[row]:
-                token = next((i for i, end in enumerate(ends) if end >= step.end), last[row])
+            steps = component.steps[row]
+            tokens = step_token_indices(tokenizer, sample.token_ids, [step.end for step in steps])
+            for step, token in zip(steps, tokens):
                 placed[row, min(token, last[row])] += process_weight * component.weight * step.score
         placed[row, last[row]] += outcome
     return placed
-
-
-def decoded_ends(tokenizer, token_ids: list[int]) -> list[int]:
-    """For each token, the length of the text decoded up to and including it (as samples are decoded)."""
-    return [len(tokenizer.decode(token_ids[:i + 1], skip_special_tokens=True)) for i in range(len(token_ids))]
 
 
 def whiten_over_processes(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -29,9 +29,9 @@ learned reward climbs, the policy is exploiting the reward model.
 from __future__ import annotations
 
 import time
-from typing import ClassVar, Literal
+from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_issues
 from stages.training.resume import Resumable
@@ -49,14 +49,22 @@ from stages.training.callbacks import metric_renamer, pooling_pair_metrics, sche
 
 
 class RewardModelStageConfig(ExecutionLimits, Resumable):
-    """Train a Bradley-Terry reward model on preference pairs."""
+    """Train a Bradley-Terry reward model on preference pairs, or (``level: step``) a process reward model
+    on step-labelled demonstrations."""
 
     model_config = ConfigDict(extra="forbid")
-    data_records: ClassVar[str] = "preferences"
 
     kind: Literal["reward_model"] = Field(description="Stage kind.")
+    level: Literal["pair", "step"] = Field(
+        "pair", description="pair: a Bradley-Terry sequence scorer trained on preference pairs; step: a process "
+        "reward model, a token classifier trained to tell right steps from wrong ones at each step's last token "
+        "(labels from `labels`), used as a reward that scores every step.")
+    labels: str | None = Field(
+        None, description="level step: the process reward (a name under `rewards:`, e.g. a chain_steps verifier) "
+        "whose step scores label the steps of `data`'s demonstrations; a step scoring at least 1 is right.")
     model: str = Field("base", description="Stage whose checkpoint the reward model starts from, or `base`.")
-    data: str = Field(description="Preference pairs (name under `data:`); must not be `heldout`.")
+    data: str = Field(description="Preference pairs (name under `data:`), or with level step conversations whose "
+                      "last assistant turn is split into steps; must not be `heldout`.")
     heldout_fraction: float = Field(
         0.1, ge=0.0, lt=1.0, description="Share of the pairs held out (seeded) to measure pairwise accuracy; "
         "0 trains on all and reports no held-out accuracy.")
@@ -75,6 +83,24 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
     lora: LoraSpec | None = Field(None, description=LORA_DESCRIPTION + " The score head trains in full and is "
                                   "saved with the adapters.")
 
+    @property
+    def data_records(self) -> str:
+        """What ``data`` must hold (flows/spec/validate.py)."""
+        return "conversations" if self.level == "step" else "preferences"
+
+    @model_validator(mode="after")
+    def _level_fields(self):
+        if self.level == "step":
+            if not self.labels:
+                raise ValueError("level step needs `labels:`, the process reward whose step scores label the data's "
+                                 "steps (e.g. a reward with fn chain_steps)")
+            if self.lora is not None or self.center_rewards_coefficient is not None:
+                raise ValueError("level step trains the whole token classifier: lora and center_rewards_coefficient "
+                                 "apply to level pair only")
+        elif self.labels is not None:
+            raise ValueError("labels only applies to level step (a process reward model)")
+        return self
+
     def references(self) -> dict[str, str]:
         return {"model": self.model}
 
@@ -82,7 +108,7 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
         return [self.data]
 
     def reward_names(self) -> list[str]:
-        return []
+        return [self.labels] if self.labels else []
 
 
 METRIC_NAMES = {
@@ -128,6 +154,10 @@ def training_arguments(config: RewardModelStageConfig, ctx, seed: int, evaluate:
 
 
 def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
+    if config.level == "step":
+        from stages.process_reward_model import train_step_scorer
+
+        return train_step_scorer(config, inputs, ctx)
     import torch
     from trl import RewardTrainer
 
@@ -186,5 +216,6 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
 
 
 KIND = StageKind("reward_model", RewardModelStageConfig, run,
-                 ("heldout_pairwise_accuracy", "heldout_reward_margin", "steps"), produces="reward_model",
+                 ("heldout_pairwise_accuracy", "heldout_step_accuracy", "heldout_reward_margin", "steps"),
+                 produces="reward_model",
                  world_issues=no_world_issues)

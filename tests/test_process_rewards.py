@@ -205,3 +205,57 @@ def test_ppo_with_process_rewards_trains_and_refuses_rewards_without_steps(tiny_
         train_ppo(rl_stage_config(rewards=["correct"], **fields),
                   StageInputs(policy=tiny_checkpoint, datasets={"train": data}, rewards={"correct": rewards["correct"]}),
                   ctx_factory("ppo-no-steps"))
+
+
+def flagged_steps(completions, **_):
+    """A process reward for the tests: a step of two letters is wrong when they are the same ("bb"), right when
+    they differ ("ab"): the label at a step's last letter depends on the letter before it."""
+    from stages.rewards.registry import RewardOutput
+
+    steps = [[StepScore(a, b, 0.0 if len(set(text[a:b])) == 1 else 1.0) for a, b in split_steps(text)]
+             for text in completions]
+    return RewardOutput([sum(s.score for s in st) / len(st) if st else 0.0 for st in steps],
+                        [bool(st) for st in steps], steps=steps)
+
+
+@pytest.mark.slow
+def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(tiny_checkpoint, ctx_factory, home):
+    """level: step on tiny data: steps labelled by a process reward (here: a step of one letter twice is wrong); the
+    held-out step accuracy climbs well past always answering "right", the first wrong step is found, and the
+    trained model scores each step of a completion as a reward."""
+    import json
+    import random
+
+    from stages import reward_model
+    from stages.context import StageInputs
+    from stages.rewards.reward_model import StepRewardModel, is_step_scorer
+
+    rng = random.Random(0)
+    path = home.parent / "flagged.jsonl"
+    with open(path, "w") as handle:
+        for _ in range(240):
+            steps = [rng.choice("abc") + rng.choice("abc") for _ in range(3)]  # a third of them wrong
+            handle.write(json.dumps({"messages": [{"role": "user", "content": "Write three steps."},
+                                                  {"role": "assistant", "content": ", ".join(steps)}]}) + "\n")
+    rewards = {"flags": RewardSpec(fn="test_process_rewards:flagged_steps")}
+    config = reward_model.RewardModelStageConfig(kind="reward_model", level="step", labels="flags", data="train",
+                                                 max_steps=300, batch_size=16, lr=3e-3, logging_steps=50,
+                                                 heldout_fraction=0.2)
+    with pytest.raises(ValueError, match="labels only applies to level step"):
+        reward_model.RewardModelStageConfig(kind="reward_model", labels="flags", data="train")
+    outputs = reward_model.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": path}, rewards=rewards),
+                               ctx_factory("prm"))
+    metrics = outputs["metrics"]
+    assert metrics["heldout_steps"] == 48 * 3
+    assert metrics["heldout_right_step_share"] < 0.8
+    assert metrics["heldout_step_accuracy"] > 0.95 > metrics["initial_heldout_step_accuracy"]
+    assert metrics["heldout_first_wrong_step_detection"] > 0.9
+
+    checkpoint = Path(outputs["checkpoint"])
+    assert is_step_scorer(checkpoint)
+    scorer = StepRewardModel(checkpoint, RewardSpec(fn="reward_model", stage="prm"))
+    prompt = [{"role": "user", "content": "Write three steps."}]
+    scored = scorer(["ab, cc, ba", "ab, ca, bb", ""], [prompt] * 3)
+    assert [[round(s.score) for s in steps] for steps in scored.steps] == [[1, 0, 1], [1, 1, 0], []]
+    assert scored.scores[0] == pytest.approx(sum(s.score for s in scored.steps[0]) / 3)
+    assert scored.parsed == [True, True, False] and scored.scores[2] == 0.0

@@ -82,15 +82,20 @@ def test_ppo_pipeline_trains_a_critic_and_evaluates_the_policy(run):
     assert upstream == {"ppo": rows["ppo"].run_id}
 
 
-def test_process_pipeline_trains_ppo_on_step_scores_beside_ppo_on_the_outcome(run):
+def test_process_pipeline_trains_a_prm_and_ppo_on_step_scores_beside_ppo_on_the_outcome(run):
+    arms = ("ppo_outcome", "ppo_process", "ppo_prm")
     rows, client = run("process", TINY + ["data.train.n=200", "data.heldout.n=8"] + stage_overrides({
-        "sft": ["max_steps=10"], "eval_sft": EVAL, "eval_ppo_outcome": EVAL, "eval_ppo_process": EVAL,
-        **{arm: ["max_steps=2", "prompts_per_step=4", "minibatch_size=8"] for arm in ("ppo_outcome", "ppo_process")}}))
-    assert list(rows) == ["sft", "eval_sft", "ppo_outcome", "ppo_process", "eval_ppo_outcome", "eval_ppo_process"]
+        "sft": ["max_steps=10"], "prm": ["max_steps=4"], "eval_sft": EVAL,
+        **{f"eval_{arm}": EVAL for arm in arms},
+        **{arm: ["max_steps=2", "prompts_per_step=4", "minibatch_size=8"] for arm in arms}}))
+    assert set(rows) == {"sft", "prm", "eval_sft", *arms, *(f"eval_{arm}" for arm in arms)}
+    prm = client.get_run(rows["prm"].run_id).data.metrics
+    assert {"heldout_step_accuracy", "heldout_right_step_share", "heldout_first_wrong_step_detection"} <= set(prm)
     process = client.get_run(rows["ppo_process"].run_id).data
     assert process.params["process_weight"] == "1.0" and "reward/steps/mean" in process.metrics
+    assert "reward/prm_steps/mean" in client.get_run(rows["ppo_prm"].run_id).data.metrics
     assert "reward/steps/mean" not in client.get_run(rows["ppo_outcome"].run_id).data.metrics
-    for arm in ("eval_sft", "eval_ppo_outcome", "eval_ppo_process"):  # both arms at the same evaluation settings
+    for arm in ("eval_sft", *(f"eval_{arm}" for arm in arms)):  # every arm at the same evaluation settings
         metrics = client.get_run(rows[arm].run_id).data.metrics
         assert {"pass_at_1", "steps/steps/all_right_rate", "steps/steps/correct_with_wrong_step_frac"} <= set(metrics)
 

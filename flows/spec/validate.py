@@ -201,7 +201,9 @@ def _reference_issues(d: _Draft) -> Issues:
         for i, reward_name in enumerate(config.reward_names()):
             if isinstance(reward_name, str) and reward_name not in d.raw_rewards and reward_name not in BUILTIN_REWARDS:
                 options = [*d.raw_rewards, *BUILTIN_REWARDS]
-                issues.append((("stages", name, "rewards", i),
+                where = ("stages", name, "labels") if getattr(config, "labels", None) == reward_name \
+                    else ("stages", name, "rewards", i)  # a step reward model names its labelling reward so
+                issues.append((where,
                                f"unknown reward {reward_name!r}{did_you_mean(reward_name, options)}; "
                                f"declare it under `rewards:` or use a built-in ({', '.join(BUILTIN_REWARDS)})"))
     return issues

@@ -101,6 +101,80 @@ def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[fl
     return [score - means[key] for key, score in zip(keys, scores)]
 
 
+def is_step_scorer(path: Path) -> bool:
+    """Whether a reward_model stage's checkpoint scores steps (``level: step``: a token classifier)."""
+    import json
+
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    return any(name.endswith("ForTokenClassification") for name in config.get("architectures") or [])
+
+
+def step_model_inputs(tokenizer, prompt: list[dict], completion: str) -> tuple[list[int], list[int]]:
+    """(prompt ids through the chat template up to the assistant's turn, the completion's own ids): how a
+    step reward model reads a completion, in training and as a reward alike."""
+    prompt_ids = tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True,
+                                               return_dict=True)["input_ids"]
+    return list(prompt_ids), tokenizer(completion, add_special_tokens=False)["input_ids"]
+
+
+class StepRewardModel:
+    """A process reward from a ``level: step`` reward_model stage (stages/reward_model.py): the completion's
+    steps split by the reward's ``kwargs`` (``split``, ``delimiter``: stages/rewards/steps.py), each scored
+    with the model's probability that the step is right, read at the step's last token; the completion's
+    score is the mean over its steps (0 with none, and unparsed)."""
+
+    def __init__(self, path: Path, spec: RewardSpec, trust_remote_code: bool = False, where: str = "policy"):
+        import torch
+        from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+        from stages.models.placement import place
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForTokenClassification.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.model = place(model.eval().requires_grad_(False), where, self.device)
+        self.split = {key: spec.kwargs[key] for key in ("split", "delimiter") if key in spec.kwargs}
+        self.batch_size = spec.batch_size
+
+    def step_probabilities(self, prompts: list[list[dict]], completions: list[str], ends: list[list[int]]):
+        """For each completion, P(right) of each step ending at the given characters."""
+        import torch
+
+        from stages.rewards.steps import step_token_indices
+
+        rows = []
+        for prompt, text, step_ends in zip(prompts, completions, ends):
+            prompt_ids, completion_ids = step_model_inputs(self.tokenizer, prompt, text)
+            tokens = step_token_indices(self.tokenizer, completion_ids, step_ends) if completion_ids else []
+            rows.append((prompt_ids + completion_ids, [len(prompt_ids) + t for t in tokens]))
+        found = []
+        for start in range(0, len(rows), self.batch_size):
+            batch = rows[start:start + self.batch_size]
+            width = max(len(ids) for ids, _ in batch)
+            input_ids = torch.full((len(batch), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, (ids, _) in enumerate(batch):
+                input_ids[row, :len(ids)] = torch.tensor(ids)
+                attention[row, :len(ids)] = 1
+            with torch.no_grad():
+                logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device)).logits
+            right = logits.float().softmax(-1)[..., 1].cpu()
+            found += [[float(right[row, t]) for t in positions] for row, (_, positions) in enumerate(batch)]
+        return found
+
+    def __call__(self, completions: list[str], prompts: list[list[dict]] | None = None, **_):
+        from stages.rewards.registry import RewardOutput
+        from stages.rewards.steps import StepScore, split_steps
+
+        if prompts is None:
+            raise ValueError("a step reward model needs the prompts column to score completions")
+        spans = [split_steps(text, **self.split) for text in completions]
+        probabilities = self.step_probabilities(prompts, completions, [[end for _, end in s] for s in spans])
+        steps = [[StepScore(a, b, p) for (a, b), p in zip(s, ps)] for s, ps in zip(spans, probabilities)]
+        return RewardOutput([sum(ps) / len(ps) if ps else 0.0 for ps in probabilities], [bool(s) for s in spans],
+                            steps=steps)
+
+
 def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy") -> dict:
     """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once (placed
     where ``where`` says: stages/models/placement.py), and of every ``fn: judge`` reward (stages/rewards/judge.py: its
@@ -113,6 +187,9 @@ def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, wher
         if spec.fn != REWARD_MODEL_FN:
             continue
         path = inputs.scorer_checkpoint(name, f"scores with stage {spec.stage!r}")
+        if is_step_scorer(path):  # a process reward model (level: step): scores each step
+            bound[name] = StepRewardModel(path, spec, inputs.trust_remote_code, where)
+            continue
         if path not in loaded:
             loaded[path] = RewardModelScorer(path, spec.batch_size, inputs.trust_remote_code, where)
         bound[name] = RewardModelReward(loaded[path], spec)

@@ -116,6 +116,15 @@ def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delim
     return RewardOutput(scores, parsed, steps=steps)
 
 
+def step_token_indices(tokenizer, token_ids: list[int], ends: list[int]) -> list[int]:
+    """For each step end (a character offset into the decoded ``token_ids``, as samples are decoded), the
+    index of the token that completes it: the first whose decoded prefix reaches it (the last token when
+    none does)."""
+    decoded = [len(tokenizer.decode(token_ids[:i + 1], skip_special_tokens=True)) for i in range(len(token_ids))]
+    last = max(len(token_ids) - 1, 0)
+    return [next((i for i, length in enumerate(decoded) if length >= end), last) for end in ends]
+
+
 def process_metrics(components, correct: list[bool]) -> dict[str, float]:
     """For each process reward among ``components`` (those that scored steps): the share of attempts whose
     every step is right (a step scoring at least 1, the completion's score at least 1: none missing), and

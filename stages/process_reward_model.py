@@ -1,0 +1,144 @@
+"""The ``reward_model`` stage at ``level: step``: a process reward model (PRM).
+
+A token classifier (``AutoModelForTokenClassification``, two labels: wrong, right) starts from a
+base or SFT checkpoint; its head is new and seeded. Its training data are the demonstrations of
+``data`` (the last assistant turn of each conversation), their steps labelled by a process reward
+named in ``labels`` (a verifier such as ``chain_steps``: a step scoring at least 1 is right), so the
+labels come from a verifier, not from annotators. Each demonstration is read as the model will read
+a completion it scores (stages/rewards/reward_model.py ``step_model_inputs``: the prompt through
+the chat template, then the completion's own tokens), and the cross-entropy is taken only at each
+step's last token (stages/rewards/steps.py ``step_token_indices``); every other token is ignored.
+
+A seeded ``heldout_fraction`` of the demonstrations is never trained on: before and after training
+the stage reports ``heldout_step_accuracy`` (a step predicted right when P(right) > 0.5), beside
+``heldout_right_step_share`` (what always answering "right" scores), and
+``heldout_first_wrong_step_detection``: among held-out demonstrations with a wrong step, the share
+whose first step predicted wrong is the first wrong one.
+
+As a reward (``{fn: reward_model, stage: prm, kwargs: {split, delimiter}}``) it scores each step of
+a completion with P(right) (stages/rewards/reward_model.py ``StepRewardModel``): a process reward,
+which PPO's ``process_weight`` places at each step's last token.
+"""
+
+from __future__ import annotations
+
+import time
+
+from stages.context import StageInputs
+from stages.data.sources import read_materialized
+
+
+def step_examples(config, inputs: StageInputs, tokenizer) -> list[dict]:
+    """One example per demonstration whose labelling reward found steps: input ids (prompt, completion) and
+    labels (1 right, 0 wrong at each step's last token; -100 elsewhere), with the step labels kept apart."""
+    from stages.rewards.registry import reward_columns, score_component
+    from stages.rewards.reward_model import step_model_inputs
+    from stages.rewards.steps import step_token_indices
+
+    records = [r for r in read_materialized(inputs.data) if r["messages"][-1]["role"] == "assistant"]
+    if not records:
+        raise ValueError(f"stage data {inputs.data} holds no conversation that ends in an assistant turn to label")
+    prompts = [r["messages"][:-1] for r in records]
+    completions = [r["messages"][-1]["content"] for r in records]
+    spec = inputs.rewards[config.labels]
+    labelled = score_component(config.labels, spec, completions, reward_columns(records, prompts, 1))
+    if labelled.steps is None:
+        raise ValueError(f"reward {config.labels!r} (fn {spec.fn}) scored no steps: `labels` must name a process "
+                         "reward, one that returns step scores (e.g. fn chain_steps)")
+    examples = []
+    for prompt, completion, steps in zip(prompts, completions, labelled.steps):
+        prompt_ids, completion_ids = step_model_inputs(tokenizer, prompt, completion)
+        if not steps or not completion_ids:
+            continue
+        ids = (prompt_ids + completion_ids)[: config.max_length]
+        labels = [-100] * len(ids)
+        kept = []
+        for step, token in zip(steps, step_token_indices(tokenizer, completion_ids, [s.end for s in steps])):
+            if len(prompt_ids) + token < len(ids):
+                labels[len(prompt_ids) + token] = int(step.score >= 1.0)
+                kept.append(int(step.score >= 1.0))
+        if kept:
+            examples.append({"input_ids": ids, "labels": labels, "step_labels": kept})
+    if not examples:
+        raise ValueError(f"no demonstration of stage data {inputs.data} has a step within max_length "
+                         f"{config.max_length} tokens")
+    return examples
+
+
+def heldout_metrics(model, tokenizer, examples: list[dict]) -> dict[str, float]:
+    """Step accuracy, the share of right steps, and the first-wrong-step detection rate on ``examples``."""
+    import torch
+
+    correct = total = right_steps = detected = with_wrong = 0
+    model.eval()
+    for example in examples:
+        ids = torch.tensor([example["input_ids"]])
+        with torch.no_grad():
+            right = model(input_ids=ids).logits[0].float().softmax(-1)[:, 1]
+        positions = [i for i, label in enumerate(example["labels"]) if label != -100]
+        predicted = [int(right[i] > 0.5) for i in positions]
+        truth = example["step_labels"]
+        correct += sum(p == t for p, t in zip(predicted, truth))
+        total += len(truth)
+        right_steps += sum(truth)
+        if 0 in truth:
+            with_wrong += 1
+            detected += (0 in predicted and predicted.index(0) == truth.index(0))
+    return {"heldout_step_accuracy": correct / max(total, 1), "heldout_right_step_share": right_steps / max(total, 1),
+            "heldout_first_wrong_step_detection": detected / with_wrong if with_wrong else 0.0,
+            "heldout_steps": float(total)}
+
+
+def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification, \
+        Trainer, TrainingArguments
+
+    from stages.data.preferences import split_heldout
+    from stages.models.lora import save_trained
+    from stages.training.callbacks import device_arguments, metric_renamer, quiet_trainer, schedule_arguments, \
+        tracking_callback
+    from stages.training.resume import resumable_arguments, train_resumably
+
+    seed = ctx.seed if config.seed is None else config.seed
+    tokenizer = AutoTokenizer.from_pretrained(inputs.model, trust_remote_code=inputs.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    examples = step_examples(config, inputs, tokenizer)
+    train, heldout = split_heldout(examples, config.heldout_fraction, seed)
+    torch.manual_seed(seed)  # the new head
+    model = AutoModelForTokenClassification.from_pretrained(inputs.model, num_labels=2,
+                                                            trust_remote_code=inputs.trust_remote_code)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.id2label, model.config.label2id = {0: "wrong", 1: "right"}, {"wrong": 0, "right": 1}
+
+    schedule = {k: v for k, v in schedule_arguments(config).items() if k != "max_length"}
+    args = TrainingArguments(**resumable_arguments(ctx.resume_dir, config.save_steps), **schedule,
+                             logging_steps=config.logging_steps, report_to="none", seed=seed, data_seed=seed,
+                             dataloader_num_workers=0, remove_unused_columns=False, **device_arguments())
+    dataset = Dataset.from_list([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in train])
+    trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      data_collator=DataCollatorForTokenClassification(tokenizer),
+                      callbacks=[tracking_callback(ctx, metric_renamer({"loss": "loss", "grad_norm": "grad_norm",
+                                                                        "learning_rate": "lr"}),
+                                                   f"step reward model: {config.max_steps} steps")])
+    quiet_trainer(trainer)
+    ctx.log_params({"demonstrations": len(examples), "train_demonstrations": len(train),
+                    "heldout_demonstrations": len(heldout), "resolved_seed": seed})
+
+    metrics: dict[str, float] = {}
+    if heldout:
+        metrics["initial_heldout_step_accuracy"] = heldout_metrics(model, tokenizer, heldout)["heldout_step_accuracy"]
+    started = time.perf_counter()
+    result, resumed_step = train_resumably(trainer, ctx)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    metrics.update({"train_seconds": time.perf_counter() - started, "train_loss": float(result.training_loss),
+                    "first_loss": float(losses[0]) if losses else float(result.training_loss),
+                    "final_loss": float(losses[-1]) if losses else float(result.training_loss),
+                    "steps": float(trainer.state.global_step), "resumed_from_step": float(resumed_step)})
+    if heldout:
+        metrics.update(heldout_metrics(trainer.model, tokenizer, heldout))
+    ctx.log_metrics(metrics)
+    outputs = save_trained(trainer.model, tokenizer, ctx, padding_side="right", final_loss=metrics["final_loss"])
+    return {**outputs, "metrics": metrics}
