@@ -1,6 +1,6 @@
 """The README's learning results, regenerated from fresh runs, and checked against the README.
 
-    python bench/results.py [--pipelines quickstart ppo rlhf dpo dpo-ipo smollm2-reasoning] [--seeds 0 1 2]
+    python bench/results.py [--pipelines quickstart ppo rlhf dpo dpo-ipo process smollm2-reasoning] [--seeds 0 1 2]
                             [--check README.md] [--tolerance 0.02]
 
 Each (pipeline, seed) runs through the real CLI in its own fresh POSTTRAIN_HOME, nothing cached
@@ -71,6 +71,19 @@ STUDIES = [
     Study("dpo-ipo", "dpo.yaml", (
         Row(("dpo.yaml", "`eval_dpo` with `--set stages.dpo.loss=ipo`"), (("eval_dpo", "pass_at_1"),)),),
         overrides=("stages.dpo.loss=ipo",)),
+    Study("process", "process.yaml", (
+        Row(("process.yaml", "`prm` held-out step accuracy / share of right steps"),
+            (("prm", "heldout_step_accuracy"), ("prm", "heldout_right_step_share"))),
+        Row(("process.yaml", "`eval_sft` pass@1 / right answers through a wrong step"),
+            (("eval_sft", "pass_at_1"), ("eval_sft", "steps/steps/correct_with_wrong_step_frac"))),
+        Row(("process.yaml", "`eval_ppo_outcome` (final answer only)"),
+            (("eval_ppo_outcome", "pass_at_1"), ("eval_ppo_outcome", "steps/steps/correct_with_wrong_step_frac"))),
+        Row(("process.yaml", "`eval_ppo_process` (+ verifier's step scores)"),
+            (("eval_ppo_process", "pass_at_1"), ("eval_ppo_process", "steps/steps/correct_with_wrong_step_frac")),
+            bold=True),
+        Row(("process.yaml", "`eval_ppo_prm` (+ PRM's step scores)"),
+            (("eval_ppo_prm", "pass_at_1"), ("eval_ppo_prm", "steps/steps/correct_with_wrong_step_frac")),
+            bold=True))),
     Study("smollm2-reasoning", "smollm2-reasoning.yaml", (
         Row(("`eval_base` (the GGUF model as shipped)",), (("eval_base", "pass_at_1"),)),
         Row(("`eval_sft` (40 LoRA steps on a demonstrator that slips 40% of the time)",), (("eval_sft", "pass_at_1"),)),

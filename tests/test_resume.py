@@ -1,9 +1,10 @@
 """A training stage stopped part-way and resumed ends as if it had never stopped.
 
-For each trainer-backed kind (sft, reward_model, dpo, kto, grpo) at tiny scale: one run to the
+For each training kind at tiny scale (sft, reward_model, dpo, kto and grpo through TRL's trainers,
+grpo on an environment's episodes, ppo and online_dpo through posttrain's own loop): one run to the
 end; one stopped by a real SIGINT (the stage's own Ctrl-C handling: it stops after the optimizer
-step in progress and writes a checkpoint) and a second execution that resumes from it; for sft and
-grpo also one whose process group is killed with SIGKILL after a periodic checkpoint. The resumed
+step in progress and writes a checkpoint) and a second execution that resumes from it; and one
+whose process group is killed with SIGKILL after a periodic checkpoint, then resumed. The resumed
 stage's final weights equal the uninterrupted stage's bit for bit, every metric it reports is equal
 (the mean training loss to float rounding, 1e-9 relative), and the per-step metrics of the stopped
 and the resumed run together are the uninterrupted run's, each step logged once.
@@ -30,6 +31,7 @@ from stages.rewards.registry import RewardSpec
 
 pytestmark = pytest.mark.slow
 
+KINDS = ["sft", "reward_model", "dpo", "kto", "grpo", "grpo_agent", "ppo", "online_dpo"]
 STEPS = 10
 SAVE_EVERY = 3  # periodic checkpoints at 3, 6, 9; the SIGINT lands after the one at 3
 TIMING = ("train_seconds", "resumed_from_step", "step_time", "runtime", "per_second")
@@ -192,7 +194,7 @@ def interrupt_after(resume_dir: Path, step: int) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("kind", ["sft", "reward_model", "dpo", "kto", "grpo", "grpo_agent", "ppo", "online_dpo"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_stage_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(kind, tiny_checkpoint, home):
     whole = run_stage(kind, home, tiny_checkpoint, "whole", home / "resume-whole")
 
@@ -219,7 +221,7 @@ run_stage({kind!r}, Path({home!r}), Path({checkpoint!r}), "killed", Path({resume
 """
 
 
-@pytest.mark.parametrize("kind", ["sft", "grpo", "ppo"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_stage_killed_with_sigkill_resumes_from_its_periodic_checkpoint(kind, tiny_checkpoint, home):
     """kill -9 of the stage's process group: nothing is saved at the kill; the next execution resumes from
     the last periodic checkpoint and still ends with the uninterrupted stage's weights and metrics."""
