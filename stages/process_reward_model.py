@@ -4,7 +4,9 @@ A token classifier (``AutoModelForTokenClassification``, two labels: wrong, righ
 base or SFT checkpoint; its head is new and seeded. Its training data are the demonstrations of
 ``data`` (the last assistant turn of each conversation), their steps labelled by a process reward
 named in ``labels`` (a verifier such as ``chain_steps``: a step scoring at least 1 is right), so the
-labels come from a verifier, not from annotators. Each demonstration is read as the model will read
+labels come from a verifier, not from annotators; or a step-rated file in PRM800K's shape
+(``records: steps``: ``prompt``, ``steps``, ``ratings``), one step per line, +1 right and 0 or -1
+not (PRM800K's neutral 0 counted with the wrong, as a strict grader would). Each demonstration is read as the model will read
 a completion it scores (stages/rewards/reward_model.py ``step_model_inputs``: the prompt through
 the chat template, then the completion's own tokens), and the cross-entropy is taken only at each
 step's last token (stages/rewards/steps.py ``step_token_indices``); every other token is ignored.
@@ -31,7 +33,6 @@ from stages.data.sources import read_materialized
 def step_examples(config, inputs: StageInputs, tokenizer) -> list[dict]:
     """One example per demonstration whose labelling reward found steps: input ids (prompt, completion) and
     labels (1 right, 0 wrong at each step's last token; -100 elsewhere), with the step labels kept apart."""
-    from stages.rewards.registry import reward_columns, score_component
     from stages.rewards.reward_model import step_model_inputs
     from stages.rewards.steps import step_token_indices
 
@@ -40,13 +41,8 @@ def step_examples(config, inputs: StageInputs, tokenizer) -> list[dict]:
         raise ValueError(f"stage data {inputs.data} holds no conversation that ends in an assistant turn to label")
     prompts = [r["messages"][:-1] for r in records]
     completions = [r["messages"][-1]["content"] for r in records]
-    spec = inputs.rewards[config.labels]
-    labelled = score_component(config.labels, spec, completions, reward_columns(records, prompts, 1))
-    if labelled.steps is None:
-        raise ValueError(f"reward {config.labels!r} (fn {spec.fn}) scored no steps: `labels` must name a process "
-                         "reward, one that returns step scores (e.g. fn chain_steps)")
     examples = []
-    for prompt, completion, steps in zip(prompts, completions, labelled.steps):
+    for prompt, completion, steps in zip(prompts, completions, step_labels(config, inputs, records, completions)):
         prompt_ids, completion_ids = step_model_inputs(tokenizer, prompt, completion)
         if not steps or not completion_ids:
             continue
@@ -63,6 +59,28 @@ def step_examples(config, inputs: StageInputs, tokenizer) -> list[dict]:
         raise ValueError(f"no demonstration of stage data {inputs.data} has a step within max_length "
                          f"{config.max_length} tokens")
     return examples
+
+
+def step_labels(config, inputs: StageInputs, records: list[dict], completions: list[str]) -> list[list]:
+    """Each demonstration's labelled steps (StepScores, 1.0 right): scored by the ``labels`` process reward, or
+    read from a step-rated file's ratings (one step per line; +1 right, 0 and -1 not)."""
+    from stages.rewards.registry import reward_columns, score_component
+    from stages.rewards.steps import StepScore, split_steps
+
+    if config.labels is None:
+        if any("step_ratings" not in r for r in records):
+            raise ValueError(f"stage data {inputs.data} is not step-rated (`records: steps`) and the stage names no "
+                             "`labels` reward")
+        return [[StepScore(a, b, 1.0 if rating > 0 else 0.0)
+                 for (a, b), rating in zip(split_steps(text, "lines"), r["step_ratings"])]
+                for text, r in zip(completions, records)]
+    spec = inputs.rewards[config.labels]
+    prompts = [r["messages"][:-1] for r in records]
+    labelled = score_component(config.labels, spec, completions, reward_columns(records, prompts, 1))
+    if labelled.steps is None:
+        raise ValueError(f"reward {config.labels!r} (fn {spec.fn}) scored no steps: `labels` must name a process "
+                         "reward, one that returns step scores (e.g. fn chain_steps)")
+    return labelled.steps
 
 
 def heldout_metrics(model, tokenizer, examples: list[dict]) -> dict[str, float]:

@@ -61,7 +61,8 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
         "(labels from `labels`), used as a reward that scores every step.")
     labels: str | None = Field(
         None, description="level step: the process reward (a name under `rewards:`, e.g. a chain_steps verifier) "
-        "whose step scores label the steps of `data`'s demonstrations; a step scoring at least 1 is right.")
+        "whose step scores label the steps of `data`'s demonstrations (a step scoring at least 1 is right); "
+        "leave it out when `data` is a step-rated file (`records: steps`), whose ratings are the labels.")
     model: str = Field("base", description="Stage whose checkpoint the reward model starts from, or `base`.")
     data: str = Field(description="Preference pairs (name under `data:`), or with level step conversations whose "
                       "last assistant turn is split into steps; must not be `heldout`.")
@@ -91,9 +92,6 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
     @model_validator(mode="after")
     def _level_fields(self):
         if self.level == "step":
-            if not self.labels:
-                raise ValueError("level step needs `labels:`, the process reward whose step scores label the data's "
-                                 "steps (e.g. a reward with fn chain_steps)")
             if self.lora is not None or self.center_rewards_coefficient is not None:
                 raise ValueError("level step trains the whole token classifier: lora and center_rewards_coefficient "
                                  "apply to level pair only")

@@ -274,6 +274,18 @@ CASES = [
          ["p.yaml:13: stages.dpo.beta: must be a finite number"]),
     Case("inf_kto_beta", append("  kto: {kind: kto, model: sft, data: prefs, beta: .inf}\n") + PREFS,
          ["p.yaml:13: stages.kto.beta: must be a finite number"]),
+    Case("step_reward_model_without_labels", append("  prm: {kind: reward_model, level: step, model: sft, data: train}\n"),
+         ["p.yaml:12: stages.prm.labels: a level step reward model learns step labels", "dataset 'train' is neither"]),
+    Case("step_rated_file_with_labels", append("  prm: {kind: reward_model, level: step, data: rated, labels: correct}\n")
+         + [("data:\n", "data:\n  rated: {path: r.jsonl, records: steps, role: train}\n")],
+         ["p.yaml:13: stages.prm.labels: dataset 'rated' is step-rated (`records: steps`): its ratings are the labels"],
+         files={"r.jsonl": '{"prompt": "p", "steps": ["a"], "ratings": [1]}\n'}),
+    Case("step_rated_file_bad_ratings", append("  prm: {kind: reward_model, level: step, data: rated}\n")
+         + [("data:\n", "data:\n  rated: {path: r.jsonl, records: steps, role: train}\n")],
+         ["r.jsonl:1: `ratings` must hold one of -1, 0, 1 per step (1 steps), got [2]"],
+         files={"r.jsonl": '{"prompt": "p", "steps": ["a"], "ratings": [2]}\n'}),
+    Case("process_weight_on_grpo", append(GRPO.replace("rewards: [correct]}", "rewards: [correct], process_weight: 1}")),
+         ["p.yaml:12: stages.grpo: process_weight only applies to algorithm ppo, not grpo (dense credit needs a critic"]),
     Case("thirty_digit_seed", replace("seed: 3", "seed: 123456789012345678901234567890"),
          ["p.yaml:2: seed: a seed must be in [0, 2**32)", "(30 digits)"]),
     Case("negative_data_seed", replace("seed: 9,", "seed: -1,"), ["p.yaml:6: data.heldout.seed: a seed must be in [0"]),

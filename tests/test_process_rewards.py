@@ -3,6 +3,7 @@ through a wrong step, PPO places each step's score on that step's last token and
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -218,32 +219,50 @@ def flagged_steps(completions, **_):
                         [bool(st) for st in steps], steps=steps)
 
 
-@pytest.mark.slow
-def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(tiny_checkpoint, ctx_factory, home):
-    """level: step on tiny data: steps labelled by a process reward (here: a step of one letter twice is wrong); the
-    held-out step accuracy climbs well past always answering "right", the first wrong step is found, and the
-    trained model scores each step of a completion as a reward."""
+def flagged_file(path: Path, rated: bool) -> Path:
+    """240 demonstrations of three two-letter steps, a third of the steps wrong (one letter twice): as
+    conversations (labelled by ``flagged_steps``) or as a step-rated file in PRM800K's shape."""
     import json
     import random
 
-    from stages import reward_model
-    from stages.context import StageInputs
-    from stages.rewards.reward_model import StepRewardModel, is_step_scorer
-
     rng = random.Random(0)
-    path = home.parent / "flagged.jsonl"
     with open(path, "w") as handle:
         for _ in range(240):
-            steps = [rng.choice("abc") + rng.choice("abc") for _ in range(3)]  # a third of them wrong
-            handle.write(json.dumps({"messages": [{"role": "user", "content": "Write three steps."},
-                                                  {"role": "assistant", "content": ", ".join(steps)}]}) + "\n")
-    rewards = {"flags": RewardSpec(fn="test_process_rewards:flagged_steps")}
-    config = reward_model.RewardModelStageConfig(kind="reward_model", level="step", labels="flags", data="train",
-                                                 max_steps=300, batch_size=16, lr=3e-3, logging_steps=50,
-                                                 heldout_fraction=0.2)
+            steps = [rng.choice("abc") + rng.choice("abc") for _ in range(3)]
+            if rated:
+                record = {"prompt": "Write three steps.", "steps": steps,
+                          "ratings": [-1 if len(set(step)) == 1 else 1 for step in steps]}
+            else:
+                record = {"messages": [{"role": "user", "content": "Write three steps."},
+                                       {"role": "assistant", "content": ", ".join(steps)}]}
+            handle.write(json.dumps(record) + "\n")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("labelled_by", ["a process reward", "a step-rated file"])
+def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(labelled_by, tiny_checkpoint,
+                                                                             ctx_factory, home):
+    """level: step on tiny data: steps labelled by a process reward (here: a step of one letter twice is wrong)
+    or rated in a file of PRM800K's shape; the held-out step accuracy climbs well past always answering "right",
+    the first wrong step is found, and the trained model scores each step of a completion as a reward."""
+    from stages import reward_model
+    from stages.context import StageInputs
+    from stages.data.specs import FileData
+    from stages.data.sources import materialize
+    from stages.rewards.reward_model import StepRewardModel, is_step_scorer
+
+    rated = labelled_by == "a step-rated file"
+    path = flagged_file(home.parent / "flagged.jsonl", rated)
+    data = materialize(FileData(path=str(path), role="train", records="steps" if rated else "conversations"),
+                       Path("."), home / "data")
+    rewards = {} if rated else {"flags": RewardSpec(fn="test_process_rewards:flagged_steps")}
+    config = reward_model.RewardModelStageConfig(kind="reward_model", level="step", labels=None if rated else "flags",
+                                                 data="train", max_steps=300, batch_size=16, lr=3e-3,
+                                                 logging_steps=50, heldout_fraction=0.2)
     with pytest.raises(ValueError, match="labels only applies to level step"):
         reward_model.RewardModelStageConfig(kind="reward_model", labels="flags", data="train")
-    outputs = reward_model.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": path}, rewards=rewards),
+    outputs = reward_model.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": data}, rewards=rewards),
                                ctx_factory("prm"))
     metrics = outputs["metrics"]
     assert metrics["heldout_steps"] == 48 * 3
@@ -253,9 +272,29 @@ def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(tin
 
     checkpoint = Path(outputs["checkpoint"])
     assert is_step_scorer(checkpoint)
-    scorer = StepRewardModel(checkpoint, RewardSpec(fn="reward_model", stage="prm"))
+    split = {"split": "lines"} if rated else {}
+    scorer = StepRewardModel(checkpoint, RewardSpec(fn="reward_model", stage="prm", kwargs=split))
     prompt = [{"role": "user", "content": "Write three steps."}]
-    scored = scorer(["ab, cc, ba", "ab, ca, bb", ""], [prompt] * 3)
+    joiner = "\n" if rated else ", "
+    scored = scorer([joiner.join(["ab", "cc", "ba"]), joiner.join(["ab", "ca", "bb"]), ""], [prompt] * 3)
     assert [[round(s.score) for s in steps] for steps in scored.steps] == [[1, 0, 1], [1, 1, 0], []]
     assert scored.scores[0] == pytest.approx(sum(s.score for s in scored.steps[0]) / 3)
     assert scored.parsed == [True, True, False] and scored.scores[2] == 0.0
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": "p", "steps": ["a", "b"], "ratings": [1]}, "`ratings` must hold one of -1, 0, 1 per step (2 steps)"),
+    ({"prompt": "p", "steps": ["a", "b\nc"], "ratings": [1, 1]}, "step 1 holds a line break"),
+    ({"prompt": "p", "steps": [], "ratings": []}, "`steps` must be a non-empty list"),
+    ({"steps": ["a"], "ratings": [1]}, "needs `prompt`"),
+])
+def test_a_step_rated_file_is_refused_with_the_record_and_what_is_wrong(record, message, home, tmp_path):
+    import json
+
+    from stages.data.specs import DataError, FileData
+    from stages.data.sources import materialize
+
+    path = tmp_path / "rated.jsonl"
+    path.write_text(json.dumps({"prompt": "ok", "steps": ["a"], "ratings": [0]}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=f"rated.jsonl:2: .*{re.escape(message)}"):
+        materialize(FileData(path=str(path), role="train", records="steps"), Path("."), home / "data")

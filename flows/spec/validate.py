@@ -763,6 +763,16 @@ def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dic
                 issues.append((("stages", name, field_name),
                                f"stage {target!r} is a reward model (a scorer, not a policy); it cannot be used as "
                                f"{field_name}"))
+        if getattr(config, "level", None) == "step" and not config.labels and config.data in data:
+            spec = data[config.data]
+            if getattr(spec, "records", None) != "steps":
+                issues.append((("stages", name, "labels"), "a level step reward model learns step labels: name the "
+                               "process reward that labels the steps of its data (`labels: REWARD`, e.g. fn "
+                               f"chain_steps), or give it a step-rated file (`records: steps`); dataset "
+                               f"{config.data!r} is neither"))
+        elif getattr(config, "labels", None) and getattr(data.get(config.data), "records", None) == "steps":
+            issues.append((("stages", name, "labels"), f"dataset {config.data!r} is step-rated (`records: steps`): "
+                           "its ratings are the labels; remove `labels`"))
         wants_pairs = getattr(config, "data_records", "conversations") == "preferences"
         for data_name in config.dataset_names():
             if (isinstance(data_name, str) and data_name in data

@@ -239,11 +239,36 @@ def located_file_records(spec: FileData | HubData, base_dir: Path) -> list[tuple
         from stages.data.preferences import normalise_preference
 
         normalise = normalise_preference
+    elif spec.records == "steps":
+        normalise = normalise_step_record
     read = located_parquet if fmt == "parquet" else located_jsonl
     records = read(path, spec.limit, normalise)
     if not records:
         raise DataError(f"data file {str(path)!r} holds no records")
     return records
+
+
+def normalise_step_record(raw, where: str) -> dict:
+    """A step-rated record (PRM800K's shape: ``prompt``, ``steps``, ``ratings``) as a conversation whose reply is
+    the steps one per line, the ratings kept beside it (``step_ratings``)."""
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    prompt, steps, ratings = raw.get("prompt"), raw.get("steps"), raw.get("ratings")
+    if not isinstance(prompt, str):
+        raise DataError(f"{where}: a step-rated record needs `prompt` (a string)")
+    if not isinstance(steps, list) or not steps or not all(isinstance(s, str) and s.strip() for s in steps):
+        raise DataError(f"{where}: `steps` must be a non-empty list of non-empty strings")
+    broken = [i for i, s in enumerate(steps) if "\n" in s.strip()]
+    if broken:
+        raise DataError(f"{where}: step {broken[0]} holds a line break; each step is one line (the steps are "
+                        "joined one per line)")
+    if not isinstance(ratings, list) or len(ratings) != len(steps) or not all(
+            r in (-1, 0, 1) and not isinstance(r, bool) for r in ratings):
+        raise DataError(f"{where}: `ratings` must hold one of -1, 0, 1 per step ({len(steps)} steps), got {ratings!r}")
+    answer = raw.get("answer")
+    return {"messages": [{"role": "user", "content": prompt},
+                         {"role": "assistant", "content": "\n".join(s.strip() for s in steps)}],
+            "answer": None if answer is None else str(answer), "step_ratings": list(ratings)}
 
 
 def prompt_text(record: dict) -> str:

@@ -74,10 +74,12 @@ class FileData(SpecModel):
     role: Role = Field(description=ROLE_HELP)
     format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="File format; auto uses the suffix.")
     limit: int | None = Field(None, ge=1, description="Use only the first `limit` records.")
-    records: Literal["conversations", "preferences"] = Field(
+    records: Literal["conversations", "preferences", "steps"] = Field(
         "conversations",
-        description="What each record is: `conversations` (messages, or prompt + completion) or `preferences` "
-        "(prompt / chosen / rejected pairs, plain strings or chat messages) for reward_model and dpo stages.",
+        description="What each record is: `conversations` (messages, or prompt + completion), `preferences` "
+        "(prompt / chosen / rejected pairs, plain strings or chat messages) for reward_model and dpo stages, or "
+        "`steps` (PRM800K's shape: `prompt`, the solution's `steps` as strings and their `ratings`, +1 right, 0 "
+        "neutral, -1 wrong) for a reward_model stage at level step, which reads +1 as right and the rest as not.",
     )
 
 
