@@ -90,7 +90,7 @@ class StageState:
 def train_resumably(trainer, ctx, state: StageState | None = None) -> tuple[Any, int]:
     """``trainer.train()``, resumed from the newest checkpoint in ``ctx.resume_dir`` if an earlier execution
     left one, stopping gracefully with a checkpoint on Ctrl-C and at the time limit
-    (stages/training/callbacks.py ``stop_gracefully``). Returns the train output, with ``training_loss``
+    (``stop_gracefully``). Returns the train output, with ``training_loss``
     the mean over every step since the stage began (not only those of this execution), and the step it
     resumed from (0: from the start). The trainer's ``output_dir`` must be ``ctx.resume_dir``
     (``resumable_arguments``)."""
