@@ -139,9 +139,13 @@ def weights(checkpoint: str) -> dict[str, torch.Tensor]:
 
 
 def complete(folder: Path) -> bool:
-    """A checkpoint folder that is whole: a trainer's writes trainer_state.json last; posttrain's own loop (ppo)
-    renames the folder into place whole, stage_state.json in it."""
-    return (folder / "trainer_state.json").is_file() or (folder / "tensors.pt").is_file()
+    """A checkpoint folder that is whole: a trainer writes trainer_state.json last (whole once it parses);
+    posttrain's own loop (ppo, online_dpo) renames the folder into place whole, tensors.pt in it."""
+    try:
+        json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+        return True
+    except (OSError, ValueError):
+        return (folder / "tensors.pt").is_file()
 
 
 def resumed_step(resume_dir: Path) -> int:
@@ -176,8 +180,10 @@ def assert_same_stage(whole: tuple[dict, object], stopped_ctx, resumed: tuple[di
         assert set(by_step) == set(joined), name
         for s in joined:  # the first value at each step (a trainer's end-of-training log repeats `epoch`)
             assert joined[s][0] == pytest.approx(by_step[s][0], rel=1e-6, abs=1e-9), (name, s)
-        for s, values in after.get(name, {}).items():  # the resumed run logs each step as often as the whole run
-            assert 0 < s <= k or len(values) == len(steps.get(s, [])), (name, s)
+        for s, values in after.get(name, {}).items():
+            assert s == 0 or s > k, (name, s)  # the resumed run logs no step the stopped run had logged
+            # and what the whole run logged there (a repeated log of one value at one millisecond is one row)
+            assert s == 0 or len(set(values)) == len(set(steps.get(s, []))), (name, s)
 
 
 def interrupt_after(resume_dir: Path, step: int) -> threading.Thread:
@@ -237,10 +243,25 @@ def test_a_stage_killed_with_sigkill_resumes_from_its_periodic_checkpoint(kind, 
         time.sleep(0.002)
     os.killpg(process.pid, signal.SIGKILL)
     assert process.wait() == -signal.SIGKILL
-    k = resumed_step(resume_dir)
-    assert 0 < k < STEPS and k % SAVE_EVERY == 0, k
 
     resumed = run_stage(kind, home, tiny_checkpoint, "resumed", resume_dir)
+    # the newest checkpoint written whole (the kill may cut the next one short: it is passed over)
+    k = int(resumed[0]["metrics"]["resumed_from_step"])
+    assert 0 < k < STEPS and k % SAVE_EVERY == 0, k
     whole = run_stage(kind, home, tiny_checkpoint, "whole", home / "resume-whole")
     # the killed run's last metrics may have died in its send buffer: only the resumed run's steps are compared
     assert_same_stage(whole, None, resumed, k)
+
+
+def test_a_checkpoint_cut_short_is_passed_over_for_the_one_before(tmp_path):
+    """kill -9 while the trainer writes trainer_state.json (last) leaves it empty or partial: the checkpoint
+    before it, which the trainer deletes only after the new one is whole, is the one resumed."""
+    from stages.training.resume import last_checkpoint
+
+    for step, state in ((3, '{"global_step": 3}'), (6, '{"global_st'), (9, None)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if state is not None:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
+    assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-3")
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("")
+    assert last_checkpoint(tmp_path) is None

@@ -64,16 +64,21 @@ def resumable_arguments(resume_dir: Path, save_steps: int | None) -> dict:
 
 
 def last_checkpoint(resume_dir: Path) -> str | None:
-    """The newest complete trainer checkpoint an earlier, interrupted execution left, if any."""
-    from transformers.trainer_utils import get_last_checkpoint
-
+    """The newest complete trainer checkpoint an earlier, interrupted execution left, if any. A checkpoint
+    whose writing was cut short (kill -9 while the trainer wrote it) has no ``trainer_state.json``, which
+    the trainer writes last, or only part of it: it is passed over for the one before it, which the
+    trainer deletes only once the newer one is written."""
     if not resume_dir.is_dir():
         return None
-    found = get_last_checkpoint(str(resume_dir))
-    # a checkpoint whose writing was cut short has no trainer_state.json (written last): skip it
-    if found and not (Path(found) / "trainer_state.json").is_file():
-        return None
-    return found
+    found = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in resume_dir.glob("checkpoint-*")
+                   if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit())
+    for _, folder in reversed(found):
+        try:
+            json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        return str(folder)
+    return None
 
 
 class StageState:
