@@ -30,6 +30,19 @@ def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
     return model, tokenizer
 
 
+def right_padded(sequences: list[list[int]], pad_id: int):
+    """(input ids, attention mask) of token sequences padded on the right, as reward models are trained."""
+    import torch
+
+    width = max(len(ids) for ids in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+    return input_ids, attention
+
+
 class RewardModelScorer:
     """Batched scores of (prompt, completion) pairs by a trained reward model."""
 
@@ -56,13 +69,7 @@ class RewardModelScorer:
         ]
         scores: list[float] = []
         for start in range(0, len(sequences), self.batch_size):
-            batch = sequences[start : start + self.batch_size]
-            width = max(len(ids) for ids in batch)
-            input_ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, ids in enumerate(batch):  # right padding, as in training
-                input_ids[row, : len(ids)] = torch.tensor(ids)
-                attention[row, : len(ids)] = 1
+            input_ids, attention = right_padded(sequences[start : start + self.batch_size], tok.pad_token_id)
             with torch.no_grad():
                 logits = self.model(input_ids=input_ids.to(self.device),
                                     attention_mask=attention.to(self.device)).logits
@@ -150,12 +157,7 @@ class StepRewardModel:
         found = []
         for start in range(0, len(rows), self.batch_size):
             batch = rows[start:start + self.batch_size]
-            width = max(len(ids) for ids, _ in batch)
-            input_ids = torch.full((len(batch), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, (ids, _) in enumerate(batch):
-                input_ids[row, :len(ids)] = torch.tensor(ids)
-                attention[row, :len(ids)] = 1
+            input_ids, attention = right_padded([ids for ids, _ in batch], self.tokenizer.pad_token_id or 0)
             with torch.no_grad():
                 logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device)).logits
             right = logits.float().softmax(-1)[..., 1].cpu()
