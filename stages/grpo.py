@@ -47,7 +47,7 @@ from pathlib import Path
 from stages.training.alerts import SilentFailureWatch
 from stages.context import StageInputs
 from stages.data.sources import prompt_messages, read_materialized
-from stages.rollout.generation import neutral_generation_config
+from stages.rollout.generation import choose_backend, neutral_generation_config
 from stages.rollout.episodes import environment_scorers
 from stages.models.placement import check_devices, place, placement_params
 from stages.rewards.registry import ENVIRONMENT_FN, RewardSpec, reward_columns
@@ -327,15 +327,17 @@ def build_grpo_config(config, output_dir: Path, seed: int):
     )
 
 
-def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: str, step_metrics=None):
+def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: str, step_metrics=None,
+                  work_dir: Path | None = None):
     """posttrain's rollouts for TRL (stages/rollout/training.py): an environment's episodes (through vLLM or the
     training model's generate; their metrics go to ``step_metrics``), or vLLM samples when the backend
-    resolved to vLLM, else None (TRL samples with generate on the training model)."""
+    resolved to vLLM, both from a generation server of the stage's own with ``generation.mode: server``
+    (stages/rollout/ahead.py), else None (TRL samples with generate on the training model)."""
     import os
 
     from stages.rollout.training import GRPORollouts, open_rollout_engine
 
-    if backend != "vllm" and config.environment is None:
+    if backend not in ("vllm", "vllm_server") and config.environment is None:
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
     env = config.environment
@@ -346,14 +348,38 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
                                                           inputs.trust_remote_code),
                               tokenizer, sampling.seeded(seed))
     if env is None:
-        return engine
-    from stages.rollout.environments import build_environment
-    from stages.rollout.episodes import EpisodeRunner
-    from stages.rollout.training import EpisodeRollouts
+        rollouts = engine or GRPORollouts(None, tokenizer, sampling.seeded(seed))
+    else:
+        from stages.rollout.environments import build_environment
+        from stages.rollout.episodes import EpisodeRunner
+        from stages.rollout.training import EpisodeRollouts
 
-    runner = EpisodeRunner(build_environment(env), env, tokenizer)
-    runner.environment.check()
-    return EpisodeRollouts(runner, tokenizer, sampling.seeded(seed, attempts=1), engine, step_metrics)
+        runner = EpisodeRunner(build_environment(env), env, tokenizer)
+        runner.environment.check()
+        rollouts = EpisodeRollouts(runner, tokenizer, sampling.seeded(seed, attempts=1), engine, step_metrics)
+    if backend != "vllm_server":
+        return rollouts
+    return served_rollouts(config, inputs, tokenizer, dataset, rollouts, step_metrics, work_dir)
+
+
+def served_rollouts(config, inputs: StageInputs, tokenizer, dataset, inner, step_metrics, work_dir: Path):
+    """``inner``'s draws from a generation server started for the stage on first use (stages/rollout/server.py),
+    up to ``generation.max_staleness`` steps ahead of training (stages/rollout/ahead.py)."""
+    from stages.rollout.ahead import ServedRollouts
+    from stages.rollout.server import GenerationServer, ServerBackend
+    from stages.rollout.training import context_length, rollout_budget
+
+    generation = config.generation
+
+    def open_backend() -> ServerBackend:
+        server = GenerationServer(
+            inputs.policy, work_dir / "generation-server.log", engine=config.engine,
+            max_model_len=context_length(tokenizer, dataset["prompt"], rollout_budget(config)),
+            lora_rank=config.lora.r if config.lora else None, max_loras=generation.max_staleness + 2,
+            trust_remote_code=inputs.trust_remote_code, startup_timeout_s=generation.startup_timeout_s)
+        return ServerBackend(server.start(), tokenizer)
+
+    return ServedRollouts(inner, open_backend, generation.max_staleness, work_dir / "served", step_metrics)
 
 
 def train_grpo(config, inputs: StageInputs, ctx) -> dict:
@@ -372,8 +398,12 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     dataset = Dataset.from_list(_prompt_rows(config, records))
     rewards: dict[str, RewardSpec] = inputs.rewards
     step_metrics = StepMetrics()  # what our rewards, rollouts and loss measure in a step, logged with TRL's
-    backend, why = rollout_backend(config, inputs.policy)
-    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics)
+    if config.generation.mode == "server":
+        choose_backend("vllm", inputs.policy)  # a model vLLM cannot serve fails here, saying why
+        backend, why = "vllm_server", "generation mode server"
+    else:
+        backend, why = rollout_backend(config, inputs.policy)
+    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics, ctx.work_dir)
     scorer = _scorer(config, inputs, ctx)
     reward_funcs = [make_reward_func(name, scorer, step_metrics,
                                      rollouts.runner.environment if config.environment is not None else None)
@@ -384,6 +414,8 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     correction, correction_why = resolve_correction(config, backend)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why,
                     "resolved_correction": f"{correction.kind} cap {correction.cap}", "correction_reason": correction_why})
+    if backend == "vllm_server":
+        ctx.log_params({"weight_sync": "lora adapter over HTTP" if config.lora else "full weights reloaded from disk"})
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)
@@ -391,7 +423,9 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     trainer.step_metrics = step_metrics
     # where the training model samples (HF generate, an environment's episodes on it) there is nothing to
     # correct or measure: no extra forward pass for it
-    trainer.correction = correction if backend == "vllm" or config.correction is not None else None
+    trainer.correction = correction if backend in ("vllm", "vllm_server") or config.correction is not None else None
+    if config.generation.max_staleness > 0:  # the server draws ahead with each new version as soon as it exists
+        trainer.add_callback(push_after_each_step(trainer, rollouts))
     history: list[dict] = []
     watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps",
@@ -418,6 +452,18 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     return {**outputs, "metrics": metrics}
 
 
+def push_after_each_step(trainer, rollouts):
+    """A callback that serves the policy's new weights right after each optimizer step, so rollouts drawn
+    ahead (stages/rollout/ahead.py) can use them while the next step trains."""
+    from transformers import TrainerCallback
+
+    class PushWeights(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            rollouts.sync(trainer)
+
+    return PushWeights()
+
+
 def _step_logger(config, trainer, history: list[dict], watch: SilentFailureWatch, ctx):
     """What happens at each step's log: its metrics kept for the curves, the silent-failure ``watch``
     (stages/training/alerts.py), and every ``sample_every`` steps a table of sample completions."""
@@ -439,12 +485,15 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
     count, dynamic sampling's prompt draws. (A judge's audit schedule restarts with the execution.)"""
     from stages.training.resume import StageState
 
-    engine = rollouts if isinstance(rollouts, GRPORollouts) else getattr(rollouts, "engine", None)
+    from stages.rollout.ahead import ServedRollouts
+
+    engine = rollouts if isinstance(rollouts, (GRPORollouts, ServedRollouts)) else getattr(rollouts, "engine", None)
 
     def save() -> dict:
         return {"history": history, "watch": watch.state(), "reward_errors": scorer.policy.state(),
                 "calls": rollouts.calls if rollouts is not None else 0,
                 "syncs": engine.syncs if engine is not None else 0,
+                "dropped": getattr(rollouts, "dropped", 0),
                 "dynamic_rng": trainer.dynamic[2].getstate() if trainer.dynamic is not None else None}
 
     def restore(saved: dict) -> None:
@@ -455,6 +504,8 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
             rollouts.calls = saved["calls"]
         if engine is not None:
             engine.syncs = saved["syncs"]
+        if hasattr(rollouts, "dropped"):
+            rollouts.dropped = saved.get("dropped", 0)
         if trainer.dynamic is not None:
             version, internal, gauss = saved["dynamic_rng"]
             trainer.dynamic[2].setstate((version, tuple(internal), gauss))

@@ -16,6 +16,7 @@ from stages.context import ExecutionLimits
 from stages.training.resume import Resumable
 from stages.difficulty import DifficultyFilter
 from stages.rollout.environments import EnvironmentSpec
+from stages.rollout.server import GenerationSettings
 from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.models.placement import Placement
@@ -54,6 +55,8 @@ def resolve_correction(config, backend: str) -> tuple[SamplerCorrection, str]:
         return config.correction, "declared"
     if backend == "vllm":
         return SamplerCorrection(), "auto: the vLLM engine samples, not the trainer"
+    if backend == "vllm_server":
+        return SamplerCorrection(), "auto: the generation server samples, not the trainer"
     return SamplerCorrection(kind="none"), "auto: the training model samples"
 
 
@@ -220,6 +223,12 @@ class GRPOStageConfig(RLCommon):
         None, description="GRPO: drop zero-variance groups and refill the batch with fresh prompts (DAPO), within "
         "a budget of generation rounds; the raw `reward/zero_variance_group_frac` is logged beside "
         "`dynamic/kept_zero_variance_frac` and the extra generations, `dynamic/rounds`.")
+    generation: GenerationSettings = Field(
+        default_factory=GenerationSettings,
+        description="GRPO: where rollouts are generated. `mode: server` starts a vLLM server for the stage in "
+        "processes of its own (stages/rollout/server.py) and, with `max_staleness` k > 0, draws the next k steps' "
+        "rollouts while the trainer trains (stages/rollout/ahead.py); logged: ahead/staleness_mean, "
+        "ahead/staleness_max, ahead/dropped_samples, ahead/sync_seconds, ahead/wait_seconds.")
     updates_per_batch: int = Field(
         1, ge=1, le=16,
         description="GRPO: optimizer steps on each generated batch (TRL num_iterations). 1 is on-policy "
@@ -235,6 +244,9 @@ class GRPOStageConfig(RLCommon):
         if self.dynamic_sampling is not None:
             issues.append("`dynamic_sampling` is not supported on several processes: it regroups rollouts that TRL "
                           "splits over the processes")
+        if self.generation.mode == "server":
+            issues.append("`generation.mode: server` is not supported on several processes: each would start "
+                          "its own server and push its own weights; train on one process")
         return issues + super().world_issues(world, resources)
 
     @model_validator(mode="after")
@@ -248,10 +260,29 @@ class GRPOStageConfig(RLCommon):
             raise ValueError("correction weighs samples another sampler drew; with backend hf TRL samples with "
                              "the training model itself and records no sampler log-probs: use backend vllm (or "
                              "auto), or remove correction")
+        self._generation_rules()
         if self.sampling.attempts < 2:
             raise ValueError(f"grpo needs sampling.attempts >= 2 to compare completions of a prompt "
                              f"(got {self.sampling.attempts})")
         return self
+
+
+    def _generation_rules(self) -> None:
+        generation = self.generation
+        if generation.mode == "colocated":
+            for field in ("max_staleness", "startup_timeout_s"):
+                if field in generation.model_fields_set:
+                    raise ValueError(f"generation.{field} applies to generation mode server: a colocated engine "
+                                     f"samples inside the training process, between its steps; set "
+                                     f"generation.mode: server or remove generation.{field}")
+            return
+        if self.backend == "hf":
+            raise ValueError("generation mode server samples with vLLM in a server of its own; backend hf samples "
+                             "with the training model: remove one of them")
+        if generation.max_staleness > 0 and self.dynamic_sampling is not None:
+            raise ValueError("dynamic_sampling draws its extra prompts from the rewards of the step being trained, "
+                             "which cannot be drawn ahead: use generation.max_staleness: 0 with it, or remove "
+                             "dynamic_sampling")
 
 
 class PPOStageConfig(RLCommon):

