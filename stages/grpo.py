@@ -439,6 +439,8 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     finally:
         if rollouts is not None:
             ctx.log_metrics({"engine_weight_syncs": float(rollouts.syncs)})
+            if backend == "vllm_server":
+                ctx.log_metrics({"generation_server_startup_seconds": rollouts.startup_seconds})
             rollouts.close()
 
     log_curves(ctx, history)

@@ -66,11 +66,13 @@ class ServedRollouts:
         self._producer: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._closing = False
+        self.startup_seconds = 0.0  # the server's, once started
 
     # -- the trainer's side -------------------------------------------------------------------------------
     def open(self) -> ServerBackend:
         if self.backend is None:
             self.backend = self.open_backend()
+            self.startup_seconds = self.backend.server.startup_seconds
         return self.backend
 
     def close(self) -> None:

@@ -98,6 +98,7 @@ class GenerationServer:
         self.max_model_len, self.lora_rank, self.max_loras = max_model_len, lora_rank, max_loras
         self.trust_remote_code, self.startup_timeout_s, self.echo = trust_remote_code, startup_timeout_s, echo
         self.port = 0
+        self.startup_seconds = 0.0  # from launch to /health answering
         self.process: subprocess.Popen | None = None
         self._tail: threading.Thread | None = None
         self._lines: deque[str] = deque(maxlen=40)
@@ -151,8 +152,10 @@ class GenerationServer:
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         self._tail = threading.Thread(target=self._follow, name="generation-server-log", daemon=True)
         self._tail.start()
+        started = time.perf_counter()
         try:
             self._wait_healthy()
+            self.startup_seconds = time.perf_counter() - started
         except BaseException:
             self.close()
             raise
