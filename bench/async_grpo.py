@@ -1,13 +1,15 @@
 """GRPO with generation apart from training: a vLLM server, synchronous and up to 2 steps ahead, against the
 in-process (colocated) vLLM engine, on SmolLM2-135M-Instruct.
 
-    python bench/async_grpo.py                      # 12 steps per layout, this CPU
+    python bench/async_grpo.py                      # 10 steps per layout, this CPU
     python bench/async_grpo.py --steps 20 --layouts colocated server-1
 
 The smollm2-reasoning pipeline's GRPO stage (LoRA r16 on all linear layers, chain_sum prompts, reasoning-gym's
 verifier, rollouts in bfloat16 at temperature 1.0 and 24 tokens, 8 attempts) from the instruct model itself
-(no SFT: this measures the systems, not the learning), without dynamic sampling (it cannot be drawn ahead),
-with reasoning-gym's partial credit so the groups carry signal. One run per layout, one after the other in
+(no SFT: this measures the systems, not the learning), without dynamic sampling (it cannot be drawn ahead).
+The instruct model never writes the verifier's <answer> tags (reward 0 on every sample), so a length
+penalty (0.02 a character past 20) is added: the groups carry signal and the policy moves, which is what
+makes stale samples differ from the trainer's policy. One run per layout, one after the other in
 this process, same seed:
 
 - colocated: posttrain's in-process vLLM engine, the policy's merged weights pushed into it before each step;
@@ -46,7 +48,7 @@ def mean(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--out", type=Path)
@@ -65,12 +67,13 @@ def main() -> None:
     checkpoint = resolve_base_checkpoint(TypeAdapter(ModelSpec).validate_python(SMOLLM2), 0, home / "cache", home)
     data = materialize(TypeAdapter(DataSpec).validate_python(TRAIN), Path("."), home / "data")
     inputs = StageInputs(policy=checkpoint, datasets={"data": data},
-                         rewards={"correct": RewardSpec(fn="reasoning_gym", kwargs={"binary": False})})
+                         rewards={"correct": RewardSpec(fn="reasoning_gym", kwargs={"binary": True}),
+                                  "short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 20, "per_char": 0.02})})
     contexts = StageContexts(home, "bench-async-grpo")
     results = {}
     for layout in args.layouts:
         config = rl_stage_config(
-            kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"], kl_beta=0.02,
+            kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct", "short"], kl_beta=0.02,
             lora={"r": 16, "alpha": 32, "target_modules": "all-linear"}, lr=3e-4, max_steps=args.steps,
             prompts_per_step=args.prompts_per_step, sampling={"temperature": 1.0, "max_tokens": 24, "attempts": 8},
             backend="vllm", engine={"dtype": "bfloat16"}, generation=LAYOUTS[layout], save_steps=None,
@@ -82,7 +85,7 @@ def main() -> None:
         metrics = ctx.recorded_run().data.metrics
         history = {name: [p.value for p in ctx.metric_history(name)] for name in (
             "reward/mean", "ahead/wait_seconds", "ahead/sync_seconds", "ahead/staleness_mean",
-            "correction/logp_diff_abs_mean")}
+            "correction/logp_diff_abs_mean", "kl")}
         startup = metrics.get("generation_server_startup_seconds", 0.0)
         results[layout] = {"stage_seconds": round(seconds, 1), "without_startup": round(seconds - startup, 1),
                            "server_startup_seconds": round(startup, 1),
@@ -90,6 +93,8 @@ def main() -> None:
                            "sync_seconds_per_step": round(mean(history["ahead/sync_seconds"]), 2),
                            "staleness_mean": round(mean(history["ahead/staleness_mean"]), 2),
                            "reward_mean": round(mean(history["reward/mean"]), 3),
+                           "reward_last3": round(mean(history["reward/mean"][-3:]), 3),
+                           "kl_last": round(history["kl"][-1], 4) if history["kl"] else None,
                            "logp_diff_abs_mean": round(mean(history["correction/logp_diff_abs_mean"]), 4)}
         print(layout, json.dumps(results[layout]), flush=True)
     base = results.get("colocated")

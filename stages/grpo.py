@@ -366,20 +366,12 @@ def served_rollouts(config, inputs: StageInputs, tokenizer, dataset, inner, step
     """``inner``'s draws from a generation server started for the stage on first use (stages/rollout/server.py),
     up to ``generation.max_staleness`` steps ahead of training (stages/rollout/ahead.py)."""
     from stages.rollout.ahead import ServedRollouts
-    from stages.rollout.server import GenerationServer, ServerBackend
-    from stages.rollout.training import context_length, rollout_budget
+    from stages.rollout.server import open_generation_server
 
-    generation = config.generation
+    def open_backend():
+        return open_generation_server(config, inputs, tokenizer, dataset["prompt"], work_dir)
 
-    def open_backend() -> ServerBackend:
-        server = GenerationServer(
-            inputs.policy, work_dir / "generation-server.log", engine=config.engine,
-            max_model_len=context_length(tokenizer, dataset["prompt"], rollout_budget(config)),
-            lora_rank=config.lora.r if config.lora else None, max_loras=generation.max_staleness + 2,
-            trust_remote_code=inputs.trust_remote_code, startup_timeout_s=generation.startup_timeout_s)
-        return ServerBackend(server.start(), tokenizer)
-
-    return ServedRollouts(inner, open_backend, generation.max_staleness, work_dir / "served", step_metrics)
+    return ServedRollouts(inner, open_backend, config.generation.max_staleness, work_dir / "served", step_metrics)
 
 
 def train_grpo(config, inputs: StageInputs, ctx) -> dict:

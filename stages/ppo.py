@@ -100,7 +100,7 @@ from stages.training.data_parallel import (
 )
 from stages.rollout.environments import build_environment
 from stages.rollout.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
-from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, prompt_token_ids
+from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, choose_backend, prompt_token_ids
 from stages.rewards.judge import batch_auditor
 from stages.models.lora import AdaptersOff, save_trained, wrap
 from stages.models.loading import load_model_and_tokenizer
@@ -119,6 +119,7 @@ from stages.rl_math import (
     ppo_value_loss,
     sampler_correction,
 )
+from stages.rollout.server import ServerBackend, open_generation_server
 from stages.rollout.training import open_rollout_engine, rollout_backend, sync_policy
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 from stages.training.resume import LoopState, train_loop
@@ -467,7 +468,8 @@ class PPORun:
     scorer: Scorer  # the stage's rewards, bound scorers, reward_errors policy and judge auditor
     seed: int
     device: torch.device
-    engine: VLLMBackend | None = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
+    engine: VLLMBackend | ServerBackend | None = None  # posttrain's vLLM engine or generation server, else HF generate
+    served_folder: Path | None = None  # generation mode server: where pushed weights are written
     episodes: EpisodeRunner | None = None  # the stage's environment, when it declares one
     correction: SamplerCorrection = field(default_factory=lambda: SamplerCorrection(kind="none"))  # train_ppo
 
@@ -509,7 +511,10 @@ class PPORun:
         answers = [r.get("answer") for r in batch]
         # each process samples its shard of the prompts with its own seed (rank 0's is the one-process seed)
         settings = config.sampling.seeded(self.seed + step + 1_000_003 * rank())
-        if self.engine is not None:
+        if isinstance(self.engine, ServerBackend):  # a generation server: the adapter, or the weights, as a new version
+            if self.engine.weights_version < step - 1:
+                self.engine.push(self.policy, step - 1, self.served_folder)
+        elif self.engine is not None:
             sync_policy(self.engine, self.policy, step - 1)  # the policy the last update left, merged LoRA included
         backend = self.engine or HFGenerateBackend(self.policy, self.tokenizer, len(batch) * settings.attempts,
                                                    weights_version=step - 1)
@@ -591,7 +596,15 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     run = PPORun.load(config, inputs, seed, ctx)
     broadcast_parameters(run.policy, run.critic)
     records = read_materialized(inputs.data)
-    backend, why = rollout_backend(config, inputs.policy)
+    if config.generation.mode == "server":
+        choose_backend("vllm", inputs.policy)  # a model vLLM cannot serve fails here, saying why
+        backend, why = "vllm_server", "generation mode server"
+        run.engine = open_generation_server(config, inputs, run.tokenizer, [prompt_messages(r) for r in records],
+                                            ctx.work_dir)
+        run.served_folder = ctx.work_dir / "served"
+        ctx.log_params({"weight_sync": "lora adapter over HTTP" if config.lora else "full weights reloaded from disk"})
+    else:
+        backend, why = rollout_backend(config, inputs.policy)
     if backend == "vllm":
         run.engine = open_rollout_engine(config, inputs.policy, run.tokenizer, [prompt_messages(r) for r in records],
                                          inputs.trust_remote_code)
@@ -615,6 +628,9 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     finally:
         if run.engine is not None:
             run.engine.close()
+        if isinstance(run.engine, ServerBackend):
+            run.engine.server.close()
+            ctx.log_metrics({"generation_server_startup_seconds": run.engine.server.startup_seconds})
 
     log_curves(ctx, history)
     outputs = run.save(ctx)

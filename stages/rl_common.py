@@ -111,6 +111,13 @@ class RLCommon(ExecutionLimits, Resumable):
         "(resolved_backend vllm), none when the training model does; either way the mismatch is logged "
         "(correction/logp_diff_abs_mean, correction/kl_sampler_trainer, correction/weight_mean, "
         "correction/clipped_frac).")
+    generation: GenerationSettings = Field(
+        default_factory=GenerationSettings,
+        description="Where rollouts are generated. `mode: server` starts a vLLM server for the stage in processes "
+        "of its own (stages/rollout/server.py) and pushes the policy's weights to it after every optimizer step; "
+        "GRPO with `max_staleness` k > 0 draws the next k steps' rollouts while the trainer trains "
+        "(stages/rollout/ahead.py); logged: ahead/staleness_mean, ahead/staleness_max, ahead/dropped_samples, "
+        "ahead/sync_seconds, ahead/wait_seconds.")
     lora: LoraSpec | None = Field(
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")
@@ -184,6 +191,21 @@ class RLCommon(ExecutionLimits, Resumable):
                              "remove one of environment and difficulty_filter")
         return self
 
+    @model_validator(mode="after")
+    def _generation_rules(self):
+        generation = self.generation
+        if generation.mode == "colocated":
+            for field in ("max_staleness", "startup_timeout_s"):
+                if field in generation.model_fields_set:
+                    raise ValueError(f"generation.{field} applies to generation mode server: a colocated engine "
+                                     f"samples inside the training process, between its steps; set "
+                                     f"generation.mode: server or remove generation.{field}")
+            return self
+        if self.backend == "hf":
+            raise ValueError("generation mode server samples with vLLM in a server of its own; backend hf samples "
+                             "with the training model: remove one of them")
+        return self
+
     def references(self) -> dict[str, str]:
         refs = {"policy": self.policy}
         if self.reference is not None:
@@ -195,7 +217,9 @@ class RLCommon(ExecutionLimits, Resumable):
         return [f"`{field}` is not supported on several processes: {why}" for field, value, why in (
             ("difficulty_filter", self.difficulty_filter, "every process would sample the filter again"),
             ("backend", "vllm" if self.backend == "vllm" else None,
-             "every process would start its own in-process engine; `auto` uses HF generate on each process"))
+             "every process would start its own in-process engine; `auto` uses HF generate on each process"),
+            ("generation.mode: server", "server" if self.generation.mode == "server" else None,
+             "each process would start its own server and push its own weights; train on one process"))
             if value is not None]
 
     def dataset_names(self) -> list[str]:
@@ -223,12 +247,6 @@ class GRPOStageConfig(RLCommon):
         None, description="GRPO: drop zero-variance groups and refill the batch with fresh prompts (DAPO), within "
         "a budget of generation rounds; the raw `reward/zero_variance_group_frac` is logged beside "
         "`dynamic/kept_zero_variance_frac` and the extra generations, `dynamic/rounds`.")
-    generation: GenerationSettings = Field(
-        default_factory=GenerationSettings,
-        description="GRPO: where rollouts are generated. `mode: server` starts a vLLM server for the stage in "
-        "processes of its own (stages/rollout/server.py) and, with `max_staleness` k > 0, draws the next k steps' "
-        "rollouts while the trainer trains (stages/rollout/ahead.py); logged: ahead/staleness_mean, "
-        "ahead/staleness_max, ahead/dropped_samples, ahead/sync_seconds, ahead/wait_seconds.")
     updates_per_batch: int = Field(
         1, ge=1, le=16,
         description="GRPO: optimizer steps on each generated batch (TRL num_iterations). 1 is on-policy "
@@ -244,9 +262,6 @@ class GRPOStageConfig(RLCommon):
         if self.dynamic_sampling is not None:
             issues.append("`dynamic_sampling` is not supported on several processes: it regroups rollouts that TRL "
                           "splits over the processes")
-        if self.generation.mode == "server":
-            issues.append("`generation.mode: server` is not supported on several processes: each would start "
-                          "its own server and push its own weights; train on one process")
         return issues + super().world_issues(world, resources)
 
     @model_validator(mode="after")
@@ -260,29 +275,14 @@ class GRPOStageConfig(RLCommon):
             raise ValueError("correction weighs samples another sampler drew; with backend hf TRL samples with "
                              "the training model itself and records no sampler log-probs: use backend vllm (or "
                              "auto), or remove correction")
-        self._generation_rules()
+        if self.generation.max_staleness > 0 and self.dynamic_sampling is not None:
+            raise ValueError("dynamic_sampling draws its extra prompts from the rewards of the step being trained, "
+                             "which cannot be drawn ahead: use generation.max_staleness: 0 with it, or remove "
+                             "dynamic_sampling")
         if self.sampling.attempts < 2:
             raise ValueError(f"grpo needs sampling.attempts >= 2 to compare completions of a prompt "
                              f"(got {self.sampling.attempts})")
         return self
-
-
-    def _generation_rules(self) -> None:
-        generation = self.generation
-        if generation.mode == "colocated":
-            for field in ("max_staleness", "startup_timeout_s"):
-                if field in generation.model_fields_set:
-                    raise ValueError(f"generation.{field} applies to generation mode server: a colocated engine "
-                                     f"samples inside the training process, between its steps; set "
-                                     f"generation.mode: server or remove generation.{field}")
-            return
-        if self.backend == "hf":
-            raise ValueError("generation mode server samples with vLLM in a server of its own; backend hf samples "
-                             "with the training model: remove one of them")
-        if generation.max_staleness > 0 and self.dynamic_sampling is not None:
-            raise ValueError("dynamic_sampling draws its extra prompts from the rewards of the step being trained, "
-                             "which cannot be drawn ahead: use generation.max_staleness: 0 with it, or remove "
-                             "dynamic_sampling")
 
 
 class PPOStageConfig(RLCommon):
@@ -331,6 +331,10 @@ class PPOStageConfig(RLCommon):
 
     @model_validator(mode="after")
     def _ppo_rules(self):
+        if self.generation.max_staleness > 0:
+            raise ValueError("generation.max_staleness applies to grpo: PPO draws each batch's rollouts from the "
+                             "generation server when the batch starts, by the weights of the update before "
+                             "(max_staleness 0); use algorithm grpo to draw ahead, or remove max_staleness")
         if self.process_weight and self.environment is not None:
             raise ValueError("process_weight places step scores on the completion's tokens; with `environment` the "
                              "reward scores an episode's final answer, not its transcript: remove one of them")

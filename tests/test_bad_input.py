@@ -286,6 +286,26 @@ CASES = [
          files={"r.jsonl": '{"prompt": "p", "steps": ["a"], "ratings": [2]}\n'}),
     Case("process_weight_on_grpo", append(GRPO.replace("rewards: [correct]}", "rewards: [correct], process_weight: 1}")),
          ["p.yaml:12: stages.grpo: process_weight only applies to algorithm ppo, not grpo (dense credit needs a critic"]),
+    Case("server_generation_with_backend_hf",
+         append(GRPO.replace("rewards: [correct]}", "rewards: [correct], backend: hf, generation: {mode: server}}")),
+         ["p.yaml:12: stages.grpo: generation mode server samples with vLLM in a server of its own; backend hf"]),
+    Case("staleness_without_a_server",
+         append(GRPO.replace("rewards: [correct]}", "rewards: [correct], generation: {max_staleness: 1}}")),
+         ["p.yaml:12: stages.grpo: generation.max_staleness applies to generation mode server"]),
+    Case("staleness_with_dynamic_sampling", append(GRPO.replace(
+        "rewards: [correct]}",
+        "rewards: [correct], dynamic_sampling: {}, generation: {mode: server, max_staleness: 2}}")),
+         ["p.yaml:12: stages.grpo: dynamic_sampling draws its extra prompts from the rewards of the step being trained"]),
+    Case("negative_staleness", append(GRPO.replace(
+        "rewards: [correct]}", "rewards: [correct], generation: {mode: server, max_staleness: -1}}")),
+         ["p.yaml:12: stages.grpo.generation.max_staleness"]),
+    Case("staleness_on_ppo", append(GRPO.replace("algorithm: grpo", "algorithm: ppo").replace(
+        "rewards: [correct]}", "rewards: [correct], generation: {mode: server, max_staleness: 1}}")),
+         ["p.yaml:12: stages.grpo: generation.max_staleness applies to grpo: PPO draws each batch's rollouts"]),
+    Case("server_generation_without_vllm", append(GRPO.replace(
+        "rewards: [correct]}", "rewards: [correct], generation: {mode: server}}")),
+         ["p.yaml:12: stages.grpo.generation.mode: vLLM is not installed here", "generation mode colocated"],
+         env="no_vllm", command="validate"),
     Case("thirty_digit_seed", replace("seed: 3", "seed: 123456789012345678901234567890"),
          ["p.yaml:2: seed: a seed must be in [0, 2**32)", "(30 digits)"]),
     Case("negative_data_seed", replace("seed: 9,", "seed: -1,"), ["p.yaml:6: data.heldout.seed: a seed must be in [0"]),

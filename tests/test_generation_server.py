@@ -155,6 +155,35 @@ def test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server(vllm
     assert "Application startup complete" in (ctx.work_dir / "generation-server.log").read_text()
 
 
+def test_ppo_samples_from_the_server_each_batch_by_the_last_updates_weights(vllm_tiny, ctx_factory, home):
+    """PPO in full fine-tuning with generation mode server: the weights of each update reach the server
+    (reloaded from disk) before the next batch is drawn, so the server's recorded log-probs stay the
+    trainer's own to float error at every step (stale weights would be off by the update's size)."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from stages import rl
+
+    config = rl_config(algorithm="ppo", sampling={"attempts": 2, "max_tokens": 4}, max_steps=3, minibatch_size=4,
+                       lora=None, generation={"mode": "server"}, sample_every=1)
+    ctx = ctx_factory("ppo-server")
+    rl.run(config, rl_inputs(home, vllm_tiny), ctx)
+    run = ctx.recorded_run()
+    assert run.data.params["resolved_backend"] == "vllm_server"
+    assert run.data.params["weight_sync"] == "full weights reloaded from disk"
+    gaps = [p.value for p in ctx.metric_history("logprob/sampler_abs_log_ratio")]
+    assert len(gaps) == 3 and all(gap < 1e-4 for gap in gaps), gaps
+    kls = [p.value for p in ctx.metric_history("kl")]
+    assert kls[-1] > 0, kls  # the policy did move away from the checkpoint the server started with
+    for step in (1, 2, 3):  # each batch drawn by the weights of the update before it
+        table = json.loads(open(MlflowClient().download_artifacts(run.info.run_id,
+                                                                  f"samples/step_{step:05d}.json")).read())
+        column = table["columns"].index("weights_version")
+        assert {row[column] for row in table["data"]} == {step - 1}, (step, table["data"])
+    assert not guards_of(os.getpid())
+
+
 STAGE = """
 import sys
 from pathlib import Path

@@ -173,11 +173,12 @@ class ServedRollouts:
         plan = planned_batches(trainer)
         for _ in range(from_call):  # the batches this execution already had (a resumed stage)
             next(plan)
-        self._producer = threading.Thread(target=self._produce, args=(plan, from_call), name="rollouts-ahead",
+        self._producer = threading.Thread(target=self._produce, args=(self.inner.for_thread(), plan, from_call),
+                                          name="rollouts-ahead",
                                           daemon=True)
         self._producer.start()
 
-    def _produce(self, plan, call: int) -> None:
+    def _produce(self, inner, plan, call: int) -> None:
         try:
             for prompts in plan:
                 version = self.version_for(call, self._updates)
@@ -186,7 +187,7 @@ class ServedRollouts:
                         self._changed.wait(timeout=1.0)
                     if self._closing:
                         return
-                out = self.inner.draw(prompts, self.backend.at(version), call * SEED_STRIDE)
+                out = inner.draw(prompts, self.backend.at(version), call * SEED_STRIDE)
                 with self._changed:
                     self._ready[call] = (prompts, out, version)
                     self._drawn_through = call

@@ -399,3 +399,18 @@ def _remove(path: Path) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+def open_generation_server(config, inputs, tokenizer, prompts: list[list[dict]], work_dir: Path) -> ServerBackend:
+    """The one place an rl stage starts its generation server: the stage's ``engine`` settings, a context sized
+    for its longest prompt plus its rollout budget, LoRA served when the policy trains adapters (room for
+    ``max_staleness + 2`` versions at once), its log in the stage's work dir."""
+    from stages.rollout.training import context_length, rollout_budget
+
+    generation = config.generation
+    server = GenerationServer(
+        inputs.policy, Path(work_dir) / "generation-server.log", engine=config.engine,
+        max_model_len=context_length(tokenizer, prompts, rollout_budget(config)),
+        lora_rank=config.lora.r if config.lora else None, max_loras=generation.max_staleness + 2,
+        trust_remote_code=inputs.trust_remote_code, startup_timeout_s=generation.startup_timeout_s)
+    return ServerBackend(server.start(), tokenizer)

@@ -143,6 +143,15 @@ class GRPORollouts:
     def consumed(self, out: dict, trainer) -> None:
         """What a batch drawn ahead measures when the trainer uses it: nothing for single completions."""
 
+    def for_thread(self) -> GRPORollouts:
+        """A copy that draws in another thread: a tokenizer of its own (a fast tokenizer used from two threads
+        at once, one of them TRL's setting its padding, fails with "Already borrowed")."""
+        import copy
+
+        twin = copy.copy(self)
+        twin.tokenizer = copy.deepcopy(self.tokenizer)
+        return twin
+
 
 class EpisodeRollouts:
     """TRL ``rollout_func`` for an rl stage with an ``environment``: one episode per prompt TRL hands over
@@ -196,6 +205,15 @@ class EpisodeRollouts:
                 "episode_answer": [e.answer if e.answer is not None else "" for e in episodes],
                 "episode_rewardable": [not shortcut(e, self.runner.spec) for e in episodes],
                 "episode": episodes}  # what an `environment` reward scores (the environment's own score)
+
+    def for_thread(self) -> EpisodeRollouts:
+        """A copy that draws in another thread, its runner with a tokenizer of its own (as GRPORollouts')."""
+        import copy
+
+        twin = copy.copy(self)
+        twin.runner = copy.copy(self.runner)
+        twin.tokenizer = twin.runner.tokenizer = copy.deepcopy(self.tokenizer)
+        return twin
 
     def consumed(self, out: dict, trainer) -> None:
         """The episode metrics of a batch the trainer uses, to ``step_metrics``; the batch for sample tables."""
