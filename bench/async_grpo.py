@@ -1,7 +1,7 @@
 """GRPO with generation apart from training: a vLLM server, synchronous and up to 2 steps ahead, against the
 in-process (colocated) vLLM engine, on SmolLM2-135M-Instruct.
 
-    python bench/async_grpo.py                      # 10 steps per layout, this CPU
+    python bench/async_grpo.py                      # 8 steps per layout, this CPU
     python bench/async_grpo.py --steps 20 --layouts colocated server-1
 
 The smollm2-reasoning pipeline's GRPO stage (LoRA r16 on all linear layers, chain_sum prompts, reasoning-gym's
@@ -48,7 +48,7 @@ def mean(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--out", type=Path)

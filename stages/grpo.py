@@ -377,6 +377,8 @@ def served_rollouts(config, inputs: StageInputs, tokenizer, dataset, inner, step
 def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     from datasets import Dataset
 
+    from stages.rollout.server import cpu_split, training_threads
+
     from stages.models.lora import save_trained
     from stages.rl_common import log_curves, resolve_correction
     from stages.training.callbacks import StepMetrics, quiet_trainer, tracking_callback
@@ -426,8 +428,12 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     ctx.log_params({"prompts": len(records), "resolved_seed": seed, "world_size": args.world_size,
                     "generation_batch": args.generation_batch_size,
                     **placement_params(trainer.ref_model, reward_funcs)})
+    server_cpus, trainer_threads = cpu_split(config.generation)
+    if server_cpus:
+        ctx.log_params({"generation_server_cpus": ",".join(map(str, server_cpus)), "trainer_threads": trainer_threads})
     try:
-        _, resumed_step = train_resumably(trainer, ctx, _stage_state(trainer, history, watch, rollouts, scorer))
+        with training_threads(trainer_threads):  # the trainer's share of the cores, beside the server's
+            _, resumed_step = train_resumably(trainer, ctx, _stage_state(trainer, history, watch, rollouts, scorer))
     finally:
         if rollouts is not None:
             ctx.log_metrics({"engine_weight_syncs": float(rollouts.syncs)})

@@ -66,6 +66,7 @@ class ServedRollouts:
         self._producer: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._closing = False
+        self._updates, self._last_call = 1, 0  # optimizer steps per generation call, the stage's last call
         self.startup_seconds = 0.0  # the server's, once started
 
     # -- the trainer's side -------------------------------------------------------------------------------
@@ -169,6 +170,9 @@ class ServedRollouts:
 
     def _start(self, trainer, from_call: int) -> None:
         self._updates = trainer.num_iterations * trainer.args.steps_per_generation
+        first_call, first_step = self._first
+        # the last call the stage will make: none is drawn for steps past max_steps
+        self._last_call = first_call + -(-(trainer.state.max_steps - first_step) // self._updates) - 1
         self._drawn_through = from_call - 1
         plan = planned_batches(trainer)
         for _ in range(from_call):  # the batches this execution already had (a resumed stage)
@@ -181,6 +185,8 @@ class ServedRollouts:
     def _produce(self, inner, plan, call: int) -> None:
         try:
             for prompts in plan:
+                if call > self._last_call:
+                    return
                 version = self.version_for(call, self._updates)
                 with self._changed:
                     while self.backend.weights_version < version and not self._closing:
