@@ -392,15 +392,12 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     dataset = Dataset.from_list(_prompt_rows(config, records))
     rewards: dict[str, RewardSpec] = inputs.rewards
     step_metrics = StepMetrics()  # what our rewards, rollouts and loss measure in a step, logged with TRL's
-    if config.generation.mode == "server":
-        choose_backend("vllm", inputs.policy)  # a model vLLM cannot serve fails here, saying why
-        backend, why = "vllm_server", "generation mode server"
-    else:
-        backend, why = rollout_backend(config, inputs.policy)
+    backend, why = _rollout_backend(config, inputs, ctx)
     rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics, ctx.work_dir)
     scorer = _scorer(config, inputs, ctx)
     reward_funcs = [make_reward_func(name, scorer, step_metrics,
-                                     rollouts.runner.environment if config.environment is not None else None)
+                                     getattr(rollouts, "inner", rollouts).runner.environment  # served: the inner draw's
+                                     if config.environment is not None else None)
                     for name in rewards]
 
     args = build_grpo_config(config, ctx.resume_dir, seed)
@@ -408,18 +405,12 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     correction, correction_why = resolve_correction(config, backend)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why,
                     "resolved_correction": f"{correction.kind} cap {correction.cap}", "correction_reason": correction_why})
-    if backend == "vllm_server":
-        ctx.log_params({"weight_sync": "lora adapter over HTTP" if config.lora else "full weights reloaded from disk"})
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)
     _prepare(trainer, config, dataset, seed)
-    trainer.step_metrics = step_metrics
-    # where the training model samples (HF generate, an environment's episodes on it) there is nothing to
-    # correct or measure: no extra forward pass for it
-    trainer.correction = correction if backend in ("vllm", "vllm_server") or config.correction is not None else None
-    if config.generation.max_staleness > 0:  # the server draws ahead with each new version as soon as it exists
-        trainer.add_callback(push_after_each_step(trainer, rollouts))
+    sampled_elsewhere = backend in ("vllm", "vllm_server") or config.correction is not None
+    _attach(trainer, config, step_metrics, correction if sampled_elsewhere else None, rollouts)
     history: list[dict] = []
     watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps",
@@ -428,18 +419,11 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     ctx.log_params({"prompts": len(records), "resolved_seed": seed, "world_size": args.world_size,
                     "generation_batch": args.generation_batch_size,
                     **placement_params(trainer.ref_model, reward_funcs)})
-    server_cpus, trainer_threads = cpu_split(config.generation)
-    if server_cpus:
-        ctx.log_params({"generation_server_cpus": ",".join(map(str, server_cpus)), "trainer_threads": trainer_threads})
     try:
-        with training_threads(trainer_threads):  # the trainer's share of the cores, beside the server's
+        with training_threads(cpu_split(config.generation)[1]):  # the trainer's share of the cores, beside a server's
             _, resumed_step = train_resumably(trainer, ctx, _stage_state(trainer, history, watch, rollouts, scorer))
     finally:
-        if rollouts is not None:
-            ctx.log_metrics({"engine_weight_syncs": float(rollouts.syncs)})
-            if backend == "vllm_server":
-                ctx.log_metrics({"generation_server_startup_seconds": rollouts.startup_seconds})
-            rollouts.close()
+        _close_rollouts(rollouts, ctx)
 
     log_curves(ctx, history)
     metrics = {**_final_metrics(history, trainer.state.global_step, scorer.errors),
@@ -450,6 +434,42 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
     outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/models/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
+
+
+def _attach(trainer, config, step_metrics, correction, rollouts) -> None:
+    """What posttrain's trainer subclass reads: the step's own metrics; the sampler correction where another
+    sampler draws or one is declared (None where the training model samples, HF generate or an environment's
+    episodes on it: nothing to correct or measure, no extra forward pass for it); and with a server
+    drawing ahead, each new version of the weights pushed as soon as it exists."""
+    trainer.step_metrics = step_metrics
+    trainer.correction = correction
+    if config.generation.max_staleness > 0:
+        trainer.add_callback(push_after_each_step(trainer, rollouts))
+
+
+def _close_rollouts(rollouts, ctx) -> None:
+    """Stop the rollouts' engine or server (and its producer), logging its weight syncs and start-up."""
+    if rollouts is None:
+        return
+    ctx.log_metrics({"engine_weight_syncs": float(rollouts.syncs)})
+    if hasattr(rollouts, "startup_seconds"):
+        ctx.log_metrics({"generation_server_startup_seconds": rollouts.startup_seconds})
+    rollouts.close()
+
+
+def _rollout_backend(config, inputs: StageInputs, ctx) -> tuple[str, str]:
+    """(backend, why) of the stage's rollouts: ``vllm_server`` with ``generation.mode: server`` (how weights reach
+    it, and on a CPU-only machine drawing ahead how the cores are shared, logged), else as colocated stages."""
+    from stages.rollout.server import cpu_split
+
+    if config.generation.mode != "server":
+        return rollout_backend(config, inputs.policy)
+    choose_backend("vllm", inputs.policy)  # a model vLLM cannot serve fails here, saying why
+    ctx.log_params({"weight_sync": "lora adapter over HTTP" if config.lora else "full weights reloaded from disk"})
+    server_cpus, trainer_threads = cpu_split(config.generation)
+    if server_cpus:
+        ctx.log_params({"generation_server_cpus": ",".join(map(str, server_cpus)), "trainer_threads": trainer_threads})
+    return "vllm_server", "generation mode server"
 
 
 def push_after_each_step(trainer, rollouts):

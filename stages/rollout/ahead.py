@@ -166,7 +166,7 @@ class ServedRollouts:
         call = self._drawn_through + 1
         while self.version_for(call, self._updates) < version:
             call += 1
-        return call - 1
+        return min(call - 1, self._last_call)  # none is drawn past the stage's last step
 
     def _start(self, trainer, from_call: int) -> None:
         self._updates = trainer.num_iterations * trainer.args.steps_per_generation
