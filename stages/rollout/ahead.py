@@ -129,6 +129,8 @@ class ServedRollouts:
         self._measure("ahead/staleness_mean", float(staleness))
         self._measure("ahead/staleness_max", float(staleness))
         self._measure("ahead/dropped_samples", float(self.dropped))
+        if self.max_staleness > 0:
+            self._measure("ahead/mispredicted", float(self.mispredicted))
         self.inner.consumed(out, trainer)
         return out
 
