@@ -7,7 +7,6 @@ import atexit
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -108,15 +107,9 @@ def run_cli(*argv: str) -> int:
     return main(list(argv))
 
 
-@contextmanager
 def torch_threads(n: int):
-    """torch on ``n`` CPU threads for a block (spinning threads of several torch users on a
-    2-core machine make tiny models much slower), restored after."""
-    import torch
+    """torch on ``n`` CPU threads for a block (spinning threads of several torch users on a 2-core machine
+    make tiny models much slower), restored after: the stages' own helper."""
+    from stages.rollout.server import training_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return training_threads(n)
