@@ -47,7 +47,7 @@ from pathlib import Path
 from stages.training.alerts import SilentFailureWatch
 from stages.context import StageInputs
 from stages.data.sources import prompt_messages, read_materialized
-from stages.rollout.generation import choose_backend, neutral_generation_config
+from stages.rollout.generation import neutral_generation_config
 from stages.rollout.episodes import environment_scorers
 from stages.models.placement import check_devices, place, placement_params
 from stages.rewards.registry import ENVIRONMENT_FN, RewardSpec, reward_columns
@@ -460,16 +460,11 @@ def _close_rollouts(rollouts, ctx) -> None:
 def _rollout_backend(config, inputs: StageInputs, ctx) -> tuple[str, str]:
     """(backend, why) of the stage's rollouts: ``vllm_server`` with ``generation.mode: server`` (how weights reach
     it, and on a CPU-only machine drawing ahead how the cores are shared, logged), else as colocated stages."""
-    from stages.rollout.server import cpu_split
+    from stages.rollout.server import server_backend
 
     if config.generation.mode != "server":
         return rollout_backend(config, inputs.policy)
-    choose_backend("vllm", inputs.policy)  # a model vLLM cannot serve fails here, saying why
-    ctx.log_params({"weight_sync": "lora adapter over HTTP" if config.lora else "full weights reloaded from disk"})
-    server_cpus, trainer_threads = cpu_split(config.generation)
-    if server_cpus:
-        ctx.log_params({"generation_server_cpus": ",".join(map(str, server_cpus)), "trainer_threads": trainer_threads})
-    return "vllm_server", "generation mode server"
+    return server_backend(config, inputs, ctx)
 
 
 def push_after_each_step(trainer, rollouts):

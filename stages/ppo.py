@@ -100,7 +100,7 @@ from stages.training.data_parallel import (
 )
 from stages.rollout.environments import build_environment
 from stages.rollout.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
-from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, choose_backend, prompt_token_ids
+from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, prompt_token_ids
 from stages.rewards.judge import batch_auditor
 from stages.models.lora import AdaptersOff, save_trained, wrap
 from stages.models.loading import load_model_and_tokenizer
@@ -119,7 +119,7 @@ from stages.rl_math import (
     ppo_value_loss,
     sampler_correction,
 )
-from stages.rollout.server import ServerBackend, open_generation_server
+from stages.rollout.server import ServerBackend, open_generation_server, server_backend
 from stages.rollout.training import open_rollout_engine, rollout_backend, sync_policy
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 from stages.training.resume import LoopState, train_loop
@@ -597,12 +597,10 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     broadcast_parameters(run.policy, run.critic)
     records = read_materialized(inputs.data)
     if config.generation.mode == "server":
-        choose_backend("vllm", inputs.policy)  # a model vLLM cannot serve fails here, saying why
-        backend, why = "vllm_server", "generation mode server"
+        backend, why = server_backend(config, inputs, ctx)
         run.engine = open_generation_server(config, inputs, run.tokenizer, [prompt_messages(r) for r in records],
                                             ctx.work_dir)
         run.served_folder = ctx.work_dir / "served"
-        ctx.log_params({"weight_sync": "lora adapter over HTTP" if config.lora else "full weights reloaded from disk"})
     else:
         backend, why = rollout_backend(config, inputs.policy)
     if backend == "vllm":

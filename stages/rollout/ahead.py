@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 from stages.rollout.server import ServerBackend
+from stages.rollout.training import SEED_STRIDE
 
-SEED_STRIDE = 100_003  # generation call c is seeded seed + c * SEED_STRIDE + prompt index, as in-process
 
 
 def planned_batches(trainer):

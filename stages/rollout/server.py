@@ -461,3 +461,17 @@ def open_generation_server(config, inputs, tokenizer, prompts: list[list[dict]],
         trust_remote_code=inputs.trust_remote_code, startup_timeout_s=generation.startup_timeout_s,
         cpus=cpu_split(generation)[0])
     return ServerBackend(server.start(), tokenizer)
+
+
+def server_backend(config, inputs, ctx) -> tuple[str, str]:
+    """(backend, why) of an rl stage with ``generation.mode: server``: a model vLLM cannot serve fails here,
+    saying why; how weights reach the server and, drawing ahead on a CPU-only machine, how the cores are
+    shared, logged."""
+    from stages.rollout.generation import choose_backend
+
+    choose_backend("vllm", inputs.policy)
+    ctx.log_params({"weight_sync": "lora adapter over HTTP" if config.lora else "full weights reloaded from disk"})
+    server_cpus, trainer_threads = cpu_split(config.generation)
+    if server_cpus:
+        ctx.log_params({"generation_server_cpus": ",".join(map(str, server_cpus)), "trainer_threads": trainer_threads})
+    return "vllm_server", "generation mode server"

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from stages.rollout.generation import SamplingSettings, VLLMBackend, choose_backend, prompt_token_ids
 
+SEED_STRIDE = 100_003  # generation call c is seeded seed + c * SEED_STRIDE + prompt index
+
 
 def merged_named_weights(model):
     """``(name, tensor)`` of the policy in its checkpoint's naming (a PEFT model's adapter tensors left
@@ -122,7 +124,7 @@ class GRPORollouts:
         return backend
 
     def __call__(self, prompts: list, trainer) -> dict:
-        out = self.draw(prompts, self.synced(trainer), self.calls * 100_003)
+        out = self.draw(prompts, self.synced(trainer), self.calls * SEED_STRIDE)
         self.calls += 1
         return out
 
@@ -188,7 +190,7 @@ class EpisodeRollouts:
         return HFGenerateBackend(trainer.model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True)
 
     def __call__(self, prompts: list, trainer) -> dict:
-        out = self.draw(prompts, self.backend(trainer), self.calls * 100_003)
+        out = self.draw(prompts, self.backend(trainer), self.calls * SEED_STRIDE)
         self.calls += 1
         self.consumed(out, trainer)
         return out
