@@ -92,29 +92,40 @@ STUDIES = [
 ]
 
 
-def run_seed(study: Study, seed: int) -> tuple[dict[tuple[str, str], float], float]:
-    """(figure -> value, wall seconds) of one fresh run of the study's pipeline under ``seed``."""
+def run_pipeline(pipeline: str, overrides: list[str], home: str) -> float:
+    """Wall seconds of one ``posttrain run`` of ``pipelines/<pipeline>`` in ``home`` (its own servers, stopped after)."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME")}
+    env["POSTTRAIN_HOME"] = home
+    command = [sys.executable, "-m", "flows.cli", "run", str(ROOT / "pipelines" / pipeline)]
+    for item in overrides:
+        command += ["--set", item]
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seconds = time.perf_counter() - started
+    subprocess.run([sys.executable, "-m", "flows.cli", "server", "stop"], env=env, cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise SystemExit(f"{pipeline} {' '.join(overrides)} failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
+    return seconds
+
+
+def stage_runs(home: str) -> list:
+    """The finished stage runs of ``home``'s MLflow store, oldest first."""
     from mlflow.tracking import MlflowClient
 
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, "tags.`posttrain.role` = 'stage' and attributes.status = 'FINISHED'")
+    return sorted(runs, key=lambda run: run.info.start_time)
+
+
+def run_seed(study: Study, seed: int) -> tuple[dict[tuple[str, str], float], float]:
+    """(figure -> value, wall seconds) of one fresh run of the study's pipeline under ``seed``."""
     with tempfile.TemporaryDirectory(prefix="posttrain-results-") as home:
-        env = {key: value for key, value in os.environ.items()
-               if key not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME")}
-        env["POSTTRAIN_HOME"] = home
-        command = [sys.executable, "-m", "flows.cli", "run", str(ROOT / "pipelines" / study.pipeline),
-                   "--set", f"seed={seed}"]
-        for item in study.overrides:
-            command += ["--set", item]
-        started = time.perf_counter()
-        done = subprocess.run(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        seconds = time.perf_counter() - started
-        if done.returncode != 0:
-            raise SystemExit(f"{study.name} seed {seed} failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
-        subprocess.run([sys.executable, "-m", "flows.cli", "server", "stop"], env=env, cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = MlflowClient(f"sqlite:///{home}/mlflow.db")
-        experiments = [e.experiment_id for e in client.search_experiments()]
+        seconds = run_pipeline(study.pipeline, [f"seed={seed}", *study.overrides], home)
         values = {}
-        for run in client.search_runs(experiments, "tags.`posttrain.role` = 'stage' and attributes.status = 'FINISHED'"):
+        for run in stage_runs(home):
             stage = run.data.tags["posttrain.stage"]
             values.update({(stage, metric): value for metric, value in run.data.metrics.items()})
         return values, seconds
