@@ -65,7 +65,8 @@ class SilentFailureWatch:
                 found[f"parsing:{name}"] = (
                     f"reward {name!r} could not parse {_percent(value)} of completions for {s.after_steps} steps in "
                     "a row: the model does not write the format it reads; look at the samples/ tables, check the "
-                    "reward's output parsing, add a format reward beside it or state the format in the prompt")
+                    "reward's output parsing, state the format in the prompt, and add a format reward beside it (it "
+                    "pays only once some replies match: ask for a format the samples show the model writing)")
         no_signal = metrics.get("reward/zero_variance_group_frac", metrics.get("pairs/tie_frac"))
         if metrics.get("reward/mean") == 0.0 and no_signal == 1.0:
             found["zero_reward"] = (
