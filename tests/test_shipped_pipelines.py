@@ -2,7 +2,8 @@
 stages, in this process without Prefect), and shows what it is for at that scale.
 
 Run elsewhere: quickstart.yaml (tests/test_pipeline.py, tests/test_run_output.py), rlhf.yaml and dpo.yaml
-(tests/test_rlhf_pipeline.py). Here: ppo, iterate, agent, agent-ppo, judge, smollm2-reasoning and process;
+(tests/test_rlhf_pipeline.py). Here: ppo, iterate, agent, agent-ppo, judge, smollm2-reasoning, process and
+gsm8k (a GPU-worker pipeline on hub data: here from a Hugging Face cache the test lays out);
 ``test_every_shipped_pipeline_is_run_by_a_test`` keeps the list whole.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from test_hub_data import hf_cache  # noqa: F401 (a fixture: an empty Hugging Face cache, the hub off)
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +25,7 @@ TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "mode
 EVAL = ["sampling.attempts=2", "sampling.max_tokens=4", "max_prompts=6"]
 RUN_ELSEWHERE = {"quickstart": "tests/test_pipeline.py", "rlhf": "tests/test_rlhf_pipeline.py",
                  "dpo": "tests/test_rlhf_pipeline.py"}
-RUN_HERE = ("ppo", "iterate", "agent", "agent-ppo", "judge", "smollm2-reasoning", "process")
+RUN_HERE = ("ppo", "iterate", "agent", "agent-ppo", "judge", "smollm2-reasoning", "process", "gsm8k")
 
 
 def stage_overrides(stages: dict[str, list[str]]) -> list[str]:
@@ -154,3 +156,45 @@ def test_smollm2_reasoning_pipeline_runs_sft_and_grpo_on_the_pretrained_model(ru
     settings = {client.get_run(rows[s].run_id).data.tags["posttrain.eval_settings"]
                 for s in ("eval_base", "eval_sft", "eval_grpo")}
     assert len(settings) == 1  # the three evaluations compare like for like
+
+
+def test_gsm8k_pipeline_reads_the_hub_cache_offline_and_benchmarks_with_lm_evals_own_gsm8k(run, tiny_checkpoint,
+                                                                                          hf_cache, capsys):
+    """The GPU-worker pipeline on this machine: the model and GSM8K from a Hugging Face cache with the hub off
+    (a tiny chat model and GSM8K-shaped rows), the stages here instead of on the `gpu` pool, and lm-eval's shipped
+    gsm8k task (its prompt, filters and metric) reading the cached snapshot, which `datasets` alone cannot."""
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("lm-evaluation-harness is not installed (the bench extra)")
+    from test_hub_data import gsm8k_cache
+    from test_model_sources import make_hub_cache
+
+    from flows.cli import main
+
+    pipeline = str(ROOT / "pipelines" / "gsm8k.yaml")
+    assert main(["validate", pipeline]) == 2  # nothing cached: every piece that must be is named
+    refused = capsys.readouterr().err
+    assert "model.hub: hub model 'Qwen/Qwen2.5-0.5B-Instruct' is not in the local Hugging Face cache" in refused
+    assert "data.train.hub: hub dataset 'openai/gsm8k' is not in the Hugging Face cache" in refused
+    gsm8k_cache(hf_cache)
+    make_hub_cache(hf_cache, "Qwen/Qwen2.5-0.5B-Instruct", tiny_checkpoint)  # a stand-in, to validate the file
+    assert main(["validate", pipeline]) == 0, capsys.readouterr().err
+    make_hub_cache(hf_cache, "posttrain-tests/tiny-chat", tiny_checkpoint)  # what the shrunk run trains
+    bench = ["lm_eval.limit=2", "lm_eval.num_fewshot=1", "lm_eval.backend=hf", "lm_eval.gen_kwargs={max_gen_toks: 8}"]
+    evaluate = ["sampling.attempts=2", "sampling.max_tokens=8"]
+    rows, client = run("gsm8k", ["model.hub=posttrain-tests/tiny-chat", "resources=null", "data.train.n=16",
+                                 "data.heldout.n=4"] + stage_overrides({
+        "bench_base": bench, "bench_grpo": bench, "eval_base": evaluate, "eval_grpo": evaluate,
+        "grpo": ["max_steps=1", "prompts_per_step=2", "sampling.attempts=2", "sampling.max_tokens=8",
+                 "dynamic_sampling=null"]}))
+    assert list(rows) == ["bench_base", "eval_base", "grpo", "eval_grpo", "bench_grpo"]
+    assert "reward/correct/mean" in client.get_run(rows["grpo"].run_id).data.metrics
+    base, trained = (client.get_run(rows[s].run_id).data for s in ("bench_base", "bench_grpo"))
+    assert base.params["datasets_from_cache"] == "openai/gsm8k@" + "1a" * 20  # the snapshot, not the hub
+    for data in (base, trained):
+        assert {"lm_eval/gsm8k/exact_match_strict-match", "lm_eval/gsm8k/exact_match_strict-match_stderr",
+                "lm_eval/gsm8k/exact_match_flexible-extract"} <= set(data.metrics), sorted(data.metrics)
+    assert base.tags["posttrain.eval_settings"] == trained.tags["posttrain.eval_settings"]  # like for like
+    samples = json.loads(Path(client.download_artifacts(rows["bench_base"].run_id, "lm_eval/gsm8k.json")).read_text())
+    assert {row[samples["columns"].index("doc_id")] for row in samples["data"]} == {0, 1}  # limit 2
+    prompts = [row[samples["columns"].index("prompt")] for row in samples["data"]]  # lm-eval's prompt, one shot
+    assert all(p.count("Question: Tom has") == 2 and p.endswith("Answer:<|end|><|assistant|>") for p in prompts)
