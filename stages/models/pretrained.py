@@ -230,7 +230,9 @@ def hub_problem(repo_id: str, revision: str | None) -> str | None:
     if cached_hub_snapshot(repo_id, revision) is not None:
         return None
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        return f"hub model {repo_id!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set"
+        return (f"hub model {repo_id!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE is set: on a "
+                f"machine with the hub run `hf download {repo_id}` and copy its cache here, or point HF_HOME at a "
+                "cache that holds it")
     from huggingface_hub import HfApi
 
     try:
