@@ -163,3 +163,17 @@ def test_an_override_of_one_stage_leaves_stages_sharing_a_yaml_anchor_alone(tmp_
     loaded = load_pipeline(write(tmp_path / "p.yaml", text), ["stages.eval_sft.sampling.seed=5"])
     assert loaded.spec.stages["eval_sft"].sampling.seed == 5
     assert loaded.spec.stages["eval_base"].sampling.seed == 1  # the alias is a copy, not the same object
+
+
+def test_an_override_indexes_a_list_and_a_bad_index_is_named(tmp_path):
+    text = VALID.replace("eval_sft: {kind: eval, model: sft, data: heldout, rewards: [correct]}",
+                         "eval_sft: {kind: eval, model: sft, data: heldout, rewards: [correct, correct]}")
+    path = write(tmp_path / "p.yaml", text)
+    assert load_pipeline(path, ["stages.eval_sft.rewards.1=correct"]).spec.stages["eval_sft"].rewards == \
+        ["correct", "correct"]
+    issue = only_issue(tmp_path, text, ["stages.eval_sft.rewards.2=correct"])
+    assert issue.message == "stages.eval_sft.rewards is a list of 2: index it with 0 to 1, not '2'"
+    issue = only_issue(tmp_path, text, ["stages.eval_sft.rewards.first=correct"])
+    assert "index it with 0 to 1, not 'first'" in issue.message
+    issue = only_issue(tmp_path, text, ["stages.eval_sft.rewards.0.fn=x"])
+    assert issue.message == "stages.eval_sft.rewards.0 is not a mapping, cannot set inside it"

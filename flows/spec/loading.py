@@ -238,7 +238,7 @@ def unshared(value):
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> list[SpecIssue]:
-    """Apply ``dotted.path=value`` overrides in place; values are parsed as YAML scalars."""
+    """Apply ``dotted.path=value`` overrides in place (a number indexes a list); values are parsed as YAML."""
     issues = []
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -252,20 +252,32 @@ def apply_overrides(raw: dict, overrides: list[str]) -> list[SpecIssue]:
             issues.extend(SpecIssue(f"--set {key}", f"value {shown!r} is not valid YAML ({p.message})")
                           for p in problems)
             continue
-        node = raw
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                issues.append(
-                    SpecIssue(f"--set {key}", f"{'.'.join(parts[: depth + 1])} is not a mapping, cannot set inside it")
-                )
-                break
-            node = child
-        else:
-            node[parts[-1]] = value
+        problem = _set_at(raw, parts, value)
+        if problem:
+            issues.append(SpecIssue(f"--set {key}", problem))
     return issues
+
+
+def _set_at(raw: dict, parts: list[str], value) -> str | None:
+    """Set ``value`` at ``parts`` below ``raw``: a mapping's key (made where missing) or a list's index
+    (``stages.grpo.rewards.0``); why it cannot be set, or None."""
+    node = raw
+    for depth, part in enumerate(parts):
+        last, where = depth == len(parts) - 1, ".".join(parts[:depth])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                return f"{where} is a list of {len(node)}: index it with 0 to {len(node) - 1}, not {part!r}" \
+                    if node else f"{where} is an empty list: set it whole ({where}=[...])"
+            part = int(part)
+        elif not isinstance(node, dict):
+            return f"{where} is not a mapping, cannot set inside it"
+        if last:
+            node[part] = value
+            return None
+        if isinstance(node, dict) and node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+    return None
 
 
 # ------------------------------------------------------------------ pydantic errors -> issues
