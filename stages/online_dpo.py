@@ -256,10 +256,10 @@ class OnlineDPORun:
         self.scorer.policy.restore(state["reward_errors"])
 
     def sample(self, prompts: list[list[dict]], step: int):
-        from stages.rollout.generation import HFGenerateBackend
+        from stages.rollout.generation import HFGenerateBackend, draw_offset
         from stages.rollout.training import sync_policy
 
-        settings = self.config.sampling.seeded(self.seed + step)
+        settings = self.config.sampling.seeded(self.seed + draw_offset(step - 1))  # the stage's draw step - 1
         if self.engine is not None:
             sync_policy(self.engine, self.policy, step - 1)  # the policy the last update left (LoRA merged)
             self.engine_syncs += 1

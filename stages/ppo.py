@@ -50,7 +50,7 @@ Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al
   per-batch correlation. ``critic: rm`` starts the critic from that reward model's backbone
   and score head instead of the policy's backbone and a zero head.
 - On several processes (``resources: {processes: N}``, stages/training/data_parallel.py) each process
-  samples and scores whole prompts of the step's batch (its own sampling seed), whitens
+  samples and scores whole prompts of the step's batch (seeded as in the whole batch), whitens
   advantages with the global batch's mean and variance, scales its losses by its share of
   each global minibatch's tokens and sums the gradients before clipping: the update one
   process would make on the same rollouts. Logged statistics are over the global batch,
@@ -100,7 +100,7 @@ from stages.training.data_parallel import (
 )
 from stages.rollout.environments import build_environment
 from stages.rollout.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
-from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, prompt_token_ids
+from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, draw_offset, prompt_token_ids
 from stages.rewards.judge import batch_auditor
 from stages.models.lora import AdaptersOff, save_trained, wrap
 from stages.models.loading import load_model_and_tokenizer
@@ -509,8 +509,10 @@ class PPORun:
         """Sample, score, update on one batch of prompts: the step's metrics and sample rows."""
         config = self.config
         answers = [r.get("answer") for r in batch]
-        # each process samples its shard of the prompts with its own seed (rank 0's is the one-process seed)
-        settings = config.sampling.seeded(self.seed + step + 1_000_003 * rank())
+        # draw step - 1 of the stage, this process's shard at its offset in the step's batch (with an environment,
+        # each attempt is an episode of its own: a prompt of the draw)
+        shard_prompts = len(batch) * (1 if self.episodes is None else config.sampling.attempts)
+        settings = config.sampling.seeded(self.seed + draw_offset(step - 1, rank() * shard_prompts))
         if isinstance(self.engine, ServerBackend):  # a generation server: the adapter, or the weights, as a new version
             if self.engine.weights_version < step - 1:
                 self.engine.push(self.policy, step - 1, self.served_folder)

@@ -103,6 +103,24 @@ def test_vllm_per_prompt_seeds_do_not_depend_on_the_batch(engine, prompts):
     assert [s.token_ids for s in alone[0]] == [s.token_ids for s in batched[0]]
 
 
+def test_one_seed_scheme_no_prompt_of_a_stage_shares_a_seed_and_shards_draw_what_the_whole_batch_does(engine,
+                                                                                                      prompts):
+    """stages/rollout/generation.py ``draw_offset``: step 5 drawn as one batch, or as two processes' shards each
+    at its offset, gives every prompt the same samples; and across 200 steps of 4 processes x 8 prompts no seed
+    repeats (PPO and online DPO once seeded step k's prompt i + 1 like step k + 1's prompt i)."""
+    from stages.rollout.generation import draw_offset
+
+    settings = SamplingSettings(temperature=1.0, max_tokens=6, attempts=2)
+    whole = engine.generate(prompts[:6], settings.seeded(11 + draw_offset(5)))
+    shards = [engine.generate(prompts[first:first + 3], settings.seeded(11 + draw_offset(5, first))) for first in (0, 3)]
+    assert [[s.token_ids for s in group] for group in whole] == \
+        [[s.token_ids for s in group] for shard in shards for group in shard]
+    other = engine.generate(prompts[:6], settings.seeded(11 + draw_offset(6)))  # the next step: other draws
+    assert [[s.token_ids for s in g] for g in other] != [[s.token_ids for s in g] for g in whole]
+    seeds = [draw_offset(step, rank * 8) + i for step in range(200) for rank in range(4) for i in range(8)]
+    assert len(set(seeds)) == len(seeds)
+
+
 def test_stop_strings_and_greedy_agree_with_hf(engine, vllm_tiny, prompts):
     hf, _, _ = hf_backend(vllm_tiny)
     greedy = SamplingSettings(temperature=0.0, max_tokens=8, attempts=2, seed=0)

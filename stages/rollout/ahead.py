@@ -29,9 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+from stages.rollout.generation import draw_offset
 from stages.rollout.server import ServerBackend
-from stages.rollout.training import SEED_STRIDE
-
 
 
 def planned_batches(trainer):
@@ -137,7 +136,7 @@ class ServedRollouts:
     def _draw_now(self, prompts, call: int) -> tuple[dict, int]:
         backend = self.open()
         version = backend.weights_version
-        return self.inner.draw(prompts, backend.at(version), call * SEED_STRIDE), version
+        return self.inner.draw(prompts, backend.at(version), draw_offset(call)), version
 
     def _measure(self, name: str, value: float) -> None:
         if self.step_metrics is not None:
@@ -195,7 +194,7 @@ class ServedRollouts:
                         self._changed.wait(timeout=1.0)
                     if self._closing:
                         return
-                out = inner.draw(prompts, self.backend.at(version), call * SEED_STRIDE)
+                out = inner.draw(prompts, self.backend.at(version), draw_offset(call))
                 with self._changed:
                     self._ready[call] = (prompts, out, version)
                     self._drawn_through = call

@@ -21,6 +21,12 @@ else HF generate; the stage logs which and why. What the engine changes about sa
 settings hash; HF generate's identity is empty, so hashes from before vLLM existed stay
 valid. The two backends sample the same distribution but not the same random draws, so an
 HF evaluation and a vLLM evaluation are never ranked as like for like.
+One seed scheme for every place that samples: prompt i of a stage's draw d (its d-th generation
+call: a training step's rollouts, a dynamic-sampling refill, an eval's one draw) is seeded
+``stage seed + d * SEED_STRIDE + i``, i counted over the whole step's batch (a process's shard
+starts at its offset, ``draw_offset``), so no two prompts of a stage share a seed and a sample does
+not depend on how the batch was split over processes. An episode's later turns add their own
+offsets inside the draw (stages/rollout/episodes.py).
 Stop strings end a completion where they first appear (the string itself is cut from the
 text; its tokens stay in ``token_ids``), and such a completion is not truncated.
 """
@@ -39,6 +45,13 @@ from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from stages.spec_model import SpecModel
 
 BackendName = Literal["auto", "hf", "vllm"]
+SEED_STRIDE = 100_003  # draw d of a stage is seeded stage seed + d * SEED_STRIDE + prompt index
+
+
+def draw_offset(draw: int, first_prompt: int = 0) -> int:
+    """What a stage's draw ``draw`` (0 for its first generation call) adds to the stage's seed, for a batch
+    whose first prompt is prompt ``first_prompt`` of the draw (a process's shard of a step's prompts)."""
+    return draw * SEED_STRIDE + first_prompt
 
 
 class SamplingSettings(SpecModel):

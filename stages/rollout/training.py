@@ -24,9 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.rollout.generation import SamplingSettings, VLLMBackend, choose_backend, prompt_token_ids
-
-SEED_STRIDE = 100_003  # generation call c is seeded seed + c * SEED_STRIDE + prompt index
+from stages.rollout.generation import SamplingSettings, VLLMBackend, choose_backend, draw_offset, prompt_token_ids
 
 
 def merged_named_weights(model):
@@ -93,7 +91,8 @@ class GRPORollouts:
 
     TRL hands over the step's prompts with each repeated ``group_size`` times in a row (its
     ``RepeatSampler``); they are sampled once per prompt with ``n = group_size`` and a seed of
-    ``seed + call * 100_003 + prompt index``, so a rerun draws the same rollouts.
+    ``seed + call * SEED_STRIDE + prompt index`` (stages/rollout/generation.py ``draw_offset``; prompts counted
+    over all processes), so a rerun draws the same rollouts.
     """
 
     def __init__(self, open_engine, tokenizer, settings: SamplingSettings):
@@ -124,7 +123,8 @@ class GRPORollouts:
         return backend
 
     def __call__(self, prompts: list, trainer) -> dict:
-        out = self.draw(prompts, self.synced(trainer), self.calls * SEED_STRIDE)
+        first = trainer.accelerator.process_index * (len(prompts) // self.group_size)  # this process's shard
+        out = self.draw(prompts, self.synced(trainer), draw_offset(self.calls, first))
         self.calls += 1
         return out
 
@@ -164,7 +164,7 @@ class EpisodeRollouts:
 
     The turns are sampled by posttrain's vLLM engine (``engine``, synced after each update) or else by
     transformers' generate on the training model itself (on-policy by construction); a call's draws are
-    seeded ``seed + call * 100_003``.
+    seeded ``seed + call * SEED_STRIDE`` (``draw_offset``, as GRPORollouts').
     """
 
     def __init__(self, runner, tokenizer, settings: SamplingSettings, engine: GRPORollouts | None = None,
@@ -190,7 +190,8 @@ class EpisodeRollouts:
         return HFGenerateBackend(trainer.model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True)
 
     def __call__(self, prompts: list, trainer) -> dict:
-        out = self.draw(prompts, self.backend(trainer), self.calls * SEED_STRIDE)
+        out = self.draw(prompts, self.backend(trainer),
+                        draw_offset(self.calls, trainer.accelerator.process_index * len(prompts)))
         self.calls += 1
         self.consumed(out, trainer)
         return out
