@@ -154,8 +154,20 @@ def resumed_step(resume_dir: Path) -> int:
     return max(steps)
 
 
-def assert_same_stage(whole: tuple[dict, object], stopped_ctx, resumed: tuple[dict, object], k: int) -> None:
-    (whole_out, whole_ctx), (resumed_out, resumed_ctx) = whole, resumed
+_UNINTERRUPTED: dict[str, tuple[dict, dict]] = {}
+
+
+def uninterrupted(kind: str, home: Path, checkpoint: Path) -> tuple[dict, dict]:
+    """The outputs and per-step metrics of ``kind``'s stage run to the end without a stop: run once (in the
+    first test's home) for both tests of the kind, which compare against it."""
+    if kind not in _UNINTERRUPTED:
+        out, ctx = run_stage(kind, home, checkpoint, "whole", home / "resume-whole")
+        _UNINTERRUPTED[kind] = out, per_step(ctx)
+    return _UNINTERRUPTED[kind]
+
+
+def assert_same_stage(whole: tuple[dict, dict], stopped_ctx, resumed: tuple[dict, object], k: int) -> None:
+    (whole_out, whole_steps), (resumed_out, resumed_ctx) = whole, resumed
     assert resumed_out["metrics"]["resumed_from_step"] == k
     assert resumed_ctx.recorded_run().data.params["resumed_from"].endswith(f"checkpoint-{k}")
     a, b = weights(whole_out["checkpoint"]), weights(resumed_out["checkpoint"])
@@ -167,7 +179,7 @@ def assert_same_stage(whole: tuple[dict, object], stopped_ctx, resumed: tuple[di
             assert resumed_out["metrics"][name] == pytest.approx(value, rel=1e-9, abs=1e-12), name
 
     # the stopped run logged steps 1..k, the resumed one k+1..end: together, the uninterrupted run's steps
-    whole_steps, after = per_step(whole_ctx), per_step(resumed_ctx)
+    after = per_step(resumed_ctx)
     before = per_step(stopped_ctx) if stopped_ctx is not None else None
     for name, steps in whole_steps.items():
         if len([s for s in steps if s > 0]) < 2:  # a trainer's end-of-training summary (total_flos, ...)
@@ -202,7 +214,7 @@ def interrupt_after(resume_dir: Path, step: int) -> threading.Thread:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_stage_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(kind, tiny_checkpoint, home):
-    whole = run_stage(kind, home, tiny_checkpoint, "whole", home / "resume-whole")
+    whole = uninterrupted(kind, home, tiny_checkpoint)
 
     resume_dir = home / "resume-stopped"
     run, config, inputs = stage(kind, home, tiny_checkpoint)
@@ -248,7 +260,7 @@ def test_a_stage_killed_with_sigkill_resumes_from_its_periodic_checkpoint(kind, 
     # the newest checkpoint written whole (the kill may cut the next one short: it is passed over)
     k = int(resumed[0]["metrics"]["resumed_from_step"])
     assert 0 < k < STEPS and k % SAVE_EVERY == 0, k
-    whole = run_stage(kind, home, tiny_checkpoint, "whole", home / "resume-whole")
+    whole = uninterrupted(kind, home, tiny_checkpoint)
     # the killed run's last metrics may have died in its send buffer: only the resumed run's steps are compared
     assert_same_stage(whole, None, resumed, k)
 

@@ -156,6 +156,9 @@ def test_smollm2_reasoning_pipeline_runs_sft_and_grpo_on_the_pretrained_model(ru
     settings = {client.get_run(rows[s].run_id).data.tags["posttrain.eval_settings"]
                 for s in ("eval_base", "eval_sft", "eval_grpo")}
     assert len(settings) == 1  # the three evaluations compare like for like
+    from stages.models.pretrained import machine_cache_dir  # the conversion, kept for the machine's other homes
+
+    assert list((machine_cache_dir() / "models").glob("gguf-*/posttrain_source.json"))
 
 
 def test_gsm8k_pipeline_reads_the_hub_cache_offline_and_benchmarks_with_lm_evals_own_gsm8k(run, tiny_checkpoint,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -49,6 +50,7 @@ def smollm2(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(socket.socket, "connect", refuse)
         patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("POSTTRAIN_CACHE_DIR", "")  # a conversion here, not one the machine's cache holds
         path = resolve_base_checkpoint(SMOLLM2, 0, cache, cache)
     return path
 
@@ -71,6 +73,20 @@ def test_gguf_converts_once_to_a_plain_checkpoint_keyed_by_its_bytes(smollm2, tm
     started = time.perf_counter()
     assert resolve_base_checkpoint(SMOLLM2, 0, smollm2.parent, tmp_path) == smollm2  # a cache hit
     assert time.perf_counter() - started < 5
+
+    # another home on the machine links the conversion the machine's cache keeps instead of converting again
+    from stages.models.pretrained import converted_gguf_checkpoint
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "machine"))
+        first = converted_gguf_checkpoint(gguf, smollm2.parent)  # already converted: the machine's cache untouched
+        assert first == smollm2 and not (tmp_path / "machine").exists()
+        # as a home's first conversion leaves it (tests/test_shipped_pipelines.py sees one published)
+        shutil.copytree(smollm2, tmp_path / "machine" / "models" / smollm2.name, copy_function=os.link)
+        started = time.perf_counter()
+        other = converted_gguf_checkpoint(gguf, tmp_path / "other-home")
+        assert time.perf_counter() - started < 5 and other == tmp_path / "other-home" / smollm2.name
+        assert (other / "model.safetensors").stat().st_ino == (smollm2 / "model.safetensors").stat().st_ino
 
     model, tokenizer = load_model_and_tokenizer(smollm2)
     assert model.config.model_type == "llama" and model.config.tie_word_embeddings

@@ -43,11 +43,9 @@ SCHEMA_TABLES = {
 
 
 def cache_dir() -> Path | None:
-    configured = os.environ.get("POSTTRAIN_CACHE_DIR")
-    if configured is not None:
-        return Path(configured) if configured else None
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "posttrain"
+    from stages.models.pretrained import machine_cache_dir
+
+    return machine_cache_dir()
 
 
 def template_name(library: str) -> str | None:

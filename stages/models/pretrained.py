@@ -7,7 +7,8 @@ loaded through transformers (``gguf_file=``, which dequantizes to float32 with t
 package), with the real tokenizer and chat template the file carries, and saved once as an
 ordinary safetensors checkpoint under ``$POSTTRAIN_HOME/cache/models/gguf-<sha256>``: keyed
 by the file's bytes, built in a staging dir and renamed into place, so a killed conversion
-leaves nothing half-written and every later stage reads a plain checkpoint.
+leaves nothing half-written and every later stage reads a plain checkpoint. The machine's cache
+(``machine_cache_dir``) keeps a hard-linked copy that later homes link instead of converting.
 
 A chat template without ``{% generation %}`` markers cannot give TRL an assistant-token
 mask (assistant-only loss). For ChatML templates (SmolLM2's) the conversion wraps each
@@ -21,6 +22,7 @@ when the id is not there and the hub answers (never in this project's tests or C
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -168,27 +170,79 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def machine_cache_dir() -> Path | None:
+    """posttrain's cache on this machine, shared by every home: ``$POSTTRAIN_CACHE_DIR`` (empty: none), else
+    ``$XDG_CACHE_HOME/posttrain``, else ``~/.cache/posttrain``. It holds what depends only on installed
+    versions or on bytes (GGUF conversions here; flows/servers/db_templates.py's database templates)."""
+    configured = os.environ.get("POSTTRAIN_CACHE_DIR")
+    if configured is not None:
+        return Path(configured) if configured else None
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "posttrain"
+
+
 def converted_gguf_checkpoint(path: Path, cache_dir: Path) -> Path:
-    """The converted checkpoint of a GGUF file, converting it on first use (atomically)."""
+    """The converted checkpoint of a GGUF file in ``cache_dir`` (a home's), converting it on first use
+    (atomically). A conversion is also kept in the machine's cache (``machine_cache_dir``), keyed by the
+    same bytes and transformers version, so another home on the machine links it instead of converting
+    again (SmolLM2: about 25 s on 2 cores); that copy is an optimisation only, ignored where it cannot
+    be read or written."""
+    import transformers
+
     sha = file_sha256(path)
-    target = cache_dir / f"gguf-{sha[:16]}"
+    name = f"gguf-{sha[:16]}"
+    target = cache_dir / name
     if (target / SOURCE_FILE).exists():
         return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    shared = machine_cache_dir()
+    shared = shared / "models" / name if shared is not None else None
+    if shared is not None and _made_by(shared, transformers.__version__):
+        with contextlib.suppress(OSError):
+            return _publish_copy(shared, target)
     if problem := gguf_reader_problem():
         raise ModelSourceError(problem)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_dir))
     try:
         convert_gguf(path, staging)
-        import transformers
-
         source = {"gguf_file": str(path), "sha256": sha, "transformers": transformers.__version__}
         (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2), encoding="utf-8")
-        try:
-            os.rename(staging, target)
-        except OSError:  # another process published the same conversion first
-            if not (target / SOURCE_FILE).exists():
-                raise
+        _publish(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if shared is not None:
+        with contextlib.suppress(OSError):
+            _publish_copy(target, shared)
+    return target
+
+
+def _made_by(folder: Path, transformers_version: str) -> bool:
+    try:
+        return json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))["transformers"] == transformers_version
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _publish(staging: Path, target: Path) -> None:
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process published the same conversion first
+        if not (target / SOURCE_FILE).exists():
+            raise
+
+
+def _publish_copy(source: Path, target: Path) -> Path:
+    """``source``'s files at ``target`` (hard links where the file system allows, else copies), built aside and
+    renamed into place, the source file last so a reader never takes half a copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".linking-", dir=target.parent))
+    try:
+        for file in sorted(source.iterdir(), key=lambda f: f.name == SOURCE_FILE):
+            try:
+                os.link(file, staging / file.name)
+            except OSError:
+                shutil.copy2(file, staging / file.name)
+        _publish(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
