@@ -24,9 +24,9 @@ HF evaluation and a vLLM evaluation are never ranked as like for like.
 One seed scheme for every place that samples: prompt i of a stage's draw d (its d-th generation
 call: a training step's rollouts, a dynamic-sampling refill, an eval's one draw) is seeded
 ``stage seed + d * SEED_STRIDE + i``, i counted over the whole step's batch (a process's shard
-starts at its offset, ``draw_offset``), so no two prompts of a stage share a seed and a sample does
-not depend on how the batch was split over processes. An episode's later turns add their own
-offsets inside the draw (stages/rollout/episodes.py).
+starts at its offset, ``draw_offset``), so no two prompts of a stage share a seed, and on vLLM
+(which seeds each prompt) a sample does not depend on how the batch was split over processes. An
+episode's later turns add their own offsets inside the draw (stages/rollout/episodes.py).
 Stop strings end a completion where they first appear (the string itself is cut from the
 text; its tokens stay in ``token_ids``), and such a completion is not truncated.
 """
