@@ -34,18 +34,14 @@ import zlib
 from importlib import metadata
 from pathlib import Path
 
+from stages.models.pretrained import machine_cache_dir
+
 # Tables each library fills while it migrates and starts up, and nothing else: a database
 # holding rows anywhere else (a run already used it) is never saved as a template.
 SCHEMA_TABLES = {
     "mlflow": {"alembic_version", "workspaces"},
     "prefect": {"alembic_version", "block_type", "block_schema", "block_schema_reference"},
 }
-
-
-def cache_dir() -> Path | None:
-    from stages.models.pretrained import machine_cache_dir
-
-    return machine_cache_dir()
 
 
 def template_name(library: str) -> str | None:
@@ -64,7 +60,7 @@ def template_name(library: str) -> str | None:
 
 def template_path(library: str) -> Path | None:
     """Where the template for the installed version of ``library`` lives (None: templates are off)."""
-    where, name = cache_dir(), template_name(library)
+    where, name = machine_cache_dir(), template_name(library)
     return None if where is None or name is None else where / name
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -187,17 +188,16 @@ def converted_gguf_checkpoint(path: Path, cache_dir: Path) -> Path:
     same bytes and transformers version, so another home on the machine links it instead of converting
     again (SmolLM2: about 25 s on 2 cores); that copy is an optimisation only, ignored where it cannot
     be read or written."""
-    import transformers
-
     sha = file_sha256(path)
     name = f"gguf-{sha[:16]}"
     target = cache_dir / name
     if (target / SOURCE_FILE).exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    made_by = importlib.metadata.version("transformers")  # without importing it: a copy may spare the conversion
     shared = machine_cache_dir()
     shared = shared / "models" / name if shared is not None else None
-    if shared is not None and _made_by(shared, transformers.__version__):
+    if shared is not None and _made_by(shared, made_by):
         with contextlib.suppress(OSError):
             return _publish_copy(shared, target)
     if problem := gguf_reader_problem():
@@ -205,7 +205,7 @@ def converted_gguf_checkpoint(path: Path, cache_dir: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_dir))
     try:
         convert_gguf(path, staging)
-        source = {"gguf_file": str(path), "sha256": sha, "transformers": transformers.__version__}
+        source = {"gguf_file": str(path), "sha256": sha, "transformers": made_by}
         (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2), encoding="utf-8")
         _publish(staging, target)
     finally:
