@@ -140,45 +140,65 @@ def agent_config_and_inputs(home: Path, checkpoint: Path):
     return config, StageInputs(policy=checkpoint, datasets={"data": data}, rewards=rewards)
 
 
+WHOLE = {"max_steps": 4, "save_steps": 2}  # the LoRA stage the resume test stops after its checkpoint at 2
+_WHOLE_LORA: dict = {}  # its uninterrupted run's figures, measured once for both tests that read them
+
+
+def per_step(ctx) -> dict[str, dict[int, float]]:
+    """Every per-step metric of a stage run (timings aside): name -> step -> value."""
+    names = [n for n in ctx.recorded_run().data.metrics if not n.endswith("_seconds") and "time" not in n]
+    return {name: {p.step: p.value for p in ctx.metric_history(name) if p.step > 0} for name in names}
+
+
+def merged_weights(outputs: dict) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    (path,) = Path(outputs["checkpoint"]).glob("*.safetensors")
+    return load_file(path)
+
+
 @pytest.mark.parametrize("policy", ["lora", "agent"])
 def test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server(policy, vllm_tiny, ctx_factory, home):
-    """3 GRPO steps at max_staleness 1: step k trains on rollouts the server drew with the weights of step
-    k - 1 (drawn while step k - 1 trained), each version pushed after its step: a LoRA adapter over HTTP,
-    or, for an agent's episodes in full fine-tuning, the whole policy reloaded from disk. The mismatch is
-    corrected and logged; the server is stopped with the stage."""
+    """GRPO at max_staleness 1 (4 steps with LoRA, 3 for the agent): step k trains on rollouts the server drew
+    with the weights of step k - 1 (drawn while step k - 1 trained), each version pushed after its step: a
+    LoRA adapter over HTTP, or, for an agent's episodes in full fine-tuning, the whole policy reloaded from
+    disk. The mismatch is corrected and logged; the server is stopped with the stage."""
     from stages import rl
 
-    config, inputs = (rl_config(), rl_inputs(home, vllm_tiny)) if policy == "lora" else \
+    config, inputs = (rl_config(**WHOLE), rl_inputs(home, vllm_tiny)) if policy == "lora" else \
         agent_config_and_inputs(home, vllm_tiny)
+    steps = config.max_steps
     ctx = ctx_factory(f"grpo-server-{policy}")
     outputs = rl.run(config, inputs, ctx)
+    if policy == "lora":
+        _WHOLE_LORA.update(steps=per_step(ctx), weights=merged_weights(outputs))
     run = ctx.recorded_run()
     assert run.data.params["resolved_backend"] == "vllm_server"
     assert run.data.params["resolved_correction"] == "token_tis cap 3.0"
     history = {name: [p.value for p in ctx.metric_history(name)] for name in (
         "ahead/staleness_max", "ahead/dropped_samples", "ahead/mispredicted", "ahead/sync_seconds",
         "correction/logp_diff_abs_mean")}
-    assert history["ahead/staleness_max"] == [0.0, 1.0, 1.0], history  # the first batch has nothing ahead of it
-    assert history["ahead/mispredicted"] == [0.0, 0.0, 0.0], history  # the plan was TRL's own batches
-    assert history["ahead/dropped_samples"] == [0.0, 0.0, 0.0], history
+    assert history["ahead/staleness_max"] == [0.0] + [1.0] * (steps - 1), history  # the first: nothing ahead of it
+    assert history["ahead/mispredicted"] == [0.0] * steps, history  # the plan was TRL's own batches
+    assert history["ahead/dropped_samples"] == [0.0] * steps, history
     assert len(history["ahead/sync_seconds"]) >= 2 and all(s > 0 for s in history["ahead/sync_seconds"]), history
     # a float32 server: the first step is on-policy to float error; later ones are one update stale (the
     # tiny agent's episodes end with the same empty answer whatever it does: its policy barely moves)
     gaps = history["correction/logp_diff_abs_mean"]
-    assert len(gaps) == 3 and gaps[0] < 1e-4, gaps
+    assert len(gaps) == steps and gaps[0] < 1e-4, gaps
     if policy == "lora":
         assert max(gaps[1:]) > 1e-4, gaps
-    assert run.data.metrics["engine_weight_syncs"] == 3  # after each of the 3 optimizer steps
+    assert run.data.metrics["engine_weight_syncs"] == steps  # after each optimizer step
     assert Path(outputs["checkpoint"]).is_dir()
     assert not guards_of(os.getpid()), "a generation server guard outlived its stage"
     assert "Application startup complete" in (ctx.work_dir / "generation-server.log").read_text()
     if policy == "lora":
         assert run.data.params["weight_sync"] == "lora adapter over HTTP"
-        assert (ctx.work_dir / "served" / "v3" / "adapter_config.json").is_file()  # the adapter alone
+        assert (ctx.work_dir / "served" / "v4" / "adapter_config.json").is_file()  # the adapter alone
     else:
         assert run.data.params["weight_sync"] == "full weights reloaded from disk"
         turns = [p.value for p in ctx.metric_history("env/turns_mean")]
-        assert len(turns) == 3 and all(t >= 1 for t in turns), turns  # each step's episodes, measured once
+        assert len(turns) == steps and all(t >= 1 for t in turns), turns  # each step's episodes, measured once
 
 
 def test_ppo_samples_from_the_server_each_batch_by_the_last_updates_weights(vllm_tiny, ctx_factory, home):
@@ -226,35 +246,81 @@ tracker = Tracker(home)
 experiment = tracker.experiment_id("server-tests", None)
 parent = tracker.start_pipeline_run(experiment, "server-tests", {{}})
 run_id = tracker.start_stage_run(experiment, parent, "stopped", {{}})
-ctx = MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0)
+ctx = MlflowStageContext(tracker, run_id, home / "work" / run_id, seed=0, resume_dir=Path({resume_dir!r}))
 with torch_threads(1):
-    rl.run(rl_config(max_steps=200), rl_inputs(home, Path({checkpoint!r})), ctx)
+    rl.run(rl_config(**{settings!r}), rl_inputs(home, Path({checkpoint!r})), ctx)
 """
 
 
-@pytest.mark.parametrize("how", ["sigint", "sigkill"])
-def test_no_server_outlives_a_stage_stopped_by_ctrl_c_or_killed(how, vllm_tiny, home):
-    """A GRPO stage training on its server is stopped once the server serves: Ctrl-C (SIGINT to the stage,
-    which stops it after the step in progress) or kill -9 of the stage's process group (the server's group
-    is not in it: its guard sees the stage gone and kills it). Either way no server process is left."""
-    script = STAGE.format(tests=str(Path(__file__).parent), home=str(home), checkpoint=str(vllm_tiny))
-    stage = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
+def start_stage(home: Path, checkpoint: Path, resume_dir: Path, **settings) -> subprocess.Popen:
+    """The LoRA stage at max_staleness 1 in a process (and process group) of its own."""
+    script = STAGE.format(tests=str(Path(__file__).parent), home=str(home), checkpoint=str(checkpoint),
+                          resume_dir=str(resume_dir), settings=settings)
+    return subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+
+def wait_for(stage: subprocess.Popen, done, what: str) -> None:
     deadline = time.monotonic() + 300
+    while not done():
+        assert stage.poll() is None, stage.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"the stage did not {what} within 300 s"
+        time.sleep(0.002)
+
+
+def test_no_server_outlives_a_stage_stopped_by_ctrl_c(vllm_tiny, home):
+    """A GRPO stage training on its server is stopped by Ctrl-C (SIGINT to the stage, which stops it after
+    the step in progress) once the server serves: no server process is left. (kill -9: the test below.)"""
+    stage = start_stage(home, vllm_tiny, home / "resume", max_steps=200)
     try:
-        while not list(home.glob("work/*/served/v1")):  # serving, and a first step trained and pushed
-            assert stage.poll() is None, stage.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the stage did not push its first update within 300 s"
-            time.sleep(0.2)
+        wait_for(stage, lambda: list(home.glob("work/*/served/v1")), "push its first update")  # serving, trained
         [guard] = guards_of(stage.pid)
         assert len(group_of(guard)) >= 3  # the guard, vLLM's API server, its engine core (and workers)
-        if how == "sigint":
-            os.kill(stage.pid, signal.SIGINT)
-            assert stage.wait(timeout=120) != 0
-        else:
-            os.killpg(stage.pid, signal.SIGKILL)
-            assert stage.wait(timeout=30) == -signal.SIGKILL
-        assert gone(guard), f"server processes left after {how}: {group_of(guard)}"
+        os.kill(stage.pid, signal.SIGINT)
+        assert stage.wait(timeout=120) != 0
+        assert gone(guard), f"server processes left after Ctrl-C: {group_of(guard)}"
     finally:
         if stage.poll() is None:
             os.killpg(stage.pid, signal.SIGKILL)
+
+
+def test_a_stage_drawing_ahead_killed_leaves_no_server_and_resumes_to_the_uninterrupted_run(
+        vllm_tiny, ctx_factory, home):
+    """kill -9 of the stage's process group once its checkpoint at step 2 is written: the server's group is
+    not in it, its guard sees the stage gone and kills it, so no server process is left. The next execution
+    serves the adapter of version 1 again from that checkpoint, so its first batch is drawn by version 1, as
+    the uninterrupted stage's was (not by the checkpoint's own weights): steps 3 and 4 sample, score and
+    train as that stage's did, and the stage ends with its weights."""
+    from stages import rl
+
+    if not _WHOLE_LORA:  # this test alone: the uninterrupted run the test above measures
+        test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server("lora", vllm_tiny, ctx_factory, home)
+    resume_dir = home / "resume-killed"
+    stage = start_stage(home, vllm_tiny, resume_dir, **WHOLE)
+    try:
+        wait_for(stage, lambda: (resume_dir / "checkpoint-2" / "trainer_state.json").is_file(), "write checkpoint 2")
+        [guard] = guards_of(stage.pid)
+        os.killpg(stage.pid, signal.SIGKILL)
+        assert stage.wait(timeout=30) == -signal.SIGKILL
+        assert gone(guard), f"server processes left after kill -9: {group_of(guard)}"
+    finally:
+        if stage.poll() is None:
+            os.killpg(stage.pid, signal.SIGKILL)
+    assert (resume_dir / "checkpoint-2" / "served-versions" / "v1" / "adapter_config.json").is_file()
+
+    ctx = ctx_factory("resumed")
+    ctx.resume_dir = resume_dir
+    outputs = rl.run(rl_config(**WHOLE), rl_inputs(home, vllm_tiny), ctx)
+    assert outputs["metrics"]["resumed_from_step"] == 2
+    resumed, whole = per_step(ctx), _WHOLE_LORA["steps"]
+    assert resumed["ahead/staleness_max"] == {3: 1.0, 4: 1.0}, resumed["ahead/staleness_max"]
+    logged = {name: {s: v for s, v in steps.items() if s > 2} for name, steps in whole.items()}
+    logged = {name: steps for name, steps in logged.items() if steps}  # each metric of steps 3 and 4
+    assert {"reward/mean", "correction/logp_diff_abs_mean", "loss", "kl"} <= set(logged), sorted(logged)
+    differ = {name: (steps, resumed.get(name)) for name, steps in logged.items()
+              if resumed.get(name, {}).keys() != steps.keys()
+              or any(resumed[name][s] != pytest.approx(v, rel=1e-5, abs=1e-7) for s, v in steps.items())}
+    assert not differ, f"steps 3 and 4 (uninterrupted, resumed): {differ}"
+    a, b = _WHOLE_LORA["weights"], merged_weights(outputs)
+    different = [name for name in a if not torch.allclose(a[name], b[name], rtol=0, atol=1e-6)]
+    assert not different, f"resumed from step 2, these tensors differ from the uninterrupted run: {different}"

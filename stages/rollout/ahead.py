@@ -16,6 +16,14 @@ S = 1 generation of step k+1's rollouts overlaps training on step k's. The stale
 when the batch is used; a batch past it would be dropped, counted (``ahead/dropped_samples``) and drawn
 again by the current weights, which the pinned versions above never need.
 
+A resumed stage draws as the stage never stopped would. With LoRA, each checkpoint at step k keeps the adapters
+of versions k - S .. k - 1 (``save_versions``: the server's own copies, under ``served-versions/``), and the
+resumed execution serves them again before its first batch (``restore_versions``), so its batches are drawn by
+the same versions as the uninterrupted stage's, from its first one. Full weights are one file of the model's
+size per version and the server holds one at a time: a resumed stage in full fine-tuning draws its first batch
+by the checkpoint's weights and the S batches after it by versions no older than those (fresher than the
+uninterrupted stage's).
+
 Logged every step: ``ahead/staleness_mean`` and ``ahead/staleness_max`` (optimizer steps between the
 weights that drew a sample and the weights it trains), ``ahead/dropped_samples``, ``ahead/sync_seconds``
 (pushing the weights to the server) and ``ahead/wait_seconds`` (the trainer waiting for rollouts). The
@@ -59,6 +67,7 @@ class ServedRollouts:
         self.dropped = 0
         self.mispredicted = 0
         self._first: tuple[int, int] | None = None  # (call, step) of this execution's first call
+        self._restored: dict[int, Path] = {}  # versions a resumed execution serves again, and their adapters
         self._ready: dict[int, tuple[list, dict, int]] = {}
         self._drawn_through = -1  # the producer's last finished call
         self._changed = threading.Condition()
@@ -66,6 +75,7 @@ class ServedRollouts:
         self._failure: BaseException | None = None
         self._closing = False
         self._updates, self._last_call = 1, 0  # optimizer steps per generation call, the stage's last call
+        self._floor = 0  # the oldest version this execution serves (``_oldest_served``)
         self.startup_seconds = 0.0  # the server's, once started
 
     # -- the trainer's side -------------------------------------------------------------------------------
@@ -73,7 +83,28 @@ class ServedRollouts:
         if self.backend is None:
             self.backend = self.open_backend()
             self.startup_seconds = self.backend.server.startup_seconds
+            if self.backend.lora:
+                for version, adapter in sorted(self._restored.items()):
+                    self.backend.serve_adapter(version, adapter, self.folder)
+            self._restored = {}
         return self.backend
+
+    def save_versions(self, checkpoint: Path, step: int) -> None:
+        """Keep in checkpoint ``step``'s folder the adapters of the versions its next batches are drawn by."""
+        if self.backend is None or not self.backend.lora or self.max_staleness == 0:
+            return
+        import shutil
+
+        for version in range(max(1, step - self.max_staleness), step):  # version 0: the base model, always served
+            source = self.folder / f"v{version}"
+            if source.is_dir():
+                shutil.copytree(source, Path(checkpoint) / "served-versions" / f"v{version}", dirs_exist_ok=True)
+
+    def restore_versions(self, checkpoint: Path) -> None:
+        """The adapters ``save_versions`` kept in ``checkpoint``: served again once the server is up."""
+        saved = Path(checkpoint) / "served-versions"
+        self._restored = {int(p.name[1:]): p for p in saved.glob("v*") if p.name[1:].isdigit()} \
+            if saved.is_dir() else {}
 
     def close(self) -> None:
         with self._changed:
@@ -110,9 +141,13 @@ class ServedRollouts:
         started = time.perf_counter()
         if self._first is None:  # this execution's first batch: nothing was drawn ahead of it
             self._first = (call, step)
+            self._floor = self._oldest_served(step)
             if self.max_staleness > 0 and trainer.model.training:
                 self._start(trainer, call + 1)
-            out, version = self._draw_now(prompts, call)
+                out = self.inner.draw(prompts, self.backend.at(version := self.version_for(call, self._updates)),
+                                      draw_offset(call))
+            else:
+                out, version = self._draw_now(prompts, call)
         elif self.max_staleness == 0 or not trainer.model.training:
             out, version = self._draw_now(prompts, call)
         else:
@@ -158,9 +193,18 @@ class ServedRollouts:
 
     # -- the producer's side ------------------------------------------------------------------------------
     def version_for(self, call: int, updates_per_batch: int) -> int:
-        """The weights version that draws generation call ``call``'s batch."""
+        """The weights version that draws generation call ``call``'s batch: ``max_staleness`` updates before the
+        step that trains on it, but none older than this execution can serve."""
         first_call, first_step = self._first
-        return max(first_step, (call - first_call) * updates_per_batch + first_step - self.max_staleness)
+        return max(self._floor, (call - first_call) * updates_per_batch + first_step - self.max_staleness)
+
+    def _oldest_served(self, step: int) -> int:
+        """The oldest version this execution serves from its first step on: ``step`` (its own weights), or
+        with the versions before it served again (a resumed stage, LoRA), ``step - max_staleness``."""
+        oldest = step
+        while oldest > max(0, step - self.max_staleness) and oldest - 1 in self.backend.served:
+            oldest -= 1
+        return oldest
 
     def _last_call_before(self, version: int) -> int:
         """The last call whose batch is drawn by a version older than ``version``."""

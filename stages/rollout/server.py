@@ -378,6 +378,18 @@ class ServerBackend:
             results.append([group[0]] * settings.attempts if greedy else group)
         return results
 
+    def serve_adapter(self, version: int, adapter: Path, folder: Path) -> None:
+        """Serve a LoRA adapter saved earlier (a resumed stage's older versions) as ``version``, copied under
+        ``folder`` beside the versions ``push`` saves."""
+        import shutil
+
+        target = Path(folder) / f"v{version}"
+        shutil.copytree(adapter, target, dirs_exist_ok=True)
+        name = f"{BASE_NAME}-v{version}"
+        self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(target)})
+        self.served[version] = name
+        self.weights_version = max(self.weights_version, version)
+
     def push(self, model, version: int, folder: Path, keep: int = 1) -> float:
         """Serve ``model``'s weights after ``version`` optimizer updates (saved under ``folder``); versions below
         ``version - keep`` stop being served. Returns the seconds it took."""

@@ -85,11 +85,16 @@ class StageState:
     """What posttrain's code keeps across a trainer's steps: ``save()`` gives it as JSON-able values,
     ``restore(saved)`` puts it back on resume. The default keeps nothing of the stage's own.
     ``every``: checkpoints only at multiples of this step (GRPO reusing one batch of rollouts for several
-    updates: the batch is not in a checkpoint, so one is written only where a fresh batch is due)."""
+    updates: the batch is not in a checkpoint, so one is written only where a fresh batch is due).
+    ``save_files(folder)`` / ``restore_files(folder)``: what the stage keeps as files (GRPO drawing ahead: the
+    adapters of the versions its next batches are drawn by), written into the checkpoint's folder and read
+    back from it."""
 
     def __init__(self, save: Callable[[], dict[str, Any]] = dict, restore: Callable[[dict], None] = lambda saved: None,
-                 every: int = 1):
+                 every: int = 1, save_files: Callable[[Path], None] | None = None,
+                 restore_files: Callable[[Path], None] | None = None):
         self.save, self.restore, self.every = save, restore, every
+        self.save_files, self.restore_files = save_files, restore_files
 
 
 def train_resumably(trainer, ctx, state: StageState | None = None) -> tuple[Any, int]:
@@ -104,6 +109,8 @@ def train_resumably(trainer, ctx, state: StageState | None = None) -> tuple[Any,
     saved = _read_state(resume_from) if resume_from else {}
     if resume_from:
         state.restore(saved.get("stage", {}))
+        if state.restore_files is not None:
+            state.restore_files(Path(resume_from))
         for name, value in saved.get("counters", {}).items():
             setattr(trainer, name, value)
         announce_resume(ctx, saved["step"], saved.get("run"), resume_from)
@@ -144,6 +151,8 @@ def _state_writer(trainer, state: StageState, loss_sum_before: float, run_id: st
             # the loss sum since the stage began: the trainer's own sums only cover this execution's steps
             # (``_tr_loss`` holds the steps since the last log, already including this one)
             loss_sum = loss_sum_before + trainer._total_loss_scalar + float(trainer._tr_loss)
+            if state.save_files is not None:
+                state.save_files(folder)
             saved = {"step": train_state.global_step, "run": run_id, "loss_sum": loss_sum, "stage": state.save(),
                      "counters": {name: getattr(trainer, name) for name in TRL_COUNTERS if hasattr(trainer, name)}}
             temporary = folder / (STATE_FILE + ".tmp")
