@@ -369,7 +369,8 @@ def served_rollouts(config, inputs: StageInputs, tokenizer, dataset, inner, step
     from stages.rollout.server import open_generation_server
 
     def open_backend():
-        return open_generation_server(config, inputs, tokenizer, dataset["prompt"], work_dir)
+        return open_generation_server(config, inputs.policy, tokenizer, dataset["prompt"], work_dir,
+                                      inputs.trust_remote_code)
 
     return ServedRollouts(inner, open_backend, config.generation.max_staleness, work_dir / "served", step_metrics)
 
@@ -464,7 +465,7 @@ def _rollout_backend(config, inputs: StageInputs, ctx) -> tuple[str, str]:
 
     if config.generation.mode != "server":
         return rollout_backend(config, inputs.policy)
-    return server_backend(config, inputs, ctx)
+    return server_backend(config, inputs.policy, ctx)
 
 
 def push_after_each_step(trainer, rollouts):

@@ -32,8 +32,13 @@ Where this departs from DPO (Rafailov et al. 2023) and online DPO (Guo et al. 20
 - Best-vs-worst of ``attempts`` samples, one pair per prompt (Guo et al. sample two; more samples
   make a tie less likely).
 - Rollouts: with ``backend: vllm`` (or ``auto`` where vLLM can serve the model) posttrain's
-  in-process vLLM engine, given the policy's weights (LoRA merged) before every step; else HF
-  generate on the policy itself. Either way each step's pairs come from the current policy.
+  in-process vLLM engine, given the policy's weights (LoRA merged) before every step; with
+  ``generation: {mode: server}`` a vLLM server of the stage's own (stages/rollout/server.py), served
+  each update's weights before the next draw (a LoRA adapter over HTTP, or the full weights reloaded
+  from disk); else HF generate on the policy itself. Either way each step's pairs come from the
+  current policy. The DPO loss reads no sampler log-prob (both sides are the trainer's own forward
+  passes), so a sampler of other numerics needs no correction; drawing ahead (``max_staleness``) is
+  GRPO's.
 
 Per step it logs ``loss``; the implicit rewards ``rewards/chosen``, ``rewards/rejected``,
 ``rewards/margin``, ``rewards/accuracy`` (as the dpo stage); ``logps/chosen``, ``logps/rejected``;
@@ -42,7 +47,7 @@ of all samples, ``reward/mean`` and ``reward/<name>/mean``; ``pairs``, ``pairs/t
 ``kl`` (mean sequence log pi - log pi_ref over the step's chosen and rejected completions),
 ``completion/mean_tokens``, ``completion/truncated_frac``, ``reward/errors``,
 ``tokens_per_second`` (prompt and completion tokens of the step's samples over its wall time),
-``engine_weight_syncs`` at the end (vLLM);
+``engine_weight_syncs`` at the end (vLLM, or a server's versions pushed);
 sample tables under ``samples/`` every ``sample_every`` steps; ``curves.png`` (reward and KL).
 The published ``checkpoint`` (with ``lora``, also ``adapter``) is a model any eval stage takes.
 """
@@ -55,6 +60,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from stages.rollout.server import GenerationSettings, generation_rules
 from stages.training.alerts import AlertSettings
 from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.training.resume import Resumable
@@ -103,6 +109,20 @@ class OnlineDPOStageConfig(ExecutionLimits, Resumable):
     engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM engine settings for sampling.")
     lora: LoraSpec | None = Field(None, description=LORA_DESCRIPTION + " The reference is then the starting "
                                   "checkpoint with the adapters off (no second copy loaded).")
+    generation: GenerationSettings = Field(
+        default_factory=GenerationSettings,
+        description="Where the candidates are sampled. `mode: server` starts a vLLM server for the stage in "
+        "processes of its own (stages/rollout/server.py) and serves it each update's weights before the next "
+        "step's draw (a LoRA adapter over HTTP, full weights by reload from disk). Synchronous: max_staleness 0.")
+
+    @model_validator(mode="after")
+    def _generation_rules(self):
+        generation_rules(self.generation, self.backend)
+        if self.generation.max_staleness > 0:
+            raise ValueError("generation.max_staleness applies to grpo: online_dpo draws each step's candidates "
+                             "from the generation server when the step starts, by the weights of the update "
+                             "before (max_staleness 0); remove max_staleness")
+        return self
 
     @model_validator(mode="after")
     def _pairs_and_reference(self):
@@ -201,7 +221,8 @@ class OnlineDPORun:
     optimizer: object
     scorer: object  # stages/rewards/scoring.py Scorer: the rewards, bound scorers, reward_errors policy, judge auditor
     seed: int
-    engine: object = None  # posttrain's vLLM engine when the backend resolves to it, else HF generate
+    engine: object = None  # posttrain's vLLM engine or the stage's generation server, else HF generate
+    served_folder: object = None  # generation mode server: where each version's weights are written
     engine_syncs: int = 0
     tied_prompts: int = 0
     pairs_trained: int = 0
@@ -260,9 +281,8 @@ class OnlineDPORun:
         from stages.rollout.training import sync_policy
 
         settings = self.config.sampling.seeded(self.seed + draw_offset(step - 1))  # the stage's draw step - 1
-        if self.engine is not None:
-            sync_policy(self.engine, self.policy, step - 1)  # the policy the last update left (LoRA merged)
-            self.engine_syncs += 1
+        if self.engine is not None:  # the policy the last update left: merged into the engine, or served
+            self.engine_syncs += sync_policy(self.engine, self.policy, step - 1, self.served_folder)
             return self.engine.generate(prompts, settings)
         return HFGenerateBackend(self.policy, self.tokenizer, len(prompts), keep_logprobs=False,
                                  weights_version=step - 1).generate(prompts, settings)
@@ -339,7 +359,8 @@ def sampling_metrics(groups, scored, prompt_ids, n_pairs: int, n_ties: int) -> d
 def pair_rows(pairs, prompts, groups, totals, batch) -> list[dict]:
     rows = [{"prompt": prompts[p][-1]["content"], "answer": batch[p].get("answer"),
              "chosen": groups[p][c].text, "rejected": groups[p][r].text,
-             "reward/chosen": totals[p][c], "reward/rejected": totals[p][r]} for p, c, r in pairs]
+             "reward/chosen": totals[p][c], "reward/rejected": totals[p][r],
+             "weights_version": groups[p][c].weights_version} for p, c, r in pairs]  # updates before the draw
     return rows[:SAMPLE_TABLE_ROWS]
 
 
@@ -348,13 +369,21 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
 
     from stages.models.lora import save_trained
     from stages.rl_common import log_curves
+    from stages.rollout.server import open_generation_server, server_backend
     from stages.rollout.training import open_rollout_engine, rollout_backend
 
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
     records = read_materialized(inputs.data)
     state = OnlineDPORun.load(config, inputs, seed, ctx)
-    backend, why = rollout_backend(config, inputs.model)
+    if config.generation.mode == "server":
+        backend, why = server_backend(config, inputs.model, ctx)
+        state.engine = open_generation_server(config, inputs.model, state.tokenizer,
+                                              [prompt_messages(r) for r in records], ctx.work_dir,
+                                              inputs.trust_remote_code)
+        state.served_folder = ctx.work_dir / "served"
+    else:
+        backend, why = rollout_backend(config, inputs.model)
     if backend == "vllm":
         state.engine = open_rollout_engine(config, inputs.model, state.tokenizer,
                                            [prompt_messages(r) for r in records], inputs.trust_remote_code)
@@ -378,6 +407,7 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
 def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed: int, ctx):
     """``max_steps`` steps, each logged, resumable (stages/training/resume.py ``train_loop``); the engine (if
     any) closed at the end. (history, the step it resumed from, start time)."""
+    from stages.rollout.training import close_engine
     from stages.training.alerts import SilentFailureWatch
     from stages.training.resume import LoopState, train_loop
 
@@ -389,8 +419,7 @@ def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed
         history, resumed = train_loop(ctx, "online_dpo", config, lambda step: state.step(step, next(batches)), loop,
                                       SilentFailureWatch(config.alerts, config.sampling.max_tokens))
     finally:
-        if state.engine is not None:
-            state.engine.close()
+        close_engine(state.engine, ctx)
     return history, resumed, started
 
 

@@ -120,7 +120,7 @@ from stages.rl_math import (
     sampler_correction,
 )
 from stages.rollout.server import ServerBackend, open_generation_server, server_backend
-from stages.rollout.training import open_rollout_engine, rollout_backend, sync_policy
+from stages.rollout.training import close_engine, open_rollout_engine, rollout_backend, sync_policy
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 from stages.training.resume import LoopState, train_loop
 from stages.rewards.steps import step_token_indices
@@ -513,11 +513,8 @@ class PPORun:
         # each attempt is an episode of its own: a prompt of the draw)
         shard_prompts = len(batch) * (1 if self.episodes is None else config.sampling.attempts)
         settings = config.sampling.seeded(self.seed + draw_offset(step - 1, rank() * shard_prompts))
-        if isinstance(self.engine, ServerBackend):  # a generation server: the adapter, or the weights, as a new version
-            if self.engine.weights_version < step - 1:
-                self.engine.push(self.policy, step - 1, self.served_folder)
-        elif self.engine is not None:
-            sync_policy(self.engine, self.policy, step - 1)  # the policy the last update left, merged LoRA included
+        if self.engine is not None:  # the policy the last update left: merged into the engine, or served as a version
+            sync_policy(self.engine, self.policy, step - 1, self.served_folder)
         backend = self.engine or HFGenerateBackend(self.policy, self.tokenizer, len(batch) * settings.attempts,
                                                    weights_version=step - 1)
         if self.episodes is None:
@@ -599,9 +596,9 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     broadcast_parameters(run.policy, run.critic)
     records = read_materialized(inputs.data)
     if config.generation.mode == "server":
-        backend, why = server_backend(config, inputs, ctx)
-        run.engine = open_generation_server(config, inputs, run.tokenizer, [prompt_messages(r) for r in records],
-                                            ctx.work_dir)
+        backend, why = server_backend(config, inputs.policy, ctx)
+        run.engine = open_generation_server(config, inputs.policy, run.tokenizer, [prompt_messages(r) for r in records],
+                                            ctx.work_dir, inputs.trust_remote_code)
         run.served_folder = ctx.work_dir / "served"
     else:
         backend, why = rollout_backend(config, inputs.policy)
@@ -626,11 +623,7 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
         history, resumed = train_loop(ctx, "ppo", config, lambda step: run.step(step, next(batches), generator), state,
                                       SilentFailureWatch(config.alerts, config.sampling.max_tokens))
     finally:
-        if run.engine is not None:
-            run.engine.close()
-        if isinstance(run.engine, ServerBackend):
-            run.engine.server.close()
-            ctx.log_metrics({"generation_server_startup_seconds": run.engine.server.startup_seconds})
+        close_engine(run.engine, ctx)
 
     log_curves(ctx, history)
     outputs = run.save(ctx)

@@ -16,7 +16,7 @@ from stages.context import ExecutionLimits
 from stages.training.resume import Resumable
 from stages.difficulty import DifficultyFilter
 from stages.rollout.environments import EnvironmentSpec
-from stages.rollout.server import GenerationSettings
+from stages.rollout.server import GenerationSettings, generation_rules
 from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.models.placement import Placement
@@ -193,17 +193,7 @@ class RLCommon(ExecutionLimits, Resumable):
 
     @model_validator(mode="after")
     def _generation_rules(self):
-        generation = self.generation
-        if generation.mode == "colocated":
-            for field in ("max_staleness", "startup_timeout_s"):
-                if field in generation.model_fields_set:
-                    raise ValueError(f"generation.{field} applies to generation mode server: a colocated engine "
-                                     f"samples inside the training process, between its steps; set "
-                                     f"generation.mode: server or remove generation.{field}")
-            return self
-        if self.backend == "hf":
-            raise ValueError("generation mode server samples with vLLM in a server of its own; backend hf samples "
-                             "with the training model: remove one of them")
+        generation_rules(self.generation, self.backend)
         return self
 
     def references(self) -> dict[str, str]:

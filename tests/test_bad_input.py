@@ -302,6 +302,11 @@ CASES = [
     Case("staleness_on_ppo", append(GRPO.replace("algorithm: grpo", "algorithm: ppo").replace(
         "rewards: [correct]}", "rewards: [correct], generation: {mode: server, max_staleness: 1}}")),
          ["p.yaml:12: stages.grpo: generation.max_staleness applies to grpo: PPO draws each batch's rollouts"]),
+    Case("staleness_on_online_dpo", append(ONLINE_DPO.replace("]}", "], generation: {mode: server, max_staleness: 1}}")),
+         ["p.yaml:12: stages.odpo: generation.max_staleness applies to grpo: online_dpo draws each step's candidates"]),
+    Case("online_dpo_server_generation_with_backend_hf",
+         append(ONLINE_DPO.replace("]}", "], backend: hf, generation: {mode: server}}")),
+         ["p.yaml:12: stages.odpo: generation mode server samples with vLLM in a server of its own; backend hf"]),
     Case("server_generation_without_vllm", append(GRPO.replace(
         "rewards: [correct]}", "rewards: [correct], generation: {mode: server}}")),
          ["p.yaml:12: stages.grpo.generation.mode: vLLM is not installed here", "generation mode colocated"],

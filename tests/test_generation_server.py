@@ -140,7 +140,7 @@ def agent_config_and_inputs(home: Path, checkpoint: Path):
     return config, StageInputs(policy=checkpoint, datasets={"data": data}, rewards=rewards)
 
 
-WHOLE = {"max_steps": 4, "save_steps": 2}  # the LoRA stage the resume test stops after its checkpoint at 2
+WHOLE = {"max_steps": 6, "save_steps": 2}  # the LoRA stage the resume test stops twice
 _WHOLE_LORA: dict = {}  # its uninterrupted run's figures, measured once for both tests that read them
 
 
@@ -159,7 +159,7 @@ def merged_weights(outputs: dict) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("policy", ["lora", "agent"])
 def test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server(policy, vllm_tiny, ctx_factory, home):
-    """GRPO at max_staleness 1 (4 steps with LoRA, 3 for the agent): step k trains on rollouts the server drew
+    """GRPO at max_staleness 1 (6 steps with LoRA, 3 for the agent): step k trains on rollouts the server drew
     with the weights of step k - 1 (drawn while step k - 1 trained), each version pushed after its step: a
     LoRA adapter over HTTP, or, for an agent's episodes in full fine-tuning, the whole policy reloaded from
     disk. The mismatch is corrected and logged; the server is stopped with the stage."""
@@ -194,7 +194,7 @@ def test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server(poli
     assert "Application startup complete" in (ctx.work_dir / "generation-server.log").read_text()
     if policy == "lora":
         assert run.data.params["weight_sync"] == "lora adapter over HTTP"
-        assert (ctx.work_dir / "served" / "v4" / "adapter_config.json").is_file()  # the adapter alone
+        assert (ctx.work_dir / "served" / "v6" / "adapter_config.json").is_file()  # the adapter alone
     else:
         assert run.data.params["weight_sync"] == "full weights reloaded from disk"
         turns = [p.value for p in ctx.metric_history("env/turns_mean")]
@@ -228,6 +228,39 @@ def test_ppo_samples_from_the_server_each_batch_by_the_last_updates_weights(vllm
         column = table["columns"].index("weights_version")
         assert {row[column] for row in table["data"]} == {step - 1}, (step, table["data"])
     assert not guards_of(os.getpid())
+
+
+def test_online_dpo_samples_each_step_from_the_server_by_the_last_updates_weights(vllm_tiny, ctx_factory, home):
+    """Online DPO with LoRA and generation mode server: before each step's draw the last update's adapter is
+    served as a new version over HTTP (none before the first step), so every pair of step k is drawn by
+    version k - 1; the policy trains, and the server is stopped with the stage."""
+    import dataclasses
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from stages import online_dpo
+
+    config = online_dpo.OnlineDPOStageConfig(
+        kind="online_dpo", model="base", data="train", rewards=["short"], prompts_per_step=4, max_steps=3, lr=5e-3,
+        sample_every=1, sampling={"attempts": 4, "max_tokens": 4}, engine={"dtype": "float32", "kv_cache_gib": 1},
+        lora={"r": 8, "alpha": 16}, generation={"mode": "server"})
+    inputs = rl_inputs(home, vllm_tiny)
+    ctx = ctx_factory("online-dpo-server")
+    online_dpo.run(config, dataclasses.replace(inputs, model=inputs.policy, policy=None), ctx)
+    run = ctx.recorded_run()
+    assert run.data.params["resolved_backend"] == "vllm_server"
+    assert run.data.params["weight_sync"] == "lora adapter over HTTP"
+    assert run.data.metrics["engine_weight_syncs"] == 2  # versions 1 and 2, before steps 2 and 3
+    assert (ctx.work_dir / "served" / "v2" / "adapter_config.json").is_file()
+    for step in (1, 2, 3):
+        table = json.loads(open(MlflowClient().download_artifacts(run.info.run_id,
+                                                                  f"samples/step_{step:05d}.json")).read())
+        column = table["columns"].index("weights_version")
+        assert table["data"] and {row[column] for row in table["data"]} == {step - 1}, (step, table["data"])
+    kls = [p.value for p in ctx.metric_history("kl")]
+    assert len(kls) == 3 and kls[0] == 0 and abs(kls[-1]) > 1e-3, kls  # the updates moved the policy off its reference
+    assert not guards_of(os.getpid()), "a generation server guard outlived its stage"
 
 
 STAGE = """
@@ -268,59 +301,70 @@ def wait_for(stage: subprocess.Popen, done, what: str) -> None:
         time.sleep(0.002)
 
 
-def test_no_server_outlives_a_stage_stopped_by_ctrl_c(vllm_tiny, home):
-    """A GRPO stage training on its server is stopped by Ctrl-C (SIGINT to the stage, which stops it after
-    the step in progress) once the server serves: no server process is left. (kill -9: the test below.)"""
-    stage = start_stage(home, vllm_tiny, home / "resume", max_steps=200)
+def stop(stage: subprocess.Popen, how: str) -> None:
+    """Ctrl-C to the stage (it stops after the step in progress, with a checkpoint) or kill -9 of its process
+    group (the server's group is not in it: its guard sees the stage gone and kills it); either way no server
+    process may be left."""
     try:
-        wait_for(stage, lambda: list(home.glob("work/*/served/v1")), "push its first update")  # serving, trained
         [guard] = guards_of(stage.pid)
         assert len(group_of(guard)) >= 3  # the guard, vLLM's API server, its engine core (and workers)
-        os.kill(stage.pid, signal.SIGINT)
-        assert stage.wait(timeout=120) != 0
-        assert gone(guard), f"server processes left after Ctrl-C: {group_of(guard)}"
+        if how == "sigint":
+            os.kill(stage.pid, signal.SIGINT)
+            assert stage.wait(timeout=120) != 0
+        else:
+            os.killpg(stage.pid, signal.SIGKILL)
+            assert stage.wait(timeout=30) == -signal.SIGKILL
+        assert gone(guard), f"server processes left after {how}: {group_of(guard)}"
     finally:
         if stage.poll() is None:
             os.killpg(stage.pid, signal.SIGKILL)
 
 
-def test_a_stage_drawing_ahead_killed_leaves_no_server_and_resumes_to_the_uninterrupted_run(
+def checkpoints(resume_dir: Path) -> list[int]:
+    """The steps of the complete checkpoints in ``resume_dir`` (trainer_state.json is written last)."""
+    return sorted(int(p.parent.name.split("-")[1]) for p in resume_dir.glob("checkpoint-*/trainer_state.json"))
+
+
+def test_a_stage_drawing_ahead_stopped_by_ctrl_c_then_killed_leaves_no_server_and_resumes_to_the_uninterrupted_run(
         vllm_tiny, ctx_factory, home):
-    """kill -9 of the stage's process group once its checkpoint at step 2 is written: the server's group is
-    not in it, its guard sees the stage gone and kills it, so no server process is left. The next execution
-    serves the adapter of version 1 again from that checkpoint, so its first batch is drawn by version 1, as
-    the uninterrupted stage's was (not by the checkpoint's own weights): steps 3 and 4 sample, score and
-    train as that stage's did, and the stage ends with its weights."""
+    """The LoRA stage at max_staleness 1 (6 steps, a checkpoint every 2) is stopped three times over:
+    Ctrl-C once its server serves its first update (the stage stops after the step in progress, j, with a
+    checkpoint), then its resumed execution is killed with kill -9 of its process group once its next
+    periodic checkpoint m is written, then it resumes to the end. No server process is left after either
+    stop. Each resumed execution serves again the adapter of version k - 1 its checkpoint k kept, so its first
+    batch is drawn by the version the uninterrupted stage used (not by the checkpoint's own weights): the steps
+    after m sample, score and train as that stage's did, and the stage ends with its weights."""
     from stages import rl
 
     if not _WHOLE_LORA:  # this test alone: the uninterrupted run the test above measures
         test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server("lora", vllm_tiny, ctx_factory, home)
-    resume_dir = home / "resume-killed"
+    resume_dir = home / "resume"
     stage = start_stage(home, vllm_tiny, resume_dir, **WHOLE)
-    try:
-        wait_for(stage, lambda: (resume_dir / "checkpoint-2" / "trainer_state.json").is_file(), "write checkpoint 2")
-        [guard] = guards_of(stage.pid)
-        os.killpg(stage.pid, signal.SIGKILL)
-        assert stage.wait(timeout=30) == -signal.SIGKILL
-        assert gone(guard), f"server processes left after kill -9: {group_of(guard)}"
-    finally:
-        if stage.poll() is None:
-            os.killpg(stage.pid, signal.SIGKILL)
-    assert (resume_dir / "checkpoint-2" / "served-versions" / "v1" / "adapter_config.json").is_file()
+    wait_for(stage, lambda: list(home.glob("work/*/served/v1")), "push its first update")  # serving, trained
+    stop(stage, "sigint")
+    [j] = checkpoints(resume_dir)  # the step Ctrl-C stopped after
+    m = j + 2 - j % 2  # the next periodic checkpoint
+    assert 0 < j < m < WHOLE["max_steps"], (j, m)
+
+    stage = start_stage(home, vllm_tiny, resume_dir, **WHOLE)
+    wait_for(stage, lambda: m in checkpoints(resume_dir), f"write checkpoint {m}")
+    stop(stage, "sigkill")
+    assert (resume_dir / f"checkpoint-{m}" / "served-versions" / f"v{m - 1}" / "adapter_config.json").is_file()
 
     ctx = ctx_factory("resumed")
     ctx.resume_dir = resume_dir
     outputs = rl.run(rl_config(**WHOLE), rl_inputs(home, vllm_tiny), ctx)
-    assert outputs["metrics"]["resumed_from_step"] == 2
+    assert outputs["metrics"]["resumed_from_step"] == m
+    after = range(m + 1, WHOLE["max_steps"] + 1)
     resumed, whole = per_step(ctx), _WHOLE_LORA["steps"]
-    assert resumed["ahead/staleness_max"] == {3: 1.0, 4: 1.0}, resumed["ahead/staleness_max"]
-    logged = {name: {s: v for s, v in steps.items() if s > 2} for name, steps in whole.items()}
-    logged = {name: steps for name, steps in logged.items() if steps}  # each metric of steps 3 and 4
+    assert resumed["ahead/staleness_max"] == {s: 1.0 for s in after}, resumed["ahead/staleness_max"]
+    logged = {name: {s: v for s, v in steps.items() if s > m} for name, steps in whole.items()}
+    logged = {name: steps for name, steps in logged.items() if steps}  # each metric of the steps after m
     assert {"reward/mean", "correction/logp_diff_abs_mean", "loss", "kl"} <= set(logged), sorted(logged)
     differ = {name: (steps, resumed.get(name)) for name, steps in logged.items()
               if resumed.get(name, {}).keys() != steps.keys()
               or any(resumed[name][s] != pytest.approx(v, rel=1e-5, abs=1e-7) for s, v in steps.items())}
-    assert not differ, f"steps 3 and 4 (uninterrupted, resumed): {differ}"
+    assert not differ, f"steps after {m} (uninterrupted, resumed): {differ}"
     a, b = _WHOLE_LORA["weights"], merged_weights(outputs)
     different = [name for name in a if not torch.allclose(a[name], b[name], rtol=0, atol=1e-6)]
-    assert not different, f"resumed from step 2, these tensors differ from the uninterrupted run: {different}"
+    assert not different, f"resumed from step {m}, these tensors differ from the uninterrupted run: {different}"

@@ -1,6 +1,6 @@
 """Generation apart from training: a vLLM OpenAI-compatible server in its own processes.
 
-An rl stage with ``generation: {mode: server}`` samples its rollouts from a vLLM server that posttrain
+An rl or online_dpo stage with ``generation: {mode: server}`` samples from a vLLM server that posttrain
 starts on 127.0.0.1 for the stage (``GenerationServer``) and stops with it. The server runs in a process
 group of its own under a guard (stages/rollout/guard.py): the stage stops it with one ``killpg`` on
 success, failure, Ctrl-C or its time limit, and the guard kills it within half a second when the stage
@@ -50,7 +50,7 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank ch
 
 
 class GenerationSettings(SpecModel):
-    """Where an rl stage's rollouts are generated, and how far ahead of training."""
+    """Where a stage's rollouts (rl, online_dpo) are generated, and how far ahead of training."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -73,6 +73,19 @@ class GenerationSettings(SpecModel):
         "0): CPU cores given to the server, the trainer keeping the rest (default half, at least 1). Two "
         "processes each running a thread per core on the same cores slow each other several times over "
         "(measured with SmolLM2: 120 s GRPO steps instead of 53). With max_staleness 0 they take turns on every core.")
+
+
+def generation_rules(generation: GenerationSettings, backend: str) -> None:
+    """What every stage with a ``generation:`` field keeps, whatever its kind (a ValueError saying which)."""
+    if generation.mode == "colocated":
+        for field in ("max_staleness", "startup_timeout_s"):
+            if field in generation.model_fields_set:
+                raise ValueError(f"generation.{field} applies to generation mode server: a colocated engine "
+                                 f"samples inside the training process, between its steps; set "
+                                 f"generation.mode: server or remove generation.{field}")
+    elif backend == "hf":
+        raise ValueError("generation mode server samples with vLLM in a server of its own; backend hf samples "
+                         "with the training model: remove one of them")
 
 
 class ServerFailed(RuntimeError):
@@ -459,29 +472,30 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def open_generation_server(config, inputs, tokenizer, prompts: list[list[dict]], work_dir: Path) -> ServerBackend:
-    """The one place an rl stage starts its generation server: the stage's ``engine`` settings, a context sized
-    for its longest prompt plus its rollout budget, LoRA served when the policy trains adapters (room for
-    ``max_staleness + 2`` versions at once), its log in the stage's work dir."""
+def open_generation_server(config, checkpoint: Path, tokenizer, prompts: list[list[dict]], work_dir: Path,
+                           trust_remote_code: bool = False) -> ServerBackend:
+    """The one place a stage (rl, online_dpo) starts its generation server on ``checkpoint``: the stage's
+    ``engine`` settings, a context sized for its longest prompt plus its rollout budget, LoRA served when the
+    policy trains adapters (room for ``max_staleness + 2`` versions at once), its log in the stage's work dir."""
     from stages.rollout.training import context_length, rollout_budget
 
     generation = config.generation
     server = GenerationServer(
-        inputs.policy, Path(work_dir) / "generation-server.log", engine=config.engine,
+        checkpoint, Path(work_dir) / "generation-server.log", engine=config.engine,
         max_model_len=context_length(tokenizer, prompts, rollout_budget(config)),
         lora_rank=config.lora.r if config.lora else None, max_loras=generation.max_staleness + 2,
-        trust_remote_code=inputs.trust_remote_code, startup_timeout_s=generation.startup_timeout_s,
+        trust_remote_code=trust_remote_code, startup_timeout_s=generation.startup_timeout_s,
         cpus=cpu_split(generation)[0])
     return ServerBackend(server.start(), tokenizer)
 
 
-def server_backend(config, inputs, ctx) -> tuple[str, str]:
-    """(backend, why) of an rl stage with ``generation.mode: server``: a model vLLM cannot serve fails here,
+def server_backend(config, checkpoint: Path, ctx) -> tuple[str, str]:
+    """(backend, why) of a stage with ``generation.mode: server``: a model vLLM cannot serve fails here,
     saying why; how weights reach the server and, drawing ahead on a CPU-only machine, how the cores are
     shared, logged."""
     from stages.rollout.generation import choose_backend
 
-    choose_backend("vllm", inputs.policy)
+    choose_backend("vllm", checkpoint)
     ctx.log_params({"weight_sync": "lora adapter over HTTP" if config.lora else "full weights reloaded from disk"})
     server_cpus, trainer_threads = cpu_split(config.generation)
     if server_cpus:

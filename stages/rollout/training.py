@@ -25,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stages.rollout.generation import SamplingSettings, VLLMBackend, choose_backend, draw_offset, prompt_token_ids
+from stages.rollout.server import ServerBackend
 
 
 def merged_named_weights(model):
@@ -40,9 +41,16 @@ def merged_named_weights(model):
     return named
 
 
-def sync_policy(engine: VLLMBackend, model, version: int) -> None:
-    """Push ``model``'s current weights, after ``version`` optimizer updates, into ``engine`` (LoRA adapters
-    merged while they are copied); the samples it draws next carry ``version``."""
+def sync_policy(engine: VLLMBackend | ServerBackend, model, version: int, served_folder: Path | None = None) -> bool:
+    """Push ``model``'s current weights, after ``version`` optimizer updates, into ``engine``: the in-process
+    engine's weights replaced (LoRA adapters merged while they are copied), or on a generation server served
+    as a new version (an adapter, or the full weights; saved under ``served_folder``) unless it is already.
+    The samples it draws next carry ``version``. Whether weights were pushed."""
+    if isinstance(engine, ServerBackend):
+        if engine.weights_version >= version:
+            return False
+        engine.push(model, version, served_folder)
+        return True
     peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
     if peft:
         model.merge_adapter()
@@ -51,6 +59,17 @@ def sync_policy(engine: VLLMBackend, model, version: int) -> None:
     finally:
         if peft:
             model.unmerge_adapter()
+    return True
+
+
+def close_engine(engine: VLLMBackend | ServerBackend | None, ctx) -> None:
+    """Stop a stage's engine: the in-process one, or its generation server (the server's start-up logged)."""
+    if engine is None:
+        return
+    engine.close()
+    if isinstance(engine, ServerBackend):
+        engine.server.close()
+        ctx.log_metrics({"generation_server_startup_seconds": engine.server.startup_seconds})
 
 
 def rollout_backend(config, checkpoint: Path) -> tuple[str, str]:
