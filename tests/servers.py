@@ -37,7 +37,8 @@ class MlflowServer:
              "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1", "--port", str(self.port),
              "--workers", "1"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true"),
+            # without MLflow's job runner (8 more processes, for GenAI jobs: posttrain runs none), as `posttrain ui`
+            env=dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
         )
         log.close()
         deadline = time.time() + timeout

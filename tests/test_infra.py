@@ -85,7 +85,8 @@ def test_mlflow_basic_auth_as_the_readme_sets_it_up(home, prefect_server, tmp_pa
         "sqlite:////var/lib/mlflow-auth/basic_auth.db", f"sqlite:///{tmp_path}/auth.db"))
     port = free_port()
     env = dict(os.environ, MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_PASSWORD="s3cret-for-tests",
-               MLFLOW_FLASK_SERVER_SECRET_KEY="test-key", MLFLOW_DISABLE_TELEMETRY="true")
+               MLFLOW_FLASK_SERVER_SECRET_KEY="test-key", MLFLOW_DISABLE_TELEMETRY="true",
+               MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no job runner (tests/servers.py MlflowServer)
     with open(tmp_path / "server.log", "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--backend-store-uri",
