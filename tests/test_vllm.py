@@ -149,7 +149,8 @@ def test_vllm_logprobs_are_the_tempered_distribution_the_trainer_computes(engine
 def test_synced_weights_reach_the_engine_including_merged_lora(engine, vllm_tiny, prompts):
     from stages.models.lora import LoraSpec, wrap
     from stages.models.loading import load_model_and_tokenizer
-    from stages.rollout.training import merged_named_weights, sync_policy
+    from stages.rollout.generation import merged_named_weights
+    from stages.rollout.training import sync_policy
 
     model, tokenizer = load_model_and_tokenizer(vllm_tiny)
     with torch.no_grad():  # the embedding the LM head is tied to moved too (vLLM's CPU backend copies the head)

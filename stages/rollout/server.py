@@ -42,7 +42,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from stages.rollout.generation import EngineSettings, Sample, SamplingSettings, checkpoint_dtype, prompt_token_ids
+from stages.rollout.generation import (EngineSettings, Sample, SamplingSettings, checkpoint_dtype, context_length,
+                                       merged_named_weights, prompt_token_ids, rollout_budget)
 from stages.spec_model import SpecModel
 
 BASE_NAME = "policy"  # the served name of the checkpoint as loaded (version 0, and every full-weights version)
@@ -449,10 +450,8 @@ class PinnedBackend:
 def save_weights(model, folder: Path) -> None:
     """The policy's weights as one safetensors file in its checkpoint's naming, a tied LM head included
     under its own name (``save_pretrained`` leaves it out, and vLLM's CPU backend keeps its own copy of it:
-    stages/rollout/training.py ``merged_named_weights``)."""
+    stages/rollout/generation.py ``merged_named_weights``)."""
     from safetensors.torch import save_file
-
-    from stages.rollout.training import merged_named_weights
 
     folder.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
@@ -477,8 +476,6 @@ def open_generation_server(config, checkpoint: Path, tokenizer, prompts: list[li
     """The one place a stage (rl, online_dpo) starts its generation server on ``checkpoint``: the stage's
     ``engine`` settings, a context sized for its longest prompt plus its rollout budget, LoRA served when the
     policy trains adapters (room for ``max_staleness + 2`` versions at once), its log in the stage's work dir."""
-    from stages.rollout.training import context_length, rollout_budget
-
     generation = config.generation
     server = GenerationServer(
         checkpoint, Path(work_dir) / "generation-server.log", engine=config.engine,

@@ -24,21 +24,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.rollout.generation import SamplingSettings, VLLMBackend, choose_backend, draw_offset, prompt_token_ids
+from stages.rollout.generation import (SamplingSettings, VLLMBackend, choose_backend, context_length, draw_offset,
+                                       merged_named_weights, prompt_token_ids, rollout_budget)
 from stages.rollout.server import ServerBackend
-
-
-def merged_named_weights(model):
-    """``(name, tensor)`` of the policy in its checkpoint's naming (a PEFT model's adapter tensors left
-    out: merge them first). The state dict, not ``named_parameters``: a tied LM head appears under its
-    own name too, and vLLM's CPU backend keeps its own copy of it (measured: leaving it out left the
-    engine's log-probs 0.09 off the trainer's after one update)."""
-    named = []
-    for name, tensor in model.state_dict().items():
-        if "lora_" in name or "modules_to_save" in name:
-            continue
-        named.append((name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor))
-    return named
 
 
 def sync_policy(engine: VLLMBackend | ServerBackend, model, version: int, served_folder: Path | None = None) -> bool:
@@ -81,20 +69,6 @@ def rollout_backend(config, checkpoint: Path) -> tuple[str, str]:
     if world_size() > 1 and config.backend == "auto":
         return "hf", f"auto: {world_size()} training processes, each samples its shard with HF generate"
     return choose_backend(config.backend, checkpoint)
-
-
-def context_length(tokenizer, prompts: list[list[dict]], max_tokens: int) -> int:
-    """Tokens the engine must hold for the longest rendered prompt plus the completion budget
-    (vLLM sizes its caches from it; the model's own maximum may be far longer)."""
-    longest = max(len(ids) for ids in prompt_token_ids(tokenizer, prompts))
-    return longest + max_tokens + 8
-
-
-def rollout_budget(config) -> int:
-    """Tokens a stage's rollout may add after its prompt: ``sampling.max_tokens``, or with an environment an
-    episode's ``max_episode_tokens`` + 64 (the tools' line in the prompt)."""
-    environment = getattr(config, "environment", None)
-    return config.sampling.max_tokens if environment is None else environment.max_episode_tokens + 64
 
 
 def open_rollout_engine(config, checkpoint: Path, tokenizer, prompts: list[list[dict]],
