@@ -369,24 +369,14 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
 
     from stages.models.lora import save_trained
     from stages.rl_common import log_curves
-    from stages.rollout.server import open_generation_server, server_backend
-    from stages.rollout.training import open_rollout_engine, rollout_backend
+    from stages.rollout.training import open_stage_engine
 
     seed = config.seed if config.seed is not None else ctx.seed
     torch.manual_seed(seed)
     records = read_materialized(inputs.data)
     state = OnlineDPORun.load(config, inputs, seed, ctx)
-    if config.generation.mode == "server":
-        backend, why = server_backend(config, inputs.model, ctx)
-        state.engine = open_generation_server(config, inputs.model, state.tokenizer,
-                                              [prompt_messages(r) for r in records], ctx.work_dir,
-                                              inputs.trust_remote_code)
-        state.served_folder = ctx.work_dir / "served"
-    else:
-        backend, why = rollout_backend(config, inputs.model)
-    if backend == "vllm":
-        state.engine = open_rollout_engine(config, inputs.model, state.tokenizer,
-                                           [prompt_messages(r) for r in records], inputs.trust_remote_code)
+    state.engine, state.served_folder, backend, why = open_stage_engine(
+        config, inputs.model, state.tokenizer, [prompt_messages(r) for r in records], ctx, inputs.trust_remote_code)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why, "resolved_seed": seed,
                     "prompts": len(records), "samples_per_step": config.prompts_per_step * config.sampling.attempts})
     history, resumed, started = train_steps(config, state, records, seed, ctx)

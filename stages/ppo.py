@@ -119,8 +119,8 @@ from stages.rl_math import (
     ppo_value_loss,
     sampler_correction,
 )
-from stages.rollout.server import ServerBackend, open_generation_server, server_backend
-from stages.rollout.training import close_engine, open_rollout_engine, rollout_backend, sync_policy
+from stages.rollout.server import ServerBackend
+from stages.rollout.training import close_engine, open_stage_engine, sync_policy
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 from stages.training.resume import LoopState, train_loop
 from stages.rewards.steps import step_token_indices
@@ -595,16 +595,8 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     run = PPORun.load(config, inputs, seed, ctx)
     broadcast_parameters(run.policy, run.critic)
     records = read_materialized(inputs.data)
-    if config.generation.mode == "server":
-        backend, why = server_backend(config, inputs.policy, ctx)
-        run.engine = open_generation_server(config, inputs.policy, run.tokenizer, [prompt_messages(r) for r in records],
-                                            ctx.work_dir, inputs.trust_remote_code)
-        run.served_folder = ctx.work_dir / "served"
-    else:
-        backend, why = rollout_backend(config, inputs.policy)
-    if backend == "vllm":
-        run.engine = open_rollout_engine(config, inputs.policy, run.tokenizer, [prompt_messages(r) for r in records],
-                                         inputs.trust_remote_code)
+    run.engine, run.served_folder, backend, why = open_stage_engine(
+        config, inputs.policy, run.tokenizer, [prompt_messages(r) for r in records], ctx, inputs.trust_remote_code)
     run.correction, correction_why = resolve_correction(config, backend)
     ctx.log_params({"resolved_backend": backend, "backend_reason": why,
                     "resolved_correction": f"{run.correction.kind} cap {run.correction.cap}",

@@ -144,8 +144,7 @@ class ServedRollouts:
             self._floor = self._oldest_served(step)
             if self.max_staleness > 0 and trainer.model.training:
                 self._start(trainer, call + 1)
-                out = self.inner.draw(prompts, self.backend.at(version := self.version_for(call, self._updates)),
-                                      draw_offset(call))
+                out, version = self._draw_now(prompts, call, self.version_for(call, self._updates))
             else:
                 out, version = self._draw_now(prompts, call)
         elif self.max_staleness == 0 or not trainer.model.training:
@@ -168,9 +167,10 @@ class ServedRollouts:
         self.inner.consumed(out, trainer)
         return out
 
-    def _draw_now(self, prompts, call: int) -> tuple[dict, int]:
+    def _draw_now(self, prompts, call: int, version: int | None = None) -> tuple[dict, int]:
+        """Call ``call``'s batch drawn now, by weights ``version`` (default: the newest served)."""
         backend = self.open()
-        version = backend.weights_version
+        version = backend.weights_version if version is None else version
         return self.inner.draw(prompts, backend.at(version), draw_offset(call)), version
 
     def _measure(self, name: str, value: float) -> None:

@@ -399,8 +399,11 @@ class ServerBackend:
 
         target = Path(folder) / f"v{version}"
         shutil.copytree(adapter, target, dirs_exist_ok=True)
+        self._load_adapter(version, target)
+
+    def _load_adapter(self, version: int, adapter: Path) -> None:
         name = f"{BASE_NAME}-v{version}"
-        self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(target)})
+        self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter)})
         self.served[version] = name
         self.weights_version = max(self.weights_version, version)
 
@@ -411,10 +414,7 @@ class ServerBackend:
         target = Path(folder) / f"v{version}"
         if self.lora:
             model.save_pretrained(str(target))  # a PEFT model: the adapter alone
-            name = f"{BASE_NAME}-v{version}"
-            self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(target)})
-            self.served[version] = name
-            self.weights_version = version
+            self._load_adapter(version, target)
             for old in [v for v in self.served if 0 < v < version - keep]:
                 self.server.request("/v1/unload_lora_adapter", {"lora_name": self.served.pop(old)})
                 _remove(Path(folder) / f"v{old}")

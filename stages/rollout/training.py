@@ -26,7 +26,7 @@ from pathlib import Path
 
 from stages.rollout.generation import (SamplingSettings, VLLMBackend, choose_backend, context_length, draw_offset,
                                        merged_named_weights, prompt_token_ids, rollout_budget)
-from stages.rollout.server import ServerBackend
+from stages.rollout.server import ServerBackend, open_generation_server, server_backend
 
 
 def sync_policy(engine: VLLMBackend | ServerBackend, model, version: int, served_folder: Path | None = None) -> bool:
@@ -69,6 +69,21 @@ def rollout_backend(config, checkpoint: Path) -> tuple[str, str]:
     if world_size() > 1 and config.backend == "auto":
         return "hf", f"auto: {world_size()} training processes, each samples its shard with HF generate"
     return choose_backend(config.backend, checkpoint)
+
+
+def open_stage_engine(config, checkpoint: Path, tokenizer, prompts: list[list[dict]], ctx,
+                      trust_remote_code: bool = False):
+    """What a PPO or online DPO stage samples with: (engine, served_folder, backend, why). The engine is the
+    stage's generation server (``generation.mode: server``; pushed weights written under ``served_folder``),
+    the in-process vLLM engine, or None for HF generate."""
+    if config.generation.mode == "server":
+        backend, why = server_backend(config, checkpoint, ctx)
+        engine = open_generation_server(config, checkpoint, tokenizer, prompts, ctx.work_dir, trust_remote_code)
+        return engine, ctx.work_dir / "served", backend, why
+    backend, why = rollout_backend(config, checkpoint)
+    if backend == "vllm":
+        return open_rollout_engine(config, checkpoint, tokenizer, prompts, trust_remote_code), None, backend, why
+    return None, None, backend, why
 
 
 def open_rollout_engine(config, checkpoint: Path, tokenizer, prompts: list[list[dict]],
