@@ -15,7 +15,9 @@ this process, same seed:
 - colocated: posttrain's in-process vLLM engine, the policy's merged weights pushed into it before each step;
 - server-0: a vLLM server of the stage's own, the LoRA adapter pushed over HTTP after each step, each step's
   rollouts drawn when TRL asks (synchronous);
-- server-1, server-2: the same, with the next 1 or 2 steps' rollouts drawn while the trainer trains.
+- server-1, server-2: the same, with the next 1 or 2 steps' rollouts drawn while the trainer trains;
+- server-0-merged: server-0 with ``lora_weights: merged`` (the policy with its adapter folded in, reloaded
+  from disk after each step: vLLM generates with plain weights instead of applying the adapter per token).
 
 Printed per layout: the stage's seconds (and without the server's start-up), the ratio of the colocated
 stage's seconds over it (> 1: faster than colocated), seconds the trainer waited for rollouts and spent
@@ -37,7 +39,8 @@ from bench._common import StageContexts, isolated_home, print_summary  # noqa: E
 from bench.backends import SMOLLM2  # noqa: E402
 
 LAYOUTS = {"colocated": {"mode": "colocated"}, "server-0": {"mode": "server", "max_staleness": 0},
-           "server-1": {"mode": "server", "max_staleness": 1}, "server-2": {"mode": "server", "max_staleness": 2}}
+           "server-1": {"mode": "server", "max_staleness": 1}, "server-2": {"mode": "server", "max_staleness": 2},
+           "server-0-merged": {"mode": "server", "max_staleness": 0, "lora_weights": "merged"}}
 TRAIN = {"reasoning_gym": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
          "n": 400, "seed": 0, "answer_format": "answer_tags", "role": "train"}
 

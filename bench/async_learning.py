@@ -31,7 +31,8 @@ from bench.results import run_pipeline, stage_runs  # noqa: E402
 
 LAYOUTS = {"colocated": [], "server-0": ["stages.grpo.generation.mode=server"],
            "server-1": ["stages.grpo.generation.mode=server", "stages.grpo.generation.max_staleness=1"],
-           "server-2": ["stages.grpo.generation.mode=server", "stages.grpo.generation.max_staleness=2"]}
+           "server-2": ["stages.grpo.generation.mode=server", "stages.grpo.generation.max_staleness=2"],
+           "server-0-merged": ["stages.grpo.generation.mode=server", "stages.grpo.generation.lora_weights=merged"]}
 HISTORIES = ("reward/mean", "ahead/staleness_mean", "ahead/wait_seconds", "correction/logp_diff_abs_mean")
 
 

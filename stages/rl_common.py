@@ -193,7 +193,7 @@ class RLCommon(ExecutionLimits, Resumable):
 
     @model_validator(mode="after")
     def _generation_rules(self):
-        generation_rules(self.generation, self.backend)
+        generation_rules(self.generation, self.backend, self.lora is not None)
         return self
 
     def references(self) -> dict[str, str]:

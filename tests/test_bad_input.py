@@ -292,6 +292,9 @@ CASES = [
     Case("staleness_without_a_server",
          append(GRPO.replace("rewards: [correct]}", "rewards: [correct], generation: {max_staleness: 1}}")),
          ["p.yaml:12: stages.grpo: generation.max_staleness applies to generation mode server"]),
+    Case("merged_lora_weights_without_lora", append(GRPO.replace(
+        "rewards: [correct]}", "rewards: [correct], generation: {mode: server, lora_weights: merged}}")),
+         ["p.yaml:12: stages.grpo: generation.lora_weights says how a LoRA policy's weights reach the server"]),
     Case("staleness_with_dynamic_sampling", append(GRPO.replace(
         "rewards: [correct]}",
         "rewards: [correct], dynamic_sampling: {}, generation: {mode: server, max_staleness: 2}}")),

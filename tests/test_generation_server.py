@@ -83,8 +83,11 @@ def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) ->
 
 def test_full_weights_pushed_to_the_server_give_the_trainers_logprobs(vllm_tiny, tmp_path):
     """Full fine-tuning: each version pushed (reload from disk, on this CPU) changes the server's
-    log-probs for a fixed prompt, and they are the trainer's own for that version to float error; the
-    server is gone once closed."""
+    log-probs for a fixed prompt, and they are the trainer's own for that version to float error; then a
+    LoRA policy pushed merged (``lora_weights: merged``) the same way, its base weights unfolded again
+    for training; the server is gone once closed."""
+    from peft import LoraConfig, get_peft_model
+
     from stages.models.loading import load_model_and_tokenizer
     from stages.rollout.generation import prompt_token_ids
     from stages.rollout.server import GenerationServer, ServerBackend
@@ -107,6 +110,24 @@ def test_full_weights_pushed_to_the_server_give_the_trainers_logprobs(vllm_tiny,
             assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=2e-4), (sample.logprobs, expected)
             seen.append(sample.logprobs)
         assert seen[0] != seen[1] != seen[2]
+
+        policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():  # a trained adapter: B away from its zero start
+            for name, parameter in policy.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.5)
+        base_before = {n: t.clone() for n, t in policy.state_dict().items() if "base_layer" in n}
+        assert backend.push(policy, 3, tmp_path / "served") > 0
+        [[sample]] = backend.generate_ids(prompt, GREEDY)
+        expected = trainer_logprobs(policy, prompt[0], sample.token_ids)
+        with policy.disable_adapter():
+            unadapted = trainer_logprobs(policy, prompt[0], sample.token_ids)
+        assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=2e-4), (sample.logprobs, expected)
+        assert not torch.allclose(expected, unadapted, atol=1e-3)  # the adapter changed what the server serves
+        assert not list((tmp_path / "served").glob("v3/adapter_config.json"))  # whole weights, not the adapter
+        # unfolded after the push, to float error (as the colocated engine's merged pushes)
+        assert all(torch.allclose(t, base_before[n], atol=1e-5) for n, t in policy.state_dict().items()
+                   if "base_layer" in n)
         pgid = server.process.pid
     assert gone(pgid), f"server processes left: {group_of(pgid)}"
     assert "Application startup complete" in (tmp_path / "server.log").read_text()

@@ -255,6 +255,20 @@ def rollout_budget(config) -> int:
     return config.sampling.max_tokens if environment is None else environment.max_episode_tokens + 64
 
 
+@contextmanager
+def adapters_merged(model):
+    """A PEFT ``model``'s LoRA adapters folded into its base weights inside the block (what
+    ``merged_named_weights`` reads), unfolded after; any other model as it is."""
+    peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
+    if peft:
+        model.merge_adapter()
+    try:
+        yield model
+    finally:
+        if peft:
+            model.unmerge_adapter()
+
+
 def merged_named_weights(model):
     """``(name, tensor)`` of the policy in its checkpoint's naming (a PEFT model's adapter tensors left
     out: merge them first). The state dict, not ``named_parameters``: a tied LM head appears under its

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.rollout.generation import (SamplingSettings, VLLMBackend, choose_backend, context_length, draw_offset,
-                                       merged_named_weights, prompt_token_ids, rollout_budget)
+from stages.rollout.generation import (SamplingSettings, VLLMBackend, adapters_merged, choose_backend, context_length,
+                                       draw_offset, merged_named_weights, prompt_token_ids, rollout_budget)
 from stages.rollout.server import ServerBackend, open_generation_server, server_backend
 
 
@@ -39,14 +39,8 @@ def sync_policy(engine: VLLMBackend | ServerBackend, model, version: int, served
             return False
         engine.push(model, version, served_folder)
         return True
-    peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
-    if peft:
-        model.merge_adapter()
-    try:
+    with adapters_merged(model):
         engine.load_weights(merged_named_weights(model), version)
-    finally:
-        if peft:
-            model.unmerge_adapter()
     return True
 
 
