@@ -152,6 +152,15 @@ def test_each_package_imports_only_what_its_docstring_names():
     assert not crossings, crossings
 
 
+def test_iterate_is_called_by_the_planner_alone():
+    """``iterate:`` is not threaded through the core: flows/planning/graph.py is the one module that imports
+    flows/planning/iterate.py (job.py names its ``RoundStep`` for typing only); spec, execution and recording
+    know a round only as ``StageJob.round`` and ``graph.step_round``."""
+    modules = _modules()
+    importers = sorted(name for name, tree in modules.items() if "flows.planning.iterate" in _imports(tree, modules))
+    assert importers == ["flows.planning.graph"], importers
+
+
 def test_each_stage_kind_is_declared_once_in_its_own_module():
     """A kind is one ``StageKind``: its module's ``KIND``, with that module's ``run``; the registry lists it."""
     import importlib

@@ -23,8 +23,7 @@ from pathlib import Path
 from flows.servers import startup
 from flows.recording.data_inputs import stage_datasets
 from flows.execution.distributed import run_distributed
-from flows.planning.graph import stage_references
-from flows.planning.iterate import FAILURES_INPUT, failure_set_inputs, round_tags
+from flows.planning.graph import reference_output, stage_references
 from flows.planning.job import StageJob
 from flows.recording.locks import stage_lock
 from flows.recording.model_registry import record_stage_model
@@ -80,10 +79,8 @@ def resolve_inputs(loaded: LoadedPipeline, stage: str, upstream_outputs: dict[st
     for input_name, target in stage_references(spec, stage).items():  # reward models' stages included
         if target == BASE:
             path = resolve_base_checkpoint(spec.model, spec.seed, home / "cache" / "models", loaded.base_dir)
-        elif input_name == FAILURES_INPUT:  # iterate: the failure set of round r-1's collect step
-            path = upstream_outputs[target]["failures"]
-        else:
-            path = upstream_outputs[target]["checkpoint"]
+        else:  # a checkpoint; for an iterate round, the failure set of round r-1's collect step
+            path = upstream_outputs[target][reference_output(input_name)]
         if input_name.startswith(SCORER_PREFIX):
             scorers[input_name[len(SCORER_PREFIX):]] = Path(path)
         else:
@@ -178,7 +175,7 @@ def _start_run(job: StageJob, tracker: Tracker) -> Recorder:
     run_id = tracker.start_stage_run(
         job.experiment_id, job.parent_run_id, job.stage,
         {TAG_FINGERPRINT: job.fingerprint, TAG_UPSTREAM: json.dumps(job.upstream_runs), TAG_KIND: job.kind,
-         **job.extra_tags, **round_tags(job.pipeline, job.stage)},
+         **job.extra_tags, **(job.round.tags() if job.round else {})},
     )
     recorder = Recorder(tracker.client, run_id, tracker.home)
     recorder.params(_flat_params("", job.config.model_dump(mode="json"), {}))
@@ -244,8 +241,8 @@ def _run_stage(job: StageJob, tracker: Tracker, recorder: Recorder, ctx: MlflowS
     startup.end(import_stage_libraries=in_process)  # the stage's work starts: collection back on (flows/servers/startup.py)
     inputs = resolve_inputs(job.loaded, job.stage, job.upstream_outputs, tracker.home)
     log_mixtures(job, inputs, recorder)
-    inputs = failure_set_inputs(job.loaded, job.stage, inputs, job.upstream_runs, tracker, recorder,
-                                tracker.home)  # iterate
+    if job.round is not None:  # iterate: round r's mix of failures, where this step trains on them
+        inputs = job.round.training_inputs(job.loaded, inputs, job.upstream_runs, tracker, recorder, tracker.home)
     recorder.params({f"input.{k}": v for k, v in inputs.paths().items()}
                     | {"input.trust_remote_code": inputs.trust_remote_code})
     recorder.datasets(stage_datasets(job.loaded, inputs))

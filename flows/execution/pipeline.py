@@ -17,9 +17,8 @@ from pathlib import Path
 
 from flows.recording.data_inputs import pipeline_datasets
 from flows.execution.execute import StageFailed, StageRow, execute, headline_metrics
-from flows.planning.graph import upstream_of
+from flows.planning.graph import step_round, upstream_of
 from flows.recording.home import artifact_root
-from flows.planning.iterate import print_rounds, rounds_markdown
 from flows.planning.job import bind_upstream, stage_jobs
 from flows.planning.lineage import Action, Decision, PlanError, RunOptions, plan_run
 from flows.recording.journal import Recorder, broken_journals, replay_pending
@@ -163,7 +162,7 @@ def summary_markdown(report: PipelineReport) -> str:
                      f"{_format_metrics(row.metrics)} | {link} |")
     alerts = [f"- **alert** `{row.stage}`: {alert}" for row in report.rows for alert in row.alerts]
     lines += ["", *alerts] if alerts else []
-    lines += rounds_markdown(report.rows)  # iterate: each round's evaluation side by side
+    lines += _rounds_markdown(report.rows)  # iterate: each round's evaluation side by side
     return "\n".join(lines)
 
 
@@ -193,7 +192,7 @@ def print_summary(report: PipelineReport, console) -> None:
     for row in report.rows:  # stages that ran without learning, and the likely cause (stages/training/alerts.py)
         for alert in row.alerts:
             console.print(f"[bold yellow]alert[/bold yellow] {row.stage}: {escape(alert)}", highlight=False)
-    print_rounds(report.rows, console)  # iterate: each round's evaluation side by side
+    _print_rounds(report.rows, console)  # iterate: each round's evaluation side by side
     console.print(f"pipeline run {report.parent_run_id} in experiment {report.experiment_id}")
     for message in report.unrecorded:
         console.print(f"[bold yellow]not recorded in MLflow:[/bold yellow] {message}", highlight=False)
@@ -233,3 +232,55 @@ def prepare_store(home: Path, console) -> Tracker:
     for problem in broken_journals(home):
         console.print(f"[yellow]{problem}[/yellow]", highlight=False, markup=False)
     return tracker
+
+
+# ------------------------------------------------------------------ each round's evaluation side by side
+
+
+def rounds_table(rows: list[StageRow]) -> tuple[int, list[tuple[str, str, list[float | None]]]]:
+    """(rounds, [(eval stage, metric, value per round)]) for eval stages run in more than one round of an
+    ``iterate:`` pipeline (a step's round: flows/planning/graph.py ``step_round``)."""
+    by_stage: dict[str, dict[int, dict]] = {}
+    for row in rows:
+        if row.kind == "eval":
+            stage, round_ = step_round(row.stage)
+            by_stage.setdefault(stage, {})[round_] = row.metrics
+    rounds = max((r for per_round in by_stage.values() for r in per_round), default=1)
+    table = []
+    for stage, per_round in by_stage.items():
+        if len(per_round) < 2:
+            continue  # shared by all rounds (upstream of iterate.train)
+        metrics = list(dict.fromkeys(k for m in per_round.values() for k in m if k.startswith("pass_at_")))
+        for metric in metrics:
+            table.append((stage, metric, [per_round.get(r, {}).get(metric) for r in range(1, rounds + 1)]))
+    return rounds, table
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _rounds_markdown(rows: list[StageRow]) -> list[str]:
+    rounds, table = rounds_table(rows)
+    if not table:
+        return []
+    lines = ["", "#### Evaluation by round", "",
+             "| eval stage | metric | " + " | ".join(f"round {r}" for r in range(1, rounds + 1)) + " |",
+             "|---|---|" + "---|" * rounds]
+    lines += [f"| {stage} | {metric} | " + " | ".join(_cell(v) for v in values) + " |"
+              for stage, metric, values in table]
+    return lines
+
+
+def _print_rounds(rows: list[StageRow], console) -> None:
+    from rich.table import Table
+
+    rounds, table = rounds_table(rows)
+    if not table:
+        return
+    view = Table(title="evaluation by round")
+    for column in ("eval stage", "metric", *(f"round {r}" for r in range(1, rounds + 1))):
+        view.add_column(column)
+    for stage, metric, values in table:
+        view.add_row(stage, metric, *(_cell(v) for v in values))
+    console.print(view)

@@ -1,10 +1,25 @@
-"""The stage graph, derived from references between stages (never declared twice)."""
+"""The stage graph, derived from references between stages (never declared twice), and the planner's
+checks of it (no cycles, rounds that can unroll).
+
+This is the one module that calls ``iterate``: it unrolls an ``iterate:`` block's rounds into steps
+(``expand_rounds``), adds the edge from ``train@r`` to the failure set it reads, and answers which
+round a step belongs to; a step's job carries the rest (``StageJob.round``).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flows.planning.iterate import downstream, failure_references, step_name
+from flows.planning.iterate import (
+    FAILURES_INPUT,
+    RoundStep,
+    downstream,
+    failure_references,
+    iterate_issues,
+    round_step,
+    split_step,
+    step_name,
+)
 from stages.rewards.registry import reward_input_key
 
 if TYPE_CHECKING:
@@ -26,6 +41,21 @@ def stage_references(pipeline: Pipeline, stage: str) -> dict[str, str]:
             refs[reward_input_key(reward)] = spec.stage
     refs.update(failure_references(pipeline, stage))
     return refs
+
+
+def reference_output(input_name: str) -> str:
+    """The output of its target a reference reads: the failure set for ``failures``, else the checkpoint."""
+    return "failures" if input_name == FAILURES_INPUT else "checkpoint"
+
+
+def step_round(step: str) -> tuple[str, int]:
+    """(the stage a step repeats, its round): ``sft@2`` -> (``sft``, 2); a stage is its own round 1."""
+    return split_step(step)
+
+
+def round_of(pipeline: Pipeline, step: str) -> RoundStep | None:
+    """The round a step belongs to where the pipeline iterates (its tags, fingerprint and data), else None."""
+    return round_step(pipeline, step)
 
 
 def upstream_of(pipeline: Pipeline) -> dict[str, list[str]]:
@@ -98,3 +128,47 @@ def expand_rounds(pipeline):
             assert all(hasattr(config, field) for field in renamed), (name, renamed)  # references() names fields
             stages[step_name(name, round_)] = config.model_copy(update=renamed)
     return pipeline.model_copy(update={"stages": stages})
+
+
+# ------------------------------------------------------------------ the planner's checks
+
+
+def graph_issues(declared, stages: dict, rewards: dict, raw_iterate, raw_data: dict,
+                 raw_rewards: dict) -> list[tuple[tuple, str]]:
+    """(YAML path, message) for each dependency cycle and each way the ``iterate:`` block cannot unroll or
+    would leak. ``declared``: every stage name in the file; ``stages`` / ``rewards``: what validated of them."""
+    declared = set(declared)
+    edges = {n: [t for t in c.references().values() if isinstance(t, str) and t in declared]
+             + [rewards[r].stage for r in c.reward_names() if r in rewards and rewards[r].stage in declared]
+             for n, c in stages.items()}
+    issues = iterate_issues(raw_iterate, stages, raw_data, raw_rewards, edges)
+    for cycle in find_cycles(edges):
+        issues.append((("stages", cycle[0]), "dependency cycle: " + " -> ".join(cycle)))
+    return issues
+
+
+def find_cycles(edges: dict[str, list[str]]) -> list[list[str]]:
+    """Each distinct cycle in a stage -> upstream graph, as a closed path."""
+    cycles, seen_sets = [], set()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in edges.get(node, []):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                key = frozenset(cycle)
+                if key not in seen_sets:
+                    seen_sets.add(key)
+                    cycles.append(cycle)
+            elif state.get(nxt) is None and nxt in edges:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in edges:
+        if state.get(node) is None:
+            visit(node)
+    return cycles

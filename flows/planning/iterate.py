@@ -4,7 +4,7 @@
 iterate: {rounds: 2, collect: eval_probe, train: sft, mix: 0.5}
 ```
 
-Round 1 is the pipeline as written. Round r >= 2 (unrolled by ``flows.graph.expand_rounds``)
+Round 1 is the pipeline as written. Round r >= 2 (unrolled by ``flows.planning.graph.expand_rounds``)
 reruns ``train`` and every stage downstream of it as *steps* named ``<stage>@<r>`` (``sft@2``, ``eval_probe@2``); stages
 upstream of ``train`` (and those beside it) are shared by all rounds and run once.
 ``train@r`` starts from the same checkpoint as ``train`` (its upstream is shared) and
@@ -31,37 +31,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ConfigDict, Field
-
 from flows.recording.tags import (
     TAG_FAILURE_SET,
     TAG_FAILURE_SET_SHA256,
     TAG_ROUND,
     TAG_ROUND_OF,
 )
-from stages.spec_model import SpecModel
 
 ROUND_SEPARATOR = "@"  # stage names cannot hold it, so a step name never collides with a stage
 FAILURES_INPUT = "failures"  # the input of train@r that names round r-1's collect step
 FAILURE_ARTIFACT = "outputs/failures.jsonl"  # where an eval run publishes its failure set
 ITERABLE_KINDS = ("sft", "rl")  # training kinds that read conversations / prompts a failure set can feed
 MIX_RECIPE = 1  # bump when stages/data/failures.py changes what a given mix produces (part of the fingerprint)
-
-
-
-class IterateSpec(SpecModel):
-    """Rounds of training on the failures evaluation collected."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    rounds: int = Field(ge=1, le=100, description="Rounds in all; round 1 is the pipeline as written.")
-    collect: str = Field(description="Eval stage whose failure cases (prompts with no correct attempt) feed the "
-                         "next round; it must evaluate a `probe` dataset and be downstream of `train`.")
-    train: str = Field(description="Training stage (sft or rl) rerun each round on its data mixed with the "
-                       "previous round's failures; it and everything downstream of it repeat.")
-    mix: float = Field(0.5, ge=0.0, le=1.0, description="Share of the round's training examples drawn from the "
-                       "failure set (repeated to fill it); the rest come from `train`'s own dataset, and the "
-                       "total stays that dataset's size. For sft a failure's demonstration is its expected answer.")
 
 
 class LeakageError(RuntimeError):
@@ -100,7 +81,7 @@ def round_feed(pipeline, step: str) -> FailureFeed | None:
     return FailureFeed(step, round_, step_name(spec.collect, round_ - 1), spec.mix)
 
 
-# ------------------------------------------------------------------ hooks for graph, lineage, tracking
+# ------------------------------------------------------------------ what the planner asks of a step
 
 
 def failure_references(pipeline, step: str) -> dict[str, str]:
@@ -109,17 +90,37 @@ def failure_references(pipeline, step: str) -> dict[str, str]:
     return {FAILURES_INPUT: feed.collect} if feed else {}
 
 
-def round_fingerprint(pipeline, step: str) -> dict:
-    """What a round's data adds to a fingerprint (the collect run id enters as an upstream run)."""
-    feed = round_feed(pipeline, step)
-    return {"iterate": {"mix": feed.mix, "recipe": MIX_RECIPE}} if feed else {}
+@dataclass(frozen=True)
+class RoundStep:
+    """One step of an iterating pipeline, as the planner hands it on (``StageJob.round``): the rest of
+    posttrain knows a round only through this object, never through the ``iterate:`` block."""
+
+    step: str  # sft@2
+    stage: str  # sft: the stage it repeats
+    round: int
+    feed: FailureFeed | None  # what it trains on besides its own dataset (iterate.train at round >= 2)
+
+    def tags(self) -> dict[str, str]:
+        return {TAG_ROUND: str(self.round), TAG_ROUND_OF: self.stage}
+
+    def fingerprint(self) -> dict:
+        """What a round's data adds to a fingerprint (the collect run id enters as an upstream run)."""
+        return {"iterate": {"mix": self.feed.mix, "recipe": MIX_RECIPE}} if self.feed else {}
+
+    def training_inputs(self, loaded, inputs, upstream_runs: dict[str, str], tracker, recorder, home: Path):
+        """The stage's inputs, its data swapped for the round's mix where it trains on failures (and which
+        failure set it trained on recorded); unchanged otherwise."""
+        if self.feed is None:
+            return inputs
+        return failure_set_inputs(loaded, self.feed, inputs, upstream_runs, tracker, recorder, home)
 
 
-def round_tags(pipeline, step: str) -> dict[str, str]:
+def round_step(pipeline, step: str) -> RoundStep | None:
+    """The round of ``step`` where the pipeline iterates, else None."""
     if getattr(pipeline, "iterate", None) is None:
-        return {}
+        return None
     stage, round_ = split_step(step)
-    return {TAG_ROUND: str(round_), TAG_ROUND_OF: stage}
+    return RoundStep(step, stage, round_, round_feed(pipeline, step))
 
 
 # ------------------------------------------------------------------ validation
@@ -256,11 +257,9 @@ def build_round_data(loaded, feed: FailureFeed, failures_path: Path, recorded_in
     return RoundData(target, failures_sha256, counts)
 
 
-def failure_set_inputs(loaded, step: str, inputs, upstream_runs: dict[str, str], tracker, recorder, home: Path):
+def failure_set_inputs(loaded, feed: FailureFeed, inputs, upstream_runs: dict[str, str], tracker, recorder,
+                       home: Path):
     """For ``train@r``: swap its data for the round's mix and record which failure set it trained on."""
-    feed = round_feed(loaded.spec, step)
-    if feed is None:
-        return inputs
     collect_run = upstream_runs[feed.collect]
     recorded_input = tracker.get_run(collect_run).data.params.get("input.data")
     built = build_round_data(loaded, feed, inputs.failures, recorded_input, home / "cache" / "data")
@@ -270,54 +269,3 @@ def failure_set_inputs(loaded, step: str, inputs, upstream_runs: dict[str, str],
                      "iterate.failure_set_run_id": collect_run, "iterate.failure_set_artifact": FAILURE_ARTIFACT,
                      **{f"iterate.{name}": value for name, value in built.counts.items()}})
     return inputs.with_data(built.path)
-
-
-# ------------------------------------------------------------------ each round's evaluation side by side
-
-
-def rounds_table(rows) -> tuple[int, list[tuple[str, str, list[float | None]]]]:
-    """(rounds, [(eval stage, metric, value per round)]) for eval stages run in more than one round."""
-    by_stage: dict[str, dict[int, dict]] = {}
-    for row in rows:
-        if row.kind == "eval":
-            stage, round_ = split_step(row.stage)
-            by_stage.setdefault(stage, {})[round_] = row.metrics
-    rounds = max((r for per_round in by_stage.values() for r in per_round), default=1)
-    table = []
-    for stage, per_round in by_stage.items():
-        if len(per_round) < 2:
-            continue  # shared by all rounds (upstream of iterate.train)
-        metrics = list(dict.fromkeys(k for m in per_round.values() for k in m if k.startswith("pass_at_")))
-        for metric in metrics:
-            table.append((stage, metric, [per_round.get(r, {}).get(metric) for r in range(1, rounds + 1)]))
-    return rounds, table
-
-
-def _cell(value: float | None) -> str:
-    return "" if value is None else f"{value:.3f}"
-
-
-def rounds_markdown(rows) -> list[str]:
-    rounds, table = rounds_table(rows)
-    if not table:
-        return []
-    lines = ["", "#### Evaluation by round", "",
-             "| eval stage | metric | " + " | ".join(f"round {r}" for r in range(1, rounds + 1)) + " |",
-             "|---|---|" + "---|" * rounds]
-    lines += [f"| {stage} | {metric} | " + " | ".join(_cell(v) for v in values) + " |"
-              for stage, metric, values in table]
-    return lines
-
-
-def print_rounds(rows, console) -> None:
-    from rich.table import Table
-
-    rounds, table = rounds_table(rows)
-    if not table:
-        return
-    view = Table(title="evaluation by round")
-    for column in ("eval stage", "metric", *(f"round {r}" for r in range(1, rounds + 1))):
-        view.add_column(column)
-    for stage, metric, values in table:
-        view.add_row(stage, metric, *(_cell(v) for v in values))
-    console.print(view)

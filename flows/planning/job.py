@@ -13,10 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from flows.planning.graph import round_of
 from flows.planning.lineage import Action, Decision, fingerprint
 from flows.spec.loading import LoadedPipeline, Pipeline
 from stages.context import Resources
+
+if TYPE_CHECKING:
+    from flows.planning.iterate import RoundStep
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,11 @@ class StageJob:
     @property
     def kind(self) -> str:
         return self.config.kind
+
+    @property
+    def round(self) -> RoundStep | None:
+        """The round this execution belongs to where the pipeline iterates (flows/planning/iterate.py), else None."""
+        return round_of(self.pipeline, self.stage)
 
     @property
     def loaded(self) -> LoadedPipeline:

@@ -18,11 +18,11 @@ from flows import __version__
 from flows.planning.graph import (
     ancestors,
     descendants,
+    round_of,
     stage_references,
     topological_order,
     upstream_of,
 )
-from flows.planning.iterate import round_fingerprint
 from flows.spec.loading import BASE, LoadedPipeline, did_you_mean
 from stages.context import EXECUTION_FIELDS
 from stages.data.sources import data_key
@@ -117,7 +117,8 @@ def fingerprint(loaded: LoadedPipeline, stage: str, upstream_runs: dict[str, str
     }
     if hasattr(config, "file_identity"):  # files a stage reads beside its datasets (a benchmark's task folder)
         payload["files"] = config.file_identity(loaded.base_dir)
-    payload.update(round_fingerprint(spec, stage))  # iterate: the mix of round r's data (empty otherwise)
+    if (round_ := round_of(spec, stage)) is not None:  # iterate: the mix of round r's data
+        payload.update(round_.fingerprint())
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 

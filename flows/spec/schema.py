@@ -16,7 +16,6 @@ from typing import Annotated, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from flows.planning.iterate import IterateSpec
 from stages.context import Resources
 from stages.data.sources import DataSpec
 from stages.models.loading import ModelSpec
@@ -36,6 +35,21 @@ StageSpec = Annotated[
     Union[tuple(Annotated[kind.config, Tag(name)] for name, kind in STAGE_KINDS.items())],
     Discriminator(stage_kind),
 ]
+
+
+class IterateSpec(SpecModel):
+    """Rounds of training on the failures evaluation collected (what the rounds do: flows/planning/iterate.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rounds: int = Field(ge=1, le=100, description="Rounds in all; round 1 is the pipeline as written.")
+    collect: str = Field(description="Eval stage whose failure cases (prompts with no correct attempt) feed the "
+                         "next round; it must evaluate a `probe` dataset and be downstream of `train`.")
+    train: str = Field(description="Training stage (sft or rl) rerun each round on its data mixed with the "
+                       "previous round's failures; it and everything downstream of it repeat.")
+    mix: float = Field(0.5, ge=0.0, le=1.0, description="Share of the round's training examples drawn from the "
+                       "failure set (repeated to fill it); the rest come from `train`'s own dataset, and the "
+                       "total stays that dataset's size. For sft a failure's demonstration is its expected answer.")
 
 
 class Pipeline(SpecModel):

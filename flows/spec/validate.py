@@ -14,8 +14,7 @@ from typing import Annotated
 
 from pydantic import TypeAdapter, ValidationError
 
-from flows.planning.graph import BASE
-from flows.planning.iterate import iterate_issues
+from flows.planning.graph import BASE, graph_issues
 from flows.spec.schema import (
     SpecIssue,
     StageSpec,
@@ -415,14 +414,8 @@ def _layout(resources: Resources) -> str:
 
 
 def _graph_issues(d: _Draft) -> Issues:
-    """The ``iterate:`` block, and no dependency cycles."""
-    edges = {n: [t for t in c.references().values() if isinstance(t, str) and t in d.raw_stages]
-             + [d.rewards[r].stage for r in c.reward_names() if r in d.rewards and d.rewards[r].stage in d.raw_stages]
-             for n, c in d.stages.items()}
-    issues = iterate_issues(d.raw.get("iterate"), d.stages, d.raw_data, d.raw_rewards, edges)
-    for cycle in find_cycles(edges):
-        issues.append((("stages", cycle[0]), "dependency cycle: " + " -> ".join(cycle)))
-    return issues
+    """No dependency cycles, and an ``iterate:`` block the planner can unroll (flows/planning/graph.py)."""
+    return graph_issues(d.raw_stages, d.stages, d.rewards, d.raw.get("iterate"), d.raw_data, d.raw_rewards)
 
 
 class _DatasetRecords:
@@ -830,33 +823,6 @@ def _needs_vllm(config) -> tuple[str, ...]:
     if getattr(generation, "mode", None) == "server":
         return ("generation", "mode")
     return ("backend",) if getattr(config, "backend", None) == "vllm" else ()
-
-
-def find_cycles(edges: dict[str, list[str]]) -> list[list[str]]:
-    """Each distinct cycle in a stage -> upstream graph, as a closed path."""
-    cycles, seen_sets = [], set()
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node):
-        state[node] = 1
-        stack.append(node)
-        for nxt in edges.get(node, []):
-            if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
-                key = frozenset(cycle)
-                if key not in seen_sets:
-                    seen_sets.add(key)
-                    cycles.append(cycle)
-            elif state.get(nxt) is None and nxt in edges:
-                visit(nxt)
-        stack.pop()
-        state[node] = 2
-
-    for node in edges:
-        if state.get(node) is None:
-            visit(node)
-    return cycles
 
 
 # In the order a user reads the file: names, references, rewards, data, models, resources, graph.
