@@ -498,8 +498,8 @@ def _step_logger(config, trainer, history: list[dict], watch: SilentFailureWatch
 def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollouts, scorer: Scorer):
     """What a resumed GRPO stage needs besides the trainer's checkpoint (stages/training/resume.py): the
     curves so far, the silent-failure watch, the rollouts' seed counter and weight syncs, the reward error
-    count, dynamic sampling's prompt draws, and drawing ahead on a server the adapters the next batches are
-    drawn by (stages/rollout/ahead.py). (A judge's audit schedule restarts with the execution.)"""
+    count, dynamic sampling's prompt draws, and, drawing ahead on a server, the batches drawn by versions
+    older than the checkpoint (stages/rollout/ahead.py). (A judge's audit schedule restarts with the execution.)"""
     from stages.training.resume import StageState
 
     from stages.rollout.ahead import ServedRollouts
@@ -530,8 +530,8 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
     if not isinstance(rollouts, ServedRollouts):
         return StageState(save, restore, every=trainer.num_iterations)
     return StageState(save, restore, every=trainer.num_iterations,
-                      save_files=lambda folder: rollouts.save_versions(folder, trainer.state.global_step),
-                      restore_files=rollouts.restore_versions)
+                      save_files=lambda folder: rollouts.save_drawn(folder, trainer.state.global_step),
+                      restore_files=rollouts.restore_drawn)
 
 
 def _prompt_rows(config, records: list[dict]) -> list[dict]:

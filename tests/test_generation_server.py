@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import torch
 from stages.context import StageInputs
 from stages.data.sources import ArithmeticData, materialize
 from stages.rewards.registry import RewardSpec
+from stages.rollout.ahead import DRAWN_FILE
 from stages.rollout.generation import EngineSettings, SamplingSettings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
@@ -161,8 +163,9 @@ def agent_config_and_inputs(home: Path, checkpoint: Path):
     return config, StageInputs(policy=checkpoint, datasets={"data": data}, rewards=rewards)
 
 
-WHOLE = {"max_steps": 6, "save_steps": 2}  # the LoRA stage the resume test stops twice
-_WHOLE_LORA: dict = {}  # its uninterrupted run's figures, measured once for both tests that read them
+WHOLE = {"max_steps": 6}  # the LoRA stage drawing ahead
+# the stage the resume test stops twice: full fine-tuning two steps ahead, where the server holds one version
+RESUMED = {"max_steps": 6, "save_steps": 2, "lora": None, "generation": {"mode": "server", "max_staleness": 2}}
 
 
 def per_step(ctx) -> dict[str, dict[int, float]]:
@@ -191,8 +194,6 @@ def test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server(poli
     steps = config.max_steps
     ctx = ctx_factory(f"grpo-server-{policy}")
     outputs = rl.run(config, inputs, ctx)
-    if policy == "lora":
-        _WHOLE_LORA.update(steps=per_step(ctx), weights=merged_weights(outputs))
     run = ctx.recorded_run()
     assert run.data.params["resolved_backend"] == "vllm_server"
     assert run.data.params["resolved_correction"] == "token_tis cap 3.0"
@@ -307,7 +308,7 @@ with torch_threads(1):
 
 
 def start_stage(home: Path, checkpoint: Path, resume_dir: Path, **settings) -> subprocess.Popen:
-    """The LoRA stage at max_staleness 1 in a process (and process group) of its own."""
+    """The stage ``settings`` make in a process (and process group) of its own."""
     script = STAGE.format(tests=str(Path(__file__).parent), home=str(home), checkpoint=str(checkpoint),
                           resume_dir=str(resume_dir), settings=settings)
     return subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.DEVNULL,
@@ -348,37 +349,39 @@ def checkpoints(resume_dir: Path) -> list[int]:
 
 def test_a_stage_drawing_ahead_stopped_by_ctrl_c_then_killed_leaves_no_server_and_resumes_to_the_uninterrupted_run(
         vllm_tiny, ctx_factory, home):
-    """The LoRA stage at max_staleness 1 (6 steps, a checkpoint every 2) is stopped three times over:
+    """A full fine-tuning stage at max_staleness 2 (6 steps, a checkpoint every 2) is stopped three times over:
     Ctrl-C once its server serves its first update (the stage stops after the step in progress, j, with a
     checkpoint), then its resumed execution is killed with kill -9 of its process group once its next
     periodic checkpoint m is written, then it resumes to the end. No server process is left after either
-    stop. Each resumed execution serves again the adapter of version k - 1 its checkpoint k kept, so its first
-    batch is drawn by the version the uninterrupted stage used (not by the checkpoint's own weights): the steps
-    after m sample, score and train as that stage's did, and the stage ends with its weights."""
+    stop. The server holds one version of the full weights, so a resumed execution could not draw by the
+    versions m - 2 and m - 1 its next batches are planned for: checkpoint m kept those batches as drawn, and
+    the steps after m sample, score and train as the uninterrupted stage's did, which it ends equal to."""
     from stages import rl
 
-    if not _WHOLE_LORA:  # this test alone: the uninterrupted run the test above measures
-        test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server("lora", vllm_tiny, ctx_factory, home)
-    resume_dir = home / "resume"
-    stage = start_stage(home, vllm_tiny, resume_dir, **WHOLE)
-    wait_for(stage, lambda: list(home.glob("work/*/served/v1")), "push its first update")  # serving, trained
+    ctx = ctx_factory("uninterrupted")
+    whole_outputs = rl.run(rl_config(**RESUMED), rl_inputs(home, vllm_tiny), ctx)
+    whole = per_step(ctx)
+    resume_dir, uninterrupted = home / "resume", set(home.glob("work/*/served"))
+    stage = start_stage(home, vllm_tiny, resume_dir, **RESUMED)
+    wait_for(stage, lambda: set(home.glob("work/*/served")) - uninterrupted, "push its first update")  # trained
     stop(stage, "sigint")
-    [j] = checkpoints(resume_dir)  # the step Ctrl-C stopped after
+    j = max(checkpoints(resume_dir))  # the step Ctrl-C stopped after
     m = j + 2 - j % 2  # the next periodic checkpoint
-    assert 0 < j < m < WHOLE["max_steps"], (j, m)
+    assert 0 < j < m < RESUMED["max_steps"], (j, m)
 
-    stage = start_stage(home, vllm_tiny, resume_dir, **WHOLE)
+    stage = start_stage(home, vllm_tiny, resume_dir, **RESUMED)
     wait_for(stage, lambda: m in checkpoints(resume_dir), f"write checkpoint {m}")
     stop(stage, "sigkill")
-    assert (resume_dir / f"checkpoint-{m}" / "served-versions" / f"v{m - 1}" / "adapter_config.json").is_file()
+    kept = pickle.loads((resume_dir / f"checkpoint-{m}" / DRAWN_FILE).read_bytes())
+    assert {version for _, _, version in kept.values()} == {m - 2, m - 1}, kept.keys()
 
     ctx = ctx_factory("resumed")
     ctx.resume_dir = resume_dir
-    outputs = rl.run(rl_config(**WHOLE), rl_inputs(home, vllm_tiny), ctx)
+    outputs = rl.run(rl_config(**RESUMED), rl_inputs(home, vllm_tiny), ctx)
     assert outputs["metrics"]["resumed_from_step"] == m
-    after = range(m + 1, WHOLE["max_steps"] + 1)
-    resumed, whole = per_step(ctx), _WHOLE_LORA["steps"]
-    assert resumed["ahead/staleness_max"] == {s: 1.0 for s in after}, resumed["ahead/staleness_max"]
+    after = range(m + 1, RESUMED["max_steps"] + 1)
+    resumed = per_step(ctx)
+    assert resumed["ahead/staleness_max"] == {s: 2.0 for s in after}, resumed["ahead/staleness_max"]
     logged = {name: {s: v for s, v in steps.items() if s > m} for name, steps in whole.items()}
     logged = {name: steps for name, steps in logged.items() if steps}  # each metric of the steps after m
     assert {"reward/mean", "correction/logp_diff_abs_mean", "loss", "kl"} <= set(logged), sorted(logged)
@@ -386,6 +389,6 @@ def test_a_stage_drawing_ahead_stopped_by_ctrl_c_then_killed_leaves_no_server_an
               if resumed.get(name, {}).keys() != steps.keys()
               or any(resumed[name][s] != pytest.approx(v, rel=1e-5, abs=1e-7) for s, v in steps.items())}
     assert not differ, f"steps after {m} (uninterrupted, resumed): {differ}"
-    a, b = _WHOLE_LORA["weights"], merged_weights(outputs)
+    a, b = merged_weights(whole_outputs), merged_weights(outputs)
     different = [name for name in a if not torch.allclose(a[name], b[name], rtol=0, atol=1e-6)]
     assert not different, f"resumed from step {m}, these tensors differ from the uninterrupted run: {different}"

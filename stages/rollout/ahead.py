@@ -16,13 +16,12 @@ S = 1 generation of step k+1's rollouts overlaps training on step k's. The stale
 when the batch is used; a batch past it would be dropped, counted (``ahead/dropped_samples``) and drawn
 again by the current weights, which the pinned versions above never need.
 
-A resumed stage draws as the stage never stopped would. With LoRA, each checkpoint at step k keeps the adapters
-of versions k - S .. k - 1 (``save_versions``: the server's own copies, under ``served-versions/``), and the
-resumed execution serves them again before its first batch (``restore_versions``), so its batches are drawn by
-the same versions as the uninterrupted stage's, from its first one. Full weights are one file of the model's
-size per version and the server holds one at a time: a resumed stage in full fine-tuning draws its first batch
-by the checkpoint's weights and the S batches after it by versions no older than those (fresher than the
-uninterrupted stage's).
+A resumed stage draws as the stage never stopped would. A checkpoint at step k keeps the batches already
+planned to be drawn by versions older than k (``save_drawn``: the next S - 1 or S batches, waited for when not
+drawn yet, as ``drawn-ahead.pkl``: token ids, log-probs, episodes; kilobytes, where the weights of those versions
+would be the model's size each), and the resumed execution trains on them before it draws anything
+(``restore_drawn``); every later batch is drawn by version k or newer, which it has. So its batches are the
+uninterrupted stage's from its first one, in full fine-tuning, with LoRA adapters and with merged LoRA alike.
 
 Logged every step: ``ahead/staleness_mean`` and ``ahead/staleness_max`` (optimizer steps between the
 weights that drew a sample and the weights it trains), ``ahead/dropped_samples``, ``ahead/sync_seconds``
@@ -39,6 +38,8 @@ from pathlib import Path
 
 from stages.rollout.generation import draw_offset
 from stages.rollout.server import ServerBackend
+
+DRAWN_FILE = "drawn-ahead.pkl"  # in a checkpoint: the batches drawn by versions older than it
 
 
 def planned_batches(trainer):
@@ -67,15 +68,15 @@ class ServedRollouts:
         self.dropped = 0
         self.mispredicted = 0
         self._first: tuple[int, int] | None = None  # (call, step) of this execution's first call
-        self._restored: dict[int, Path] = {}  # versions a resumed execution serves again, and their adapters
-        self._ready: dict[int, tuple[list, dict, int]] = {}
+        self._ready: dict[int, tuple[list, dict, int]] = {}  # call -> (its planned prompts, the batch, version)
+        self._kept_through = -1  # the last call whose batch a checkpoint kept (a resumed execution)
         self._drawn_through = -1  # the producer's last finished call
         self._changed = threading.Condition()
         self._producer: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._closing = False
         self._updates, self._last_call = 1, 0  # optimizer steps per generation call, the stage's last call
-        self._floor = 0  # the oldest version this execution serves (``_oldest_served``)
+        self._floor = 0  # the oldest version this execution draws by: its first step's
         self.startup_seconds = 0.0  # the server's, once started
 
     # -- the trainer's side -------------------------------------------------------------------------------
@@ -83,28 +84,29 @@ class ServedRollouts:
         if self.backend is None:
             self.backend = self.open_backend()
             self.startup_seconds = self.backend.server.startup_seconds
-            if self.backend.lora:
-                for version, adapter in sorted(self._restored.items()):
-                    self.backend.serve_adapter(version, adapter, self.folder)
-            self._restored = {}
         return self.backend
 
-    def save_versions(self, checkpoint: Path, step: int) -> None:
-        """Keep in checkpoint ``step``'s folder the adapters of the versions its next batches are drawn by."""
-        if self.backend is None or not self.backend.lora or self.max_staleness == 0:
-            return
-        import shutil
+    def save_drawn(self, checkpoint: Path, step: int) -> None:
+        """Keep in checkpoint ``step``'s folder the batches planned to be drawn by versions older than ``step``
+        (waiting for those not drawn yet): what a resumed execution could not draw again."""
+        if self._producer is None:
+            return  # synchronous: every batch is drawn by the weights of the step that trains on it
+        import pickle
 
-        for version in range(max(1, step - self.max_staleness), step):  # version 0: the base model, always served
-            source = self.folder / f"v{version}"
-            if source.is_dir():
-                shutil.copytree(source, Path(checkpoint) / "served-versions" / f"v{version}", dirs_exist_ok=True)
+        self._wait(lambda: self._drawn_through >= self._last_call_before(step))
+        with self._changed:
+            kept = {call: batch for call, batch in self._ready.items() if batch[2] < step}
+        temporary = Path(checkpoint) / (DRAWN_FILE + ".tmp")
+        temporary.write_bytes(pickle.dumps(kept))
+        temporary.replace(Path(checkpoint) / DRAWN_FILE)
 
-    def restore_versions(self, checkpoint: Path) -> None:
-        """The adapters ``save_versions`` kept in ``checkpoint``: served again once the server is up."""
-        saved = Path(checkpoint) / "served-versions"
-        self._restored = {int(p.name[1:]): p for p in saved.glob("v*") if p.name[1:].isdigit()} \
-            if saved.is_dir() else {}
+    def restore_drawn(self, checkpoint: Path) -> None:
+        """The batches ``save_drawn`` kept in ``checkpoint``: trained on before anything is drawn."""
+        import pickle
+
+        saved = Path(checkpoint) / DRAWN_FILE
+        self._ready = pickle.loads(saved.read_bytes()) if saved.is_file() else {}
+        self._kept_through = max(self._ready, default=-1)
 
     def close(self) -> None:
         with self._changed:
@@ -139,16 +141,16 @@ class ServedRollouts:
         step, call = trainer.state.global_step, self.calls
         self.calls += 1
         started = time.perf_counter()
-        if self._first is None:  # this execution's first batch: nothing was drawn ahead of it
-            self._first = (call, step)
-            self._floor = self._oldest_served(step)
-            if self.max_staleness > 0 and trainer.model.training:
+        ahead = self.max_staleness > 0 and trainer.model.training
+        first = self._first is None
+        if first:  # this execution's first batch: drawn ahead only where a checkpoint kept it
+            self._first, self._floor = (call, step), step
+            if ahead:
                 self._start(trainer, call + 1)
-                out, version = self._draw_now(prompts, call, self.version_for(call, self._updates))
-            else:
-                out, version = self._draw_now(prompts, call)
-        elif self.max_staleness == 0 or not trainer.model.training:
+        if not ahead:
             out, version = self._draw_now(prompts, call)
+        elif first and call not in self._ready:
+            out, version = self._draw_now(prompts, call, self.version_for(call, self._updates))
         else:
             planned, out, version = self._take(call)
             if planned != list(prompts):  # the plan is a copy of TRL's sampler: a mismatch is drawn again
@@ -198,14 +200,6 @@ class ServedRollouts:
         first_call, first_step = self._first
         return max(self._floor, (call - first_call) * updates_per_batch + first_step - self.max_staleness)
 
-    def _oldest_served(self, step: int) -> int:
-        """The oldest version this execution serves from its first step on: ``step`` (its own weights), or
-        with the versions before it served again (a resumed stage, LoRA), ``step - max_staleness``."""
-        oldest = step
-        while oldest > max(0, step - self.max_staleness) and oldest - 1 in self.backend.served:
-            oldest -= 1
-        return oldest
-
     def _last_call_before(self, version: int) -> int:
         """The last call whose batch is drawn by a version older than ``version``."""
         call = self._drawn_through + 1
@@ -218,6 +212,7 @@ class ServedRollouts:
         first_call, first_step = self._first
         # the last call the stage will make: none is drawn for steps past max_steps
         self._last_call = first_call + -(-(trainer.state.max_steps - first_step) // self._updates) - 1
+        from_call = max(from_call, self._kept_through + 1)  # a checkpoint's kept batches are drawn already
         self._drawn_through = from_call - 1
         plan = planned_batches(trainer)
         for _ in range(from_call):  # the batches this execution already had (a resumed stage)

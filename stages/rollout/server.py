@@ -407,15 +407,6 @@ class ServerBackend:
             results.append([group[0]] * settings.attempts if greedy else group)
         return results
 
-    def serve_adapter(self, version: int, adapter: Path, folder: Path) -> None:
-        """Serve a LoRA adapter saved earlier (a resumed stage's older versions) as ``version``, copied under
-        ``folder`` beside the versions ``push`` saves."""
-        import shutil
-
-        target = Path(folder) / f"v{version}"
-        shutil.copytree(adapter, target, dirs_exist_ok=True)
-        self._load_adapter(version, target)
-
     def _load_adapter(self, version: int, adapter: Path) -> None:
         name = f"{BASE_NAME}-v{version}"
         self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter)})
