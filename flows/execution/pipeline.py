@@ -237,7 +237,7 @@ def prepare_store(home: Path, console) -> Tracker:
 # ------------------------------------------------------------------ each round's evaluation side by side
 
 
-def rounds_table(rows: list[StageRow]) -> tuple[int, list[tuple[str, str, list[float | None]]]]:
+def _rounds_table(rows: list[StageRow]) -> tuple[int, list[tuple[str, str, list[float | None]]]]:
     """(rounds, [(eval stage, metric, value per round)]) for eval stages run in more than one round of an
     ``iterate:`` pipeline (a step's round: flows/planning/graph.py ``step_round``)."""
     by_stage: dict[str, dict[int, dict]] = {}
@@ -261,7 +261,7 @@ def _cell(value: float | None) -> str:
 
 
 def _rounds_markdown(rows: list[StageRow]) -> list[str]:
-    rounds, table = rounds_table(rows)
+    rounds, table = _rounds_table(rows)
     if not table:
         return []
     lines = ["", "#### Evaluation by round", "",
@@ -275,7 +275,7 @@ def _rounds_markdown(rows: list[StageRow]) -> list[str]:
 def _print_rounds(rows: list[StageRow], console) -> None:
     from rich.table import Table
 
-    rounds, table = rounds_table(rows)
+    rounds, table = _rounds_table(rows)
     if not table:
         return
     view = Table(title="evaluation by round")

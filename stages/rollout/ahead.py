@@ -76,7 +76,6 @@ class ServedRollouts:
         self._failure: BaseException | None = None
         self._closing = False
         self._updates, self._last_call = 1, 0  # optimizer steps per generation call, the stage's last call
-        self._floor = 0  # the oldest version this execution draws by: its first step's
         self.startup_seconds = 0.0  # the server's, once started
 
     # -- the trainer's side -------------------------------------------------------------------------------
@@ -144,7 +143,7 @@ class ServedRollouts:
         ahead = self.max_staleness > 0 and trainer.model.training
         first = self._first is None
         if first:  # this execution's first batch: drawn ahead only where a checkpoint kept it
-            self._first, self._floor = (call, step), step
+            self._first = (call, step)
             if ahead:
                 self._start(trainer, call + 1)
         if not ahead:
@@ -196,9 +195,10 @@ class ServedRollouts:
     # -- the producer's side ------------------------------------------------------------------------------
     def version_for(self, call: int, updates_per_batch: int) -> int:
         """The weights version that draws generation call ``call``'s batch: ``max_staleness`` updates before the
-        step that trains on it, but none older than this execution can serve."""
+        step that trains on it, but none older than this execution's first step (what older versions drew, a
+        checkpoint kept)."""
         first_call, first_step = self._first
-        return max(self._floor, (call - first_call) * updates_per_batch + first_step - self.max_staleness)
+        return max(first_step, (call - first_call) * updates_per_batch + first_step - self.max_staleness)
 
     def _last_call_before(self, version: int) -> int:
         """The last call whose batch is drawn by a version older than ``version``."""
