@@ -38,6 +38,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import StageInputs
 from stages.data.sources import prompt_messages, read_materialized
+from stages.rollout.episodes import complete
 from stages.rollout.generation import BackendName, SamplingSettings, open_backend, sampling_with
 from stages.spec_model import SpecModel
 
@@ -169,7 +170,7 @@ def _sample(config, inputs: StageInputs, ctx, prompts: list, sampling, verifier:
                                trust_remote_code=inputs.trust_remote_code,
                                prompt_batch_size=spec.prompt_batch_size)
         try:
-            samples = backend.generate(prompts, sampling)
+            samples = complete(backend, prompts, sampling)
         finally:
             backend.close()
     ctx.log_params({"difficulty/resolved_backend": backend.name, "difficulty/backend_reason": backend.why,

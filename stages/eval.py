@@ -265,11 +265,10 @@ def _sample(config: EvalConfig, inputs: StageInputs, ctx, records: list[dict], v
                             "resolved_backend": backend.name, "backend_reason": backend.why,
                             **{f"engine/{key}": value for key, value in backend.identity().items()}})
             started = time.perf_counter()
-            if config.environment is not None:
-                samples, episodes = _run_episodes(config, backend, records)
-                return samples, time.perf_counter() - started, episodes
-            samples = backend.generate(prompts, sampling)
-            return samples, time.perf_counter() - started, None
+            groups = _runner(config, backend).run(backend, prompts, sampling)
+            samples = [[episode.as_sample() for episode in group] for group in groups]
+            episodes = [e for group in groups for e in group] if config.environment is not None else None
+            return samples, time.perf_counter() - started, episodes
         finally:
             backend.close()
 
@@ -283,21 +282,16 @@ def start_messages(config: EvalConfig, records: list[dict]) -> list[list[dict]]:
     return [prompt_messages(r) for r in records]
 
 
-def _run_episodes(config: EvalConfig, backend, records: list[dict]):
-    """``attempts`` episodes per record; (per-record groups of samples holding each episode's final answer, its
-    model tokens and whether it hit a budget; the episodes, flat in prompt-major order)."""
+def _runner(config: EvalConfig, backend):
+    """What samples each attempt: one-turn completions, or the environment's episodes."""
     from stages.rollout.environments import build_environment
     from stages.rollout.episodes import EpisodeRunner
-    from stages.rollout.generation import Sample
 
+    if config.environment is None:
+        return EpisodeRunner.completions(backend.tokenizer)
     environment = build_environment(config.environment)
     environment.check()
-    runner = EpisodeRunner(environment, config.environment, backend.tokenizer)
-    k = config.sampling.attempts
-    episodes = runner.run(backend, [environment.start(r) for r in records for _ in range(k)], config.sampling)
-    flat = [Sample(text=e.answer or "", token_ids=[t for t, m in zip(e.completion_ids, e.env_mask) if m],
-                   logprobs=[], truncated=e.budget_hit) for e in episodes]
-    return [flat[i * k : (i + 1) * k] for i in range(len(records))], episodes
+    return EpisodeRunner(environment, config.environment, backend.tokenizer)
 
 
 def _write_failure_cases(path: Path, config: EvalConfig, records: list[dict], samples, scored, correct: list[bool],

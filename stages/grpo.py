@@ -51,7 +51,7 @@ from stages.rollout.generation import neutral_generation_config
 from stages.rollout.episodes import environment_scorers
 from stages.models.placement import check_devices, place, placement_params
 from stages.rewards.registry import ENVIRONMENT_FN, RewardSpec, reward_columns
-from stages.rollout.training import GRPORollouts, rollout_backend
+from stages.rollout.training import rollout_backend
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
 # TRL's metric names -> the names every rl stage logs (stages/rl.py lists them)
@@ -98,7 +98,7 @@ def make_reward_func(name: str, scorer: Scorer, step_metrics, environment=None):
 
     def reward(prompts, completions, completion_ids=None, episode_answer=None, episode_rewardable=None,
                episode=None, **columns):
-        # an environment's episodes (stages/rollout/training.py EpisodeRollouts): the final answer is scored, not the
+        # an environment's episodes (stages/rollout/training.py PolicyRollouts): the final answer is scored, not the
         # transcript, and a shortcut episode scores 0
         texts = episode_answer or [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         records = [{"answer": answer, "task": json.loads(task) if task else None}  # the task is JSON for Arrow
@@ -335,28 +335,24 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
     (stages/rollout/ahead.py), else None (TRL samples with generate on the training model)."""
     import os
 
-    from stages.rollout.training import GRPORollouts, open_rollout_engine
+    from stages.rollout.episodes import EpisodeRunner
+    from stages.rollout.training import PolicyRollouts, open_rollout_engine
 
     if backend not in ("vllm", "vllm_server") and config.environment is None:
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
     env = config.environment
-    sampling = config.sampling
-    engine = None
-    if backend == "vllm":
-        engine = GRPORollouts(lambda: open_rollout_engine(config, inputs.policy, tokenizer, dataset["prompt"],
-                                                          inputs.trust_remote_code),
-                              tokenizer, sampling.seeded(seed))
-    if env is None:
-        rollouts = engine or GRPORollouts(None, tokenizer, sampling.seeded(seed))
-    else:
+    runner = EpisodeRunner.completions(tokenizer)
+    if env is not None:
         from stages.rollout.environments import build_environment
-        from stages.rollout.episodes import EpisodeRunner
-        from stages.rollout.training import EpisodeRollouts
 
         runner = EpisodeRunner(build_environment(env), env, tokenizer)
         runner.environment.check()
-        rollouts = EpisodeRollouts(runner, tokenizer, sampling.seeded(seed, attempts=1), engine, step_metrics)
+    open_engine = None
+    if backend == "vllm":
+        def open_engine():
+            return open_rollout_engine(config, inputs.policy, tokenizer, dataset["prompt"], inputs.trust_remote_code)
+    rollouts = PolicyRollouts(runner, tokenizer, config.sampling.seeded(seed), open_engine, step_metrics)
     if backend != "vllm_server":
         return rollouts
     return served_rollouts(config, inputs, tokenizer, dataset, rollouts, step_metrics, work_dir)
@@ -504,12 +500,10 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
 
     from stages.rollout.ahead import ServedRollouts
 
-    engine = rollouts if isinstance(rollouts, (GRPORollouts, ServedRollouts)) else getattr(rollouts, "engine", None)
-
     def save() -> dict:
         return {"history": history, "watch": watch.state(), "reward_errors": scorer.policy.state(),
                 "calls": rollouts.calls if rollouts is not None else 0,
-                "syncs": engine.syncs if engine is not None else 0,
+                "syncs": rollouts.syncs if rollouts is not None else 0,
                 "dropped": getattr(rollouts, "dropped", 0),
                 "dynamic_rng": trainer.dynamic[2].getstate() if trainer.dynamic is not None else None}
 
@@ -518,9 +512,7 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
         watch.restore(saved["watch"])
         scorer.policy.restore(saved["reward_errors"])
         if rollouts is not None:
-            rollouts.calls = saved["calls"]
-        if engine is not None:
-            engine.syncs = saved["syncs"]
+            rollouts.calls, rollouts.syncs = saved["calls"], saved["syncs"]
         if hasattr(rollouts, "dropped"):
             rollouts.dropped = saved.get("dropped", 0)
         if trainer.dynamic is not None:

@@ -277,15 +277,16 @@ class OnlineDPORun:
         self.scorer.policy.restore(state["reward_errors"])
 
     def sample(self, prompts: list[list[dict]], step: int):
+        from stages.rollout.episodes import complete
         from stages.rollout.generation import HFGenerateBackend, draw_offset
         from stages.rollout.training import sync_policy
 
         settings = self.config.sampling.seeded(self.seed + draw_offset(step - 1))  # the stage's draw step - 1
         if self.engine is not None:  # the policy the last update left: merged into the engine, or served
             self.engine_syncs += sync_policy(self.engine, self.policy, step - 1, self.served_folder)
-            return self.engine.generate(prompts, settings)
-        return HFGenerateBackend(self.policy, self.tokenizer, len(prompts), keep_logprobs=False,
-                                 weights_version=step - 1).generate(prompts, settings)
+            return complete(self.engine, prompts, settings)
+        return complete(HFGenerateBackend(self.policy, self.tokenizer, len(prompts), keep_logprobs=False,
+                                          weights_version=step - 1), prompts, settings)
 
     def score(self, batch: list[dict], prompts, groups):
         """The ScoredBatch of every sample (prompt-major), under the stage's ``reward_errors`` policy."""

@@ -100,7 +100,7 @@ from stages.training.data_parallel import (
 )
 from stages.rollout.environments import build_environment
 from stages.rollout.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
-from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, draw_offset, prompt_token_ids
+from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, draw_offset
 from stages.rewards.judge import batch_auditor
 from stages.models.lora import AdaptersOff, save_trained, wrap
 from stages.models.loading import load_model_and_tokenizer
@@ -470,7 +470,7 @@ class PPORun:
     device: torch.device
     engine: VLLMBackend | ServerBackend | None = None  # posttrain's vLLM engine or generation server, else HF generate
     served_folder: Path | None = None  # generation mode server: where pushed weights are written
-    episodes: EpisodeRunner | None = None  # the stage's environment, when it declares one
+    runner: EpisodeRunner | None = None  # one-turn completions, or the stage's environment's episodes
     correction: SamplerCorrection = field(default_factory=lambda: SamplerCorrection(kind="none"))  # train_ppo
 
     @classmethod
@@ -494,40 +494,38 @@ class PPORun:
                       torch.optim.AdamW(critic.parameters(), lr=config.critic_lr or config.lr)]
         kl_control = (FixedKLController(config.kl_beta) if config.kl_target is None
                       else AdaptiveKLController(config.kl_beta, config.kl_target, config.kl_horizon))
-        episodes = None
+        runner = EpisodeRunner.completions(tokenizer)
         if config.environment is not None:
             environment = build_environment(config.environment)
             environment.check()
-            episodes = EpisodeRunner(environment, config.environment, tokenizer)
+            runner = EpisodeRunner(environment, config.environment, tokenizer)
         bound = bind_reward_models(inputs.rewards, inputs, config.placement.reward_model)
         auditor = batch_auditor(inputs.rewards, bound, ctx) if ctx is not None else None
         scorer = Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor)
         return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, scorer, seed, device,
-                   episodes=episodes)
+                   runner=runner)
 
     def step(self, step: int, batch: list[dict], generator: torch.Generator) -> tuple[dict[str, float], list[dict]]:
         """Sample, score, update on one batch of prompts: the step's metrics and sample rows."""
         config = self.config
         answers = [r.get("answer") for r in batch]
-        # draw step - 1 of the stage, this process's shard at its offset in the step's batch (with an environment,
-        # each attempt is an episode of its own: a prompt of the draw)
-        shard_prompts = len(batch) * (1 if self.episodes is None else config.sampling.attempts)
-        settings = config.sampling.seeded(self.seed + draw_offset(step - 1, rank() * shard_prompts))
+        # draw step - 1 of the stage, this process's shard at its offset in the step's batch
+        settings = config.sampling.seeded(self.seed + draw_offset(step - 1, rank() * len(batch)))
         if self.engine is not None:  # the policy the last update left: merged into the engine, or served as a version
             sync_policy(self.engine, self.policy, step - 1, self.served_folder)
         backend = self.engine or HFGenerateBackend(self.policy, self.tokenizer, len(batch) * settings.attempts,
                                                    weights_version=step - 1)
-        if self.episodes is None:
-            prompts = [prompt_messages(r) for r in batch]
-            rollout = build_rollout(prompt_token_ids(self.tokenizer, prompts), backend.generate(prompts, settings),
-                                    self.tokenizer.pad_token_id)
-            texts, episodes = [s.text for s in rollout.samples], None
+        environment = self.runner.environment
+        prompts = [environment.start(r) if environment is not None else prompt_messages(r) for r in batch]
+        groups = self.runner.run(backend, prompts, settings)
+        episodes = [e for group in groups for e in group]
+        texts = [e.answer or "" for e in episodes]  # an episode's final answer is scored, not its transcript
+        if environment is None:
+            rollout = build_rollout([group[0].prompt_ids for group in groups],
+                                    [[e.as_sample() for e in group] for group in groups], self.tokenizer.pad_token_id)
+            episodes = None
         else:
-            prompts = [self.episodes.environment.start(r) for r in batch]
-            starts = [(i, p) for i, p in enumerate(prompts) for _ in range(settings.attempts)]
-            episodes = self.episodes.run(backend, [p for _, p in starts], settings)
-            rollout = build_episode_rollout(episodes, [i for i, _ in starts], self.tokenizer)
-            texts = [e.answer or "" for e in episodes]  # the final answer is scored, not the transcript
+            rollout = build_episode_rollout(episodes, [i for i, g in enumerate(groups) for _ in g], self.tokenizer)
         rollout = rollout.to(self.device)
         columns = reward_columns([batch[i] for i in rollout.prompt_index],
                                  [prompts[i] for i in rollout.prompt_index], 1)
@@ -559,7 +557,7 @@ class PPORun:
         bound to the episodes where a reward is ``environment``; a shortcut episode scores 0 on every reward)."""
         if episodes is None:
             return self.scorer.score(texts, columns)
-        scored = self.scorer.score(texts, columns, environment_scorers(self.scorer.specs, self.episodes.environment,
+        scored = self.scorer.score(texts, columns, environment_scorers(self.scorer.specs, self.runner.environment,
                                                                        episodes))
         return zero_shortcuts(scored, episodes, self.config.environment)
 

@@ -78,7 +78,7 @@ def test_token_budget_and_turn_budget_end_episodes(tiny):
     spec = EnvironmentSpec(fn="calculator", max_turns=2, max_episode_tokens=12)
     runner = EpisodeRunner(build_environment(spec), spec, tokenizer)
     backend = HFGenerateBackend(model, tokenizer, keep_logprobs=True)
-    episodes = runner.run(backend, [QUESTION] * 3, SamplingSettings(max_tokens=8, attempts=1, seed=0))
+    [episodes] = runner.run(backend, [QUESTION], SamplingSettings(max_tokens=8, attempts=3, seed=0))
     for e in episodes:  # the untrained model never stops inside 8 tokens: the per-turn budget ends it
         assert e.ended == "token_budget" and e.budget_hit and e.answer is None
         assert len(e.completion_ids) == len(e.logprobs) == len(e.env_mask) == 8 and all(e.env_mask)
@@ -89,6 +89,41 @@ def test_token_budget_and_turn_budget_end_episodes(tiny):
     episode = runner.start(QUESTION)
     runner.take_turn(episode, scripted(tokenizer, '<tool_call>calculator("1")</tool_call>'), last_turn=False)
     assert episode.ended == "token_budget" and 0 not in episode.env_mask
+
+
+def test_a_single_completion_is_a_one_turn_episode_drawn_as_the_engine_draws_it(tiny):
+    """``complete`` (one-turn episodes of ``EpisodeRunner.completions``) gives exactly the samples the engine gives
+    for the same prompts and seed: sampled, cut at a stop string, greedy; an episode's answer is its text, cut by
+    its budget or not."""
+    from stages.rollout.episodes import complete
+
+    model, tokenizer = tiny
+    prompts = [QUESTION, [{"role": "user", "content": "What is 3+4?"}]]
+    backend = HFGenerateBackend(model, tokenizer, keep_logprobs=True)
+    for settings in (SamplingSettings(max_tokens=8, attempts=3, seed=5),
+                     SamplingSettings(max_tokens=12, attempts=2, seed=1, stop=["1"]),
+                     SamplingSettings(max_tokens=6, attempts=2, temperature=0.0)):
+        assert complete(backend, prompts, settings) == backend.generate(prompts, settings)
+    [group] = EpisodeRunner.completions(tokenizer).run(backend, [QUESTION], SamplingSettings(max_tokens=4, attempts=2))
+    assert all(e.turns == 1 and e.ended == "token_budget" and e.answer == e.messages[-1]["content"] for e in group)
+    assert [e.as_sample().text for e in group] == [e.answer for e in group] and all(e.as_sample().truncated for e in group)
+
+
+def test_an_environments_first_turn_is_one_request_per_start_for_all_its_attempts(tiny):
+    """The attempts of one start share their first turn's request (one prefill, the engine's n), seeded as a
+    single completion of that start is; later turns go one request per episode."""
+    model, tokenizer = tiny
+    spec = EnvironmentSpec(fn="calculator", max_turns=2, max_episode_tokens=40)
+    runner = EpisodeRunner(build_environment(spec), spec, tokenizer)
+    backend = HFGenerateBackend(model, tokenizer, keep_logprobs=True)
+    settings = SamplingSettings(max_tokens=8, attempts=3, seed=3)
+    starts = [QUESTION, [{"role": "user", "content": "What is 12*12?"}]]
+    groups = runner.run(backend, starts, settings, seed_offset=7)
+    first_turns = backend.generate_ids([runner.start(m).prompt_ids for m in starts], settings, seed_offset=7)
+    assert [len(group) for group in groups] == [3, 3]
+    for group, samples in zip(groups, first_turns):
+        assert [e.completion_ids[: len(s.token_ids)] for e, s in zip(group, samples)] == [s.token_ids for s in samples]
+        assert all(e.prompt_ids == group[0].prompt_ids for e in group)
 
 
 def test_unruly_tools_are_contained_and_the_episode_goes_on():

@@ -161,6 +161,21 @@ def test_iterate_is_called_by_the_planner_alone():
     assert importers == ["flows.planning.graph"], importers
 
 
+def test_every_sample_is_drawn_by_the_episode_runner():
+    """A single completion is a one-turn episode: outside the engines themselves (stages/rollout/generation.py,
+    server.py), only the runner (stages/rollout/episodes.py) asks an engine for samples; stages sample through
+    it (``EpisodeRunner.run``, ``complete``, ``PolicyRollouts``)."""
+    import ast
+
+    callers = set()
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("generate", "generate_ids")):  # an engine's, or a model's own generate
+                callers.add(name)
+    assert callers == {"stages.rollout.episodes", "stages.rollout.generation", "stages.rollout.server"}, callers
+
+
 def test_each_stage_kind_is_declared_once_in_its_own_module():
     """A kind is one ``StageKind``: its module's ``KIND``, with that module's ``run``; the registry lists it."""
     import importlib

@@ -106,7 +106,8 @@ def test_rollouts_are_built_from_recorded_token_ids(tiny_checkpoint):
     """Training log-probs of the unchanged policy reproduce the sampler's, at temperature 0.7."""
     from stages.rollout.generation import HFGenerateBackend, SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import build_rollout, completion_logits, prompt_token_ids, token_logprobs
+    from stages.ppo import build_rollout, completion_logits, token_logprobs
+    from stages.rollout.generation import prompt_token_ids
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
     prompts = [[{"role": "user", "content": "What is 3+4?"}], [{"role": "user", "content": "Hi"}]]
@@ -159,7 +160,8 @@ def test_the_checkpoints_generation_config_does_not_leak_into_sampling(tiny_chec
     (not hashed, ignored by vLLM): the sampler's log-probs must be the tempered distribution's."""
     from stages.rollout.generation import HFGenerateBackend, SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import build_rollout, completion_logits, prompt_token_ids, token_logprobs
+    from stages.ppo import build_rollout, completion_logits, token_logprobs
+    from stages.rollout.generation import prompt_token_ids
 
     checkpoint = with_generation_config(tiny_checkpoint, tmp_path / "leaky", min_p=0.2, repetition_penalty=1.3,
                                         top_k=5)
@@ -215,7 +217,8 @@ def test_ppo_advantages_by_hand_with_and_without_whitening(tiny_checkpoint, whit
     ``whiten_advantages: false`` keeps exactly that, ``true`` whitens it over the batch's actions."""
     from stages.rollout.generation import HFGenerateBackend, SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import ValueModel, build_rollout, compute_targets, load_frozen_reference, prompt_token_ids
+    from stages.ppo import ValueModel, build_rollout, compute_targets, load_frozen_reference
+    from stages.rollout.generation import prompt_token_ids
     from stages.rl_math import masked_whiten
 
     policy, tokenizer = load_model_and_tokenizer(tiny_checkpoint, for_generation=True)

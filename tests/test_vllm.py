@@ -103,6 +103,19 @@ def test_vllm_per_prompt_seeds_do_not_depend_on_the_batch(engine, prompts):
     assert [s.token_ids for s in alone[0]] == [s.token_ids for s in batched[0]]
 
 
+def test_a_completion_drawn_as_a_one_turn_episode_is_the_engines_own_sample(engine, prompts):
+    """``complete`` (stages/rollout/episodes.py: every stage samples through the episode runner) gives exactly
+    the engine's samples, log-probs included, at any seed offset and with stop strings."""
+    from stages.rollout.episodes import complete
+    from stages.rollout.generation import prompt_token_ids
+
+    ids = prompt_token_ids(engine.tokenizer, prompts[:4])
+    for settings in (SamplingSettings(temperature=1.0, max_tokens=6, attempts=3, seed=7),
+                     SamplingSettings(temperature=1.0, max_tokens=8, attempts=2, seed=2, stop=["1"])):
+        assert complete(engine, prompts[:4], settings, seed_offset=300) == \
+            engine.generate_ids(ids, settings, seed_offset=300)
+
+
 def test_one_seed_scheme_no_prompt_of_a_stage_shares_a_seed_and_shards_draw_what_the_whole_batch_does(engine,
                                                                                                       prompts):
     """stages/rollout/generation.py ``draw_offset``: step 5 drawn as one batch, or as two processes' shards each

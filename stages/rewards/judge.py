@@ -137,13 +137,14 @@ class ModelJudge:
         self.backend = None
 
     def __call__(self, conversations: list[list[dict]]) -> list[str]:
+        from stages.rollout.episodes import complete
         from stages.rollout.generation import open_backend
 
         if self.backend is None:
             self.backend = open_backend(self.spec.backend, self.checkpoint, keep_logprobs=False,
                                         trust_remote_code=self.trust_remote_code,
                                         prompt_batch_size=self.spec.batch_size)
-        return [group[0].text for group in self.backend.generate(conversations, self.spec.sampling)]
+        return [group[0].text for group in complete(self.backend, conversations, self.spec.sampling)]
 
 
 def model_identity(checkpoint: Path) -> str:

@@ -56,8 +56,8 @@ def planned_batches(trainer):
 
 
 class ServedRollouts:
-    """TRL ``rollout_func`` over a generation server; ``inner`` (stages/rollout/training.py GRPORollouts or
-    EpisodeRollouts) draws a batch from a given backend, and reads what a used batch measured."""
+    """TRL ``rollout_func`` over a generation server; ``inner`` (stages/rollout/training.py PolicyRollouts)
+    draws a batch from a given backend, and reads what a used batch measured."""
 
     def __init__(self, inner, open_backend, max_staleness: int, folder: Path, step_metrics=None):
         self.inner, self.open_backend, self.max_staleness = inner, open_backend, max_staleness

@@ -21,6 +21,11 @@ engine returned them (with their sampled log-probs, mask 1), then the template's
 of the observation (the ``tool`` messages and the next generation prompt, computed from a
 fixed two-message conversation as TRL does and tokenised alone; mask 0, log-prob 0). The
 transcript's text is never re-rendered and re-tokenised, which can split tokens differently.
+
+The same runner draws every single completion in posttrain, as a one-turn episode with no
+environment (``EpisodeRunner.completions``, ``complete``): one request per prompt for all its
+attempts, seeded as the engine seeds any draw, so a completion drawn this way is exactly the
+engine's own sample (tests/test_agent.py, tests/test_vllm.py).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from stages.rollout.environments import (
     parse_tool_calls,
     tool_schemas,
 )
-from stages.rollout.generation import SamplingSettings
+from stages.rollout.generation import Sample, SamplingSettings
 from stages.rewards.registry import ENVIRONMENT_FN, RewardOutput, RewardSpec, ScoredBatch
 
 ENDED_ANSWER, ENDED_TURNS, ENDED_TOKENS = "answer", "max_turns", "token_budget"
@@ -57,6 +62,7 @@ class Episode:
     answer: str | None = None  # the final turn's text when the episode ended with an answer
     tool_results: list[ToolResult] = field(default_factory=list)  # every call's result, in order
     weights_version: int = 0  # the policy version of its model turns (Sample.weights_version; one per episode)
+    sampler_logprobs: bool = True  # every model token's log-prob is the sampler's (else the backend kept none)
 
     @property
     def budget_hit(self) -> bool:
@@ -65,6 +71,14 @@ class Episode:
     @property
     def used_tool(self) -> bool:
         return self.tool_calls > self.tool_errors
+
+    def as_sample(self) -> Sample:
+        """The episode as one sample: its answer (empty when it ended on a budget; a completion's text either
+        way), its model tokens and their log-probs, whether a budget cut it."""
+        model = [i for i, m in enumerate(self.env_mask) if m]
+        return Sample(text=self.answer or "", token_ids=[self.completion_ids[i] for i in model],
+                      logprobs=[self.logprobs[i] for i in model] if self.sampler_logprobs else [],
+                      truncated=self.budget_hit, weights_version=self.weights_version)
 
 
 def render_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -91,27 +105,57 @@ def observation_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
 
 
 class EpisodeRunner:
-    """Runs episodes of one environment at fixed settings through a backend's ``generate_ids``."""
+    """Runs episodes at fixed settings through a backend's ``generate_ids``: an environment's (model turns and
+    observations), or, with none, one-turn episodes: a single completion of each prompt, which is how every
+    sample in posttrain is made (evaluation, GRPO's rollouts, PPO, online DPO, the difficulty filter, a model
+    judge; stages/rollout/training.py ``PolicyRollouts``, ``complete``)."""
 
-    def __init__(self, environment: Environment, spec: EnvironmentSpec, tokenizer):
+    def __init__(self, environment: Environment | None, spec: EnvironmentSpec | None, tokenizer):
         self.environment, self.spec, self.tokenizer = environment, spec, tokenizer
-        self.tools = environment.tools()
-        self.schemas = tool_schemas(self.tools) if spec.render_tools else None
+        self.tools = environment.tools() if environment is not None else {}
+        self.schemas = tool_schemas(self.tools) if spec is not None and spec.render_tools else None
+        self.max_turns = spec.max_turns if spec is not None else 1
+
+    @classmethod
+    def completions(cls, tokenizer) -> EpisodeRunner:
+        """One-turn episodes, no environment: the turn's text is the answer, cut by its budget or not (a single
+        completion is scored as it stands)."""
+        return cls(None, None, tokenizer)
 
     def start(self, messages: list[dict]) -> Episode:
         return Episode(render_prompt_ids(self.tokenizer, messages, self.schemas), [dict(m) for m in messages])
 
-    def run(self, backend, starts: list[list[dict]], settings: SamplingSettings, seed_offset: int = 0) -> list[Episode]:
-        """One episode per start conversation (repeat a start for several attempts); ``settings.max_tokens``
-        is the per-turn budget, ``settings.attempts`` is ignored."""
-        episodes = [self.start(messages) for messages in starts]
-        active = list(range(len(episodes)))
+    def budget(self, episode: Episode, settings: SamplingSettings) -> int:
+        """The next turn's token budget: the per-turn ``max_tokens``, within what the episode has left."""
+        if self.spec is None:
+            return settings.max_tokens
+        return min(settings.max_tokens, self.spec.max_episode_tokens - len(episode.completion_ids))
+
+    def run(self, backend, starts: list[list[dict]], settings: SamplingSettings,
+            seed_offset: int = 0) -> list[list[Episode]]:
+        """``settings.attempts`` episodes per start conversation, grouped by start; ``settings.max_tokens`` is
+        the per-turn budget. The first turn is one request per start for all its attempts (one prefill, the
+        engine's ``n``), start i seeded ``settings.seed + seed_offset + i`` as every draw is
+        (stages/rollout/generation.py); each later turn is one request per episode still running."""
+        groups = []
+        for messages in starts:
+            first = self.start(messages)
+            groups.append([first] + [Episode(list(first.prompt_ids), [dict(m) for m in messages])
+                                     for _ in range(settings.attempts - 1)])
+        if groups:
+            budget = self.budget(groups[0][0], settings)
+            drawn = backend.generate_ids([group[0].prompt_ids for group in groups],
+                                         settings.model_copy(update={"max_tokens": budget}), seed_offset=seed_offset)
+            for group, samples in zip(groups, drawn):
+                for episode, sample in zip(group, samples):
+                    self.take_turn(episode, sample, last_turn=self.max_turns == 1)
+        episodes = [episode for group in groups for episode in group]
         turn_settings = settings.model_copy(update={"attempts": 1})
-        for turn in range(self.spec.max_turns):
+        for turn in range(1, self.max_turns):
+            active = [i for i, episode in enumerate(episodes) if not episode.ended]
             if not active:
                 break
-            budgets = [min(settings.max_tokens, self.spec.max_episode_tokens - len(episodes[i].completion_ids))
-                       for i in active]
+            budgets = [self.budget(episodes[i], settings) for i in active]
             # one call per distinct budget: the engine takes one max_tokens per call
             for budget in sorted(set(budgets)):
                 members = [i for i, b in zip(active, budgets) if b == budget]
@@ -120,16 +164,21 @@ class EpisodeRunner:
                     turn_settings.model_copy(update={"max_tokens": budget}),
                     seed_offset=seed_offset + turn * 1_000_003 + budget * 7919)
                 for i, group in zip(members, samples):
-                    self.take_turn(episodes[i], group[0], last_turn=turn == self.spec.max_turns - 1)
-            active = [i for i in active if not episodes[i].ended]
-        return episodes
+                    self.take_turn(episodes[i], group[0], last_turn=turn == self.max_turns - 1)
+        return groups
 
-    def take_turn(self, episode: Episode, sample, last_turn: bool) -> None:
+    def take_turn(self, episode: Episode, sample: Sample, last_turn: bool) -> None:
         """Append a sampled turn; end the episode, or execute its tool calls and append the observation."""
         episode.completion_ids += list(sample.token_ids)
         episode.weights_version = sample.weights_version
         episode.logprobs += list(sample.logprobs) or [0.0] * len(sample.token_ids)
+        episode.sampler_logprobs = episode.sampler_logprobs and bool(sample.logprobs or not sample.token_ids)
         episode.env_mask += [1] * len(sample.token_ids)
+        if self.environment is None:  # a completion: one turn, its text the answer
+            episode.turns = 1
+            episode.messages.append({"role": "assistant", "content": sample.text})
+            episode.ended, episode.answer = ENDED_TOKENS if sample.truncated else ENDED_ANSWER, sample.text
+            return
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         tool_messages = advance(episode, text, sample.truncated, last_turn, self.tools, self.spec)
         if tool_messages is None:
@@ -141,6 +190,13 @@ class EpisodeRunner:
         episode.completion_ids += observation
         episode.logprobs += [0.0] * len(observation)
         episode.env_mask += [0] * len(observation)
+
+
+def complete(backend, prompts: list[list[dict]], settings: SamplingSettings, seed_offset: int = 0) -> list[list[Sample]]:
+    """``settings.attempts`` single completions of every prompt by ``backend`` (one-turn episodes, seeded as
+    ``EpisodeRunner.run``), as samples grouped by prompt."""
+    groups = EpisodeRunner.completions(backend.tokenizer).run(backend, prompts, settings, seed_offset)
+    return [[episode.as_sample() for episode in group] for group in groups]
 
 
 def advance(episode: Episode, text: str, truncated: bool, last_turn: bool, tools: dict,

@@ -410,6 +410,8 @@ class HFGenerateBackend:
                 attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
                 encoded = {"input_ids": input_ids.to(self.model.device), "attention_mask": attention.to(self.model.device)}
                 results.extend(self._generate_encoded(encoded, len(batch), settings))
+                if self.progress is not None:
+                    self.progress.advance(len(batch))
         return results
 
     def _generate_batch(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
