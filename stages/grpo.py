@@ -339,6 +339,8 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
     from stages.rollout.training import PolicyRollouts, open_rollout_engine
 
     if backend not in ("vllm", "vllm_server") and config.environment is None:
+        # TRL's own generate on the training model: it gathers a sharded (FSDP, ZeRO-3) model for generation,
+        # which posttrain's HF backend does not, and the quickstart's figures are drawn by it
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
     env = config.environment
