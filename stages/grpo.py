@@ -339,8 +339,8 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
     from stages.rollout.training import PolicyRollouts, open_rollout_engine
 
     if backend not in ("vllm", "vllm_server") and config.environment is None:
-        # TRL's own generate on the training model: it gathers a sharded (FSDP, ZeRO-3) model for generation,
-        # which posttrain's HF backend does not, and the quickstart's figures are drawn by it
+        # TRL's own generate on the training model: the quickstart's GRPO figures are drawn by it, and routing it
+        # through the runner (PolicyRollouts on HF generate) would redraw every one of them
         return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
     env = config.environment

@@ -110,7 +110,7 @@ class EpisodeRunner:
     observations), or, with none, one-turn episodes: a single completion of each prompt, which is how every
     sample in posttrain is made (evaluation, GRPO's rollouts, PPO, online DPO, the difficulty filter, a model
     judge; stages/rollout/training.py ``PolicyRollouts``, ``complete``), but for GRPO with neither vLLM nor an
-    environment, which TRL samples with its own generate (stages/grpo.py ``grpo_rollouts``)."""
+    environment, which TRL samples with its own generate (stages/grpo.py ``grpo_rollouts`` says why)."""
 
     def __init__(self, environment: Environment | None, spec: EnvironmentSpec | None, tokenizer):
         self.environment, self.spec, self.tokenizer = environment, spec, tokenizer

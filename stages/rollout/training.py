@@ -22,6 +22,7 @@ then unfolded again): vLLM serves the plain architecture, no adapter machinery.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from stages.rollout.generation import (SamplingSettings, VLLMBackend, adapters_merged, choose_backend, context_length,
@@ -118,12 +119,8 @@ class PolicyRollouts:
             self.backend.close()
             self.backend = None
 
-    def synced(self, trainer):
-        """What samples the policy ``trainer`` trains now: the engine holding its weights, or its own generate."""
-        if self.open_engine is None:
-            from stages.rollout.generation import HFGenerateBackend
-
-            return HFGenerateBackend(trainer.model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True)
+    def synced(self, trainer) -> VLLMBackend:
+        """The engine, holding the weights of the policy ``trainer`` trains now."""
         if self.backend is None:
             self.backend = self.open_engine()
         step = trainer.state.global_step
@@ -132,9 +129,28 @@ class PolicyRollouts:
             self.synced_step, self.syncs = step, self.syncs + 1
         return self.backend
 
+    @contextmanager
+    def sampler(self, trainer):
+        """What samples the policy ``trainer`` trains now: the synced engine, or else its own generate on the
+        training model, unwrapped as TRL unwraps it for its own generate (a ZeRO-3 model's weights gathered;
+        TRL calls a ``rollout_func`` without doing so)."""
+        if self.open_engine is not None:
+            yield self.synced(trainer)
+            return
+        from trl.models import unwrap_model_for_generation
+
+        from stages.rollout.generation import HFGenerateBackend
+
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                         gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                                         gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+                                         ) as model:
+            yield HFGenerateBackend(model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True)
+
     def __call__(self, prompts: list, trainer) -> dict:
         first = trainer.accelerator.process_index * (len(prompts) // self.group_size)  # this process's shard
-        out = self.draw(prompts, self.synced(trainer), draw_offset(self.calls, first))
+        with self.sampler(trainer) as backend:
+            out = self.draw(prompts, backend, draw_offset(self.calls, first))
         self.calls += 1
         self.consumed(out, trainer)
         return out
