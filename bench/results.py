@@ -13,8 +13,7 @@ pass@1 and accuracy points), then exits 1 if any did. A whole pipeline is determ
 machine: there every figure is equal. Another install or machine changes a float somewhere and RL follows
 another trajectory (35 of 69 figures moved by more than 0.02 between two installs, one by 0.86), so the
 README's tables are drawn on the install constraints/cpu.txt pins and a contradiction there is a change to
-look for. Figures of pipelines not run are
-reported as not checked. The last line says how many figures were checked and how many differ.
+look for. Figures of pipelines not run are reported as not checked. The last line says how many figures were checked and how many differ.
 """
 
 from __future__ import annotations
