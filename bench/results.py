@@ -7,13 +7,14 @@ Each (pipeline, seed) runs through the real CLI in its own fresh POSTTRAIN_HOME,
 between them, and its figures are read back from that home's MLflow store. The tables are printed
 in the README's format, headed by the commit and the date, so they can be pasted in as they are.
 
-``--check README.md`` compares every figure of the README's two results tables that this run
-regenerated with the fresh one and lists each that differs by more than ``--tolerance`` (absolute,
-pass@1 and accuracy points), then exits 1 if any did. A whole pipeline is deterministic on one install and
-machine: there every figure is equal. Another install or machine changes a float somewhere and RL follows
-another trajectory (35 of 69 figures moved by more than 0.02 between two installs, one by 0.86), so the
-README's tables are drawn on the install constraints/cpu.txt pins and a contradiction there is a change to
-look for. Figures of pipelines not run are reported as not checked. The last line says how many figures were checked and how many differ.
+``--check README.md`` compares every figure of the README's two results tables that this run regenerated
+with the fresh one and lists each that differs by more than ``--tolerance`` (absolute, pass@1 and
+accuracy points), then exits 1 if any did. A whole pipeline is deterministic on one install and machine:
+there every figure is equal. Another install or machine changes a float somewhere and RL follows another
+trajectory (35 of 69 figures moved by more than 0.02 between two installs, one by 0.86), so the README's
+tables are drawn on the install constraints/cpu.txt pins and a contradiction there is a change to look
+for. Figures of pipelines not run are reported as not checked. The last line says how many figures were
+checked and how many differ.
 """
 
 from __future__ import annotations
