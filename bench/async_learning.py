@@ -10,10 +10,11 @@ only. They run one after the other through the real CLI in one fresh home: the b
 and are reused from the cache; each layout's GRPO stage and its evaluation (the pipeline's fixed settings, 200
 heldout prompts) run anew.
 
-Printed per layout: ``eval_grpo`` pass@1 and pass@4 and their difference from the colocated run, the GRPO stage's
-seconds (start to end of its MLflow run) and without the server's start-up, the colocated stage's seconds over it
-(> 1: faster), and means over the steps of the reward, the staleness, the trainer's wait for rollouts and the
-sampler/trainer mismatch (|delta log p| per token).
+Printed per layout: ``eval_grpo`` pass@1 and pass@4 and their difference from the colocated run, ``eval_sft`` pass@1
+(the starting point: equal across homes on one seed and install), the GRPO stage's seconds (start to end of its
+MLflow run) and without the server's start-up, the colocated stage's seconds over it (> 1: faster), and means over
+the steps of the reward, the staleness, the trainer's wait for rollouts and the sampler/trainer mismatch
+(|delta log p| per token).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def layout_figures(home: str, pipeline_seconds: float) -> dict:
     seconds = (grpo.info.end_time - grpo.info.start_time) / 1000
     startup = grpo.data.metrics.get("generation_server_startup_seconds", 0.0)
     figures = {name: round(value, 3) for name, value in evaluation.data.metrics.items() if name.startswith("pass_at")}
+    # the starting point, so that layouts run in different homes can be checked to start from the same SFT model
+    figures["sft_pass_at_1"] = round(newest(runs, "eval_sft").data.metrics["pass_at_1"], 3)
     figures.update({"grpo_stage_seconds": round(seconds, 1), "without_startup": round(seconds - startup, 1),
                     "server_startup_seconds": round(startup, 1), "pipeline_seconds": round(pipeline_seconds, 1),
                     "steps": len(history["reward/mean"]), "reward_mean": mean(history["reward/mean"]),
