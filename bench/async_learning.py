@@ -13,8 +13,8 @@ heldout prompts) run anew.
 Printed per layout: ``eval_grpo`` pass@1 and pass@4 and their difference from the colocated run, ``eval_sft`` pass@1
 (the starting point: equal across homes on one seed and install), the GRPO stage's seconds (start to end of its
 MLflow run) and without the server's start-up, the colocated stage's seconds over it (> 1: faster), and means over
-the steps of the reward, the staleness, the trainer's wait for rollouts and the sampler/trainer mismatch
-(|delta log p| per token).
+the steps of the reward, the completion length in tokens, the staleness, the trainer's wait for rollouts, the
+weight sync to the server and the sampler/trainer mismatch (|delta log p| per token).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ LAYOUTS = {"colocated": [], "server-0": ["stages.grpo.generation.mode=server"],
            "server-1": ["stages.grpo.generation.mode=server", "stages.grpo.generation.max_staleness=1"],
            "server-2": ["stages.grpo.generation.mode=server", "stages.grpo.generation.max_staleness=2"],
            "server-0-merged": ["stages.grpo.generation.mode=server", "stages.grpo.generation.lora_weights=merged"]}
-HISTORIES = ("reward/mean", "ahead/staleness_mean", "ahead/wait_seconds", "correction/logp_diff_abs_mean")
+HISTORIES = ("reward/mean", "completion/mean_tokens", "ahead/staleness_mean", "ahead/wait_seconds", "ahead/sync_seconds",
+             "correction/logp_diff_abs_mean")
 
 
 def mean(values: list[float]) -> float | None:
@@ -61,8 +62,10 @@ def layout_figures(home: str, pipeline_seconds: float) -> dict:
     figures.update({"grpo_stage_seconds": round(seconds, 1), "without_startup": round(seconds - startup, 1),
                     "server_startup_seconds": round(startup, 1), "pipeline_seconds": round(pipeline_seconds, 1),
                     "steps": len(history["reward/mean"]), "reward_mean": mean(history["reward/mean"]),
+                    "completion_tokens_mean": mean(history["completion/mean_tokens"]),
                     "staleness_mean": mean(history["ahead/staleness_mean"]),
                     "wait_seconds_per_step": mean(history["ahead/wait_seconds"]),
+                    "sync_seconds_per_step": mean(history["ahead/sync_seconds"]),
                     "logp_diff_abs_mean": mean(history["correction/logp_diff_abs_mean"])})
     return figures
 
