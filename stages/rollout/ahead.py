@@ -11,17 +11,24 @@ second copy of it (``planned_batches``) yields the batches the trainer's dataloa
 the rollouts TRL asks for are checked against the plan prompt for prompt, and a batch the plan got wrong is
 drawn again on the spot (counted, ``ahead/mispredicted``). The batch of generation call ``c``, trained at
 step ``c * updates_per_batch``, is drawn by exactly version ``max(first, c * updates_per_batch - S)``, so a
-rerun draws the same samples whatever the timing (vLLM seeds each request): at most S steps stale, and with
+rerun draws by the same weights with the same seeds whatever the timing: at most S steps stale, and with
 S = 1 generation of step k+1's rollouts overlaps training on step k's. The staleness bound is checked again
 when the batch is used; a batch past it would be dropped, counted (``ahead/dropped_samples``) and drawn
 again by the current weights, which the pinned versions above never need.
 
-A resumed stage draws as the stage never stopped would. A checkpoint at step k keeps the batches already
-planned to be drawn by versions older than k (``save_drawn``: the next S - 1 or S batches, waited for when not
-drawn yet, as ``drawn-ahead.pkl``: token ids, log-probs, episodes; kilobytes, where the weights of those versions
-would be the model's size each), and the resumed execution trains on them before it draws anything
-(``restore_drawn``); every later batch is drawn by version k or newer, which it has. So its batches are the
-uninterrupted stage's from its first one, in full fine-tuning, with LoRA adapters and with merged LoRA alike.
+The samples themselves are the same only as far as the server's batching allows: a batch's prompts go as
+concurrent requests, vLLM batches them as they arrive and is not batch-invariant, so on SmolLM2 a rerun's
+sampler log-probs can differ in the third decimal and a token can flip (seed 6, 8 steps at S = 1: two of three
+runs trained identically; the third's log-probs differed from its first step, its tokens from its third). The
+in-process engine takes a batch at once.
+
+A resumed stage draws as the stage never stopped would (by the same versions and seeds). A checkpoint at step k
+keeps the batches already planned to be drawn by versions older than k (``save_drawn``: the next S - 1 or S
+batches, waited for when not drawn yet, as ``drawn-ahead.pkl``: token ids, log-probs, episodes; kilobytes, where
+the weights of those versions would be the model's size each), and the resumed execution trains on them before it
+draws anything (``restore_drawn``); every later batch is drawn by version k or newer, which it has. So its batches
+are the uninterrupted stage's from its first one, in full fine-tuning, with LoRA adapters and with merged LoRA
+alike.
 
 Logged every step: ``ahead/staleness_mean`` and ``ahead/staleness_max`` (optimizer steps between the
 weights that drew a sample and the weights it trains), ``ahead/dropped_samples``, ``ahead/sync_seconds``
