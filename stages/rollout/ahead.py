@@ -17,9 +17,9 @@ when the batch is used; a batch past it would be dropped, counted (``ahead/dropp
 again by the current weights, which the pinned versions above never need.
 
 The samples themselves are the same only as far as the server's batching allows: a batch's prompts go as
-concurrent requests, vLLM batches them as they arrive and is not batch-invariant, so on SmolLM2 a rerun's
-sampler log-probs can differ in the third decimal and a token can flip (seed 6, 8 steps at S = 1: two of three
-runs trained identically; the third's log-probs differed from its first step, its tokens from its third). The
+concurrent requests, vLLM batches them as they arrive and is not batch-invariant, so on SmolLM2 a rerun's sampler
+log-probs can differ in the third decimal and a token can flip (seed 6, 8 steps at S = 1: two of three runs
+trained alike to five digits; the third's log-probs differed from its first step, its tokens from its third). The
 in-process engine takes a batch at once.
 
 A resumed stage draws as the stage never stopped would (by the same versions and seeds). A checkpoint at step k
