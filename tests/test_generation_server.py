@@ -135,6 +135,42 @@ def test_full_weights_pushed_to_the_server_give_the_trainers_logprobs(vllm_tiny,
     assert "Application startup complete" in (tmp_path / "server.log").read_text()
 
 
+def test_full_weights_reach_a_bfloat16_server_in_its_dtype_as_the_float32_file_would(vllm_tiny, tmp_path,
+                                                                                      monkeypatch):
+    """A float32 trainer pushing full weights to a bfloat16 server writes them in bfloat16 (half the bytes):
+    the server then serves exactly what it served from the float32 file (vLLM rounds what it loads to its
+    dtype as torch does), token for token and log-prob for log-prob."""
+    from safetensors.torch import load_file
+
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.rollout.generation import prompt_token_ids
+    from stages.rollout import server as served
+    from stages.rollout.server import GenerationServer, ServerBackend, save_weights
+
+    monkeypatch.setattr(served, "_remove", lambda path: None)  # keep the pushed file to look at
+    model, tokenizer = load_model_and_tokenizer(vllm_tiny)
+    prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} + {a} ="}] for a in (3, 17, 250)])
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    bf16 = EngineSettings(dtype="bfloat16", kv_cache_gib=1)
+    with GenerationServer(vllm_tiny, tmp_path / "server.log", engine=bf16, max_model_len=128, echo=None) as server:
+        backend = ServerBackend(server, tokenizer)
+        before = backend.generate_ids(prompts, GREEDY)
+        backend.push(model, 1, tmp_path / "served")
+        pushed = backend.generate_ids(prompts, GREEDY)
+        save_weights(model, tmp_path / "float32")
+        server.request("/collective_rpc", {"method": "reload_weights",
+                                           "kwargs": {"weights_path": str(tmp_path / "float32")}})
+        server.request("/reset_prefix_cache")
+        from_float32 = backend.generate_ids(prompts, GREEDY)
+    assert [g[0].logprobs for g in pushed] != [g[0].logprobs for g in before]  # the push reached the server
+    assert [(g[0].token_ids, g[0].logprobs) for g in pushed] == [(g[0].token_ids, g[0].logprobs) for g in from_float32]
+    written = tmp_path / "served" / "v1" / "model.safetensors"
+    assert {t.dtype for t in load_file(written).values()} == {torch.bfloat16}
+    assert written.stat().st_size < 0.51 * (tmp_path / "float32" / "model.safetensors").stat().st_size
+
+
 def rl_config(**overrides):
     from stages.rl_common import rl_stage_config
 
