@@ -9,6 +9,7 @@ trainer's dtype, so its log-probs can be compared with the trainer's to float er
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pickle
 import signal
@@ -379,8 +380,17 @@ def stop(stage: subprocess.Popen, how: str) -> None:
 
 
 def checkpoints(resume_dir: Path) -> list[int]:
-    """The steps of the complete checkpoints in ``resume_dir`` (trainer_state.json is written last)."""
-    return sorted(int(p.parent.name.split("-")[1]) for p in resume_dir.glob("checkpoint-*/trainer_state.json"))
+    """The steps of the complete checkpoints in ``resume_dir``, as resume reads them: trainer_state.json, which
+    the trainer writes last, there and whole (it exists, empty, from the moment the trainer opens it: a kill
+    then leaves a checkpoint that resume passes over)."""
+    steps = []
+    for state in resume_dir.glob("checkpoint-*/trainer_state.json"):
+        try:
+            json.loads(state.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        steps.append(int(state.parent.name.split("-")[1]))
+    return sorted(steps)
 
 
 def test_a_stage_drawing_ahead_stopped_by_ctrl_c_then_killed_leaves_no_server_and_resumes_to_the_uninterrupted_run(
