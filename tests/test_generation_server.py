@@ -172,6 +172,44 @@ def test_full_weights_reach_a_bfloat16_server_in_its_dtype_as_the_float32_file_w
     assert written.stat().st_size < 0.51 * (tmp_path / "float32" / "model.safetensors").stat().st_size
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """User and system CPU seconds the processes now in process group ``pgid`` have used."""
+    ticks = 0
+    for pid in group_of(pgid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_server_on_a_cpu_uses_no_cpu_between_batches(vllm_tiny, tmp_path, monkeypatch):
+    """On a CPU the server's engine runs the model in its own process: vLLM's default hands each engine step
+    to a worker process over shared memory, both ends busy-waiting for 1 s after each message (about one
+    core-second after every batch, taken from the trainer's next step on a shared CPU). Whatever this process
+    ran before (an in-process engine leaves ``VLLM_ENABLE_V1_MULTIPROCESSING`` set), the server's processes use
+    under 0.3 core-seconds in the 1.5 s after answering a batch."""
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.rollout.generation import prompt_token_ids
+    from stages.rollout.server import GenerationServer, ServerBackend
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    _, tokenizer = load_model_and_tokenizer(vllm_tiny)
+    prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} * {a} ="}] for a in range(8)])
+    sampled = SamplingSettings(temperature=1.0, max_tokens=32, attempts=4, seed=0)
+    with GenerationServer(vllm_tiny, tmp_path / "server.log", engine=FP32, max_model_len=128, echo=None) as server:
+        backend = ServerBackend(server, tokenizer)
+        used = []
+        for _ in range(2):
+            groups = backend.generate_ids(prompts, sampled)
+            before = group_cpu_seconds(server.process.pid)
+            time.sleep(1.5)
+            used.append(group_cpu_seconds(server.process.pid) - before)
+    assert all(len(group) == 4 and all(sample.token_ids for sample in group) for group in groups)
+    assert max(used) < 0.3, f"core-seconds the idle server used after each batch: {used}"
+
+
 def rl_config(**overrides):
     from stages.rl_common import rl_stage_config
 

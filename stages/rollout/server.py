@@ -207,10 +207,19 @@ class GenerationServer:
         return command
 
     def environment(self) -> dict[str, str]:
+        import torch
+
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.engine.kv_cache_gib))), "PYTHONUNBUFFERED": "1"}
-        if self.cpus:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
+        if not torch.cuda.is_available():
+            # vLLM's default on a CPU runs the model in a worker process of its own, handed each engine step over
+            # shared memory (both ends busy-wait for 1 s after each message: a core-second after every batch, out
+            # of the trainer's next step) and bound to all cores but one. Here the engine core runs the model
+            # itself (set explicitly: an in-process engine created earlier in this process leaves the same value
+            # behind), with as many threads as that worker had: the server's own cores, or all but one when it
+            # shares them with the trainer (a thread on every core drew rollouts faster but not the same twice).
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env["OMP_NUM_THREADS"] = str(len(self.cpus) if self.cpus else max(1, len(os.sched_getaffinity(0)) - 1))
         return env
 
     def start(self) -> GenerationServer:
