@@ -95,14 +95,16 @@ STUDIES = [
 ]
 
 
-def run_pipeline(pipeline: str, overrides: list[str], home: str) -> float:
-    """Wall seconds of one ``posttrain run`` of ``pipelines/<pipeline>`` in ``home`` (its own servers, stopped after)."""
+def run_pipeline(pipeline: str, overrides: list[str], home: str, options: tuple[str, ...] = ()) -> float:
+    """Wall seconds of one ``posttrain run`` of ``pipelines/<pipeline>`` in ``home`` (its own servers, stopped after),
+    with ``options`` (``--only STAGE``, ``--force STAGE``) after the overrides."""
     env = {key: value for key, value in os.environ.items()
            if key not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME")}
     env["POSTTRAIN_HOME"] = home
     command = [sys.executable, "-m", "flows.cli", "run", str(ROOT / "pipelines" / pipeline)]
     for item in overrides:
         command += ["--set", item]
+    command += list(options)
     started = time.perf_counter()
     done = subprocess.run(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seconds = time.perf_counter() - started

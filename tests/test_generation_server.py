@@ -210,6 +210,58 @@ def test_a_server_on_a_cpu_uses_no_cpu_between_batches(vllm_tiny, tmp_path, monk
     assert max(used) < 0.3, f"core-seconds the idle server used after each batch: {used}"
 
 
+def test_a_synchronous_servers_batch_is_taken_in_whole_however_its_requests_arrive(vllm_tiny, tmp_path,
+                                                                                  monkeypatch):
+    """A synchronous stage's server (``whole_batches``) holds a batch until it has every request of it and
+    then schedules them in the client's order, so the engine steps through the same batches however the
+    requests arrive: with the last prompt's request 0.5 s late on its way, no request is answered before it is
+    sent, and the samples, log-probs included, are those of a batch that arrived at once. Taking requests as
+    they arrive, the others are answered before it is sent. Sending each attempt as a request of its own
+    gives the tokens vLLM's fan-out of one request's attempts gives. A request the server refuses fails the
+    draw with the server's reason, and the server goes on serving."""
+    from stages.models.loading import load_model_and_tokenizer
+    from stages.rollout.generation import prompt_token_ids
+    from stages.rollout.server import GenerationServer, ServerBackend, ServerFailed
+
+    _, tokenizer = load_model_and_tokenizer(vllm_tiny)
+    prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} * {a + 7} ="}] for a in range(8)])
+    sampled = SamplingSettings(temperature=1.0, max_tokens=8, attempts=4, seed=5)
+    late = {"late": False, "sent": None, "answered": []}
+    send = GenerationServer.request
+
+    def request(server, path, body=None, timeout=3600.0):  # the last prompt's last request held back on its way
+        if path != "/v1/completions":
+            return send(server, path, body, timeout)
+        last = sampled.seed + len(prompts) - 1 + (sampled.attempts - 1 if body.get("n") == 1 else 0)
+        if late["late"] and body["prompt"] == prompts[-1] and body["seed"] == last:
+            time.sleep(0.5)
+            late["sent"] = time.monotonic()
+        answer = send(server, path, body, timeout)
+        late["answered"].append(time.monotonic())
+        return answer
+
+    monkeypatch.setattr(GenerationServer, "request", request)
+    bf16 = EngineSettings(dtype="bfloat16", kv_cache_gib=1)
+    drawn, first_answer = {}, {}
+    for whole in (False, True):
+        with GenerationServer(vllm_tiny, tmp_path / f"server-{whole}.log", engine=bf16, max_model_len=96,
+                              whole_batches=whole, echo=None) as server:
+            backend = ServerBackend(server, tokenizer)
+            for late["late"] in (False, True):
+                late["answered"] = []
+                groups = backend.generate_ids(prompts, sampled)
+                drawn[whole, late["late"]] = [(s.token_ids, s.logprobs) for group in groups for s in group]
+            first_answer[whole] = min(late["answered"]) - late["sent"]
+            if whole:
+                with pytest.raises(ServerFailed, match="maximum context length|max_model_len|too long"):
+                    backend.generate_ids([list(range(5, 200))], sampled)
+                assert len(backend.generate_ids(prompts[:2], sampled)) == 2
+    assert first_answer[True] > 0 > first_answer[False], first_answer
+    assert len(drawn[True, False]) == 32 and all(ids and len(ids) == len(lp) for ids, lp in drawn[True, False])
+    assert drawn[True, True] == drawn[True, False]
+    assert [ids for ids, _ in drawn[True, False]] == [ids for ids, _ in drawn[False, False]]
+
+
 def rl_config(**overrides):
     from stages.rl_common import rl_stage_config
 

