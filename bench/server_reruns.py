@@ -1,9 +1,11 @@
 """Does a layout's GRPO stage rerun the same? smollm2-reasoning on one seed in one fresh home: the stages before
 GRPO first, each in a ``posttrain run --only`` of its own (so no in-process engine runs before GRPO in its
 process, as for every later layout of bench/async_learning.py), then the pipeline twice, the second time with
-``--force grpo``.
+``--force grpo``; then each ``--also`` layout once in the same home (its GRPO stage and evaluation only: the
+stages before are cached).
 
     python bench/server_reruns.py                        # the synchronous server, seed 0, ~40 min on this CPU
+    python bench/server_reruns.py --layout server-1 --also server-2   # ~75 min
     python bench/server_reruns.py --layout server-1 --seed 3
 
 Printed per run: bench/async_learning.py's figures; then, per logged metric of the GRPO stage, the first step at
@@ -47,6 +49,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", default="server-0", choices=list(LAYOUTS))
+    parser.add_argument("--also", nargs="*", default=[], choices=list(LAYOUTS),
+                        help="layouts run once each after the two runs, in the same home")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -60,6 +64,11 @@ def main() -> None:
             summary[run] = layout_figures(home, run_pipeline(PIPELINE, overrides, home, options))
             print(run, summary[run], flush=True)
         summary["differences"] = differences(home)
+        print("differences", summary["differences"], flush=True)
+        for layout in args.also:
+            also = [f"seed={args.seed}", "stages.grpo.dynamic_sampling=null", *LAYOUTS[layout]]
+            summary[layout] = layout_figures(home, run_pipeline(PIPELINE, also, home))
+            print(layout, summary[layout], flush=True)
     finally:
         shutil.rmtree(home, ignore_errors=True)
     print_summary(summary, args.out)

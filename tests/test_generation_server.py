@@ -15,6 +15,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -210,15 +211,16 @@ def test_a_server_on_a_cpu_uses_no_cpu_between_batches(vllm_tiny, tmp_path, monk
     assert max(used) < 0.3, f"core-seconds the idle server used after each batch: {used}"
 
 
-def test_a_synchronous_servers_batch_is_taken_in_whole_however_its_requests_arrive(vllm_tiny, tmp_path,
-                                                                                  monkeypatch):
-    """A synchronous stage's server (``whole_batches``) holds a batch until it has every request of it and
-    then schedules them in the client's order, so the engine steps through the same batches however the
-    requests arrive: with the last prompt's request 0.5 s late on its way, no request is answered before it is
-    sent, and the samples, log-probs included, are those of a batch that arrived at once. Taking requests as
-    they arrive, the others are answered before it is sent. Sending each attempt as a request of its own
-    gives the tokens vLLM's fan-out of one request's attempts gives. A request the server refuses fails the
-    draw with the server's reason, and the server goes on serving."""
+def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone(vllm_tiny, tmp_path, monkeypatch):
+    """The server (``whole_batches``) holds a batch until it has every request of it and then schedules them in
+    the client's order, so the engine steps through the same batches however the requests arrive: with the last
+    prompt's request 0.5 s late on its way, no request is answered before it is sent, and the samples, log-probs
+    included, are those of a batch that arrived at once. Taking requests as they arrive, the others are answered
+    before it is sent. Sending each attempt as a request of its own gives the tokens vLLM's fan-out of one
+    request's attempts gives. A batch drawn from another thread while one is in flight (drawing ahead: the
+    producer's, and one the trainer draws again) is taken in only once that one is answered, and both are the
+    samples each draws alone. A request the server refuses fails the draw with the server's reason, and the
+    server goes on serving."""
     from stages.models.loading import load_model_and_tokenizer
     from stages.rollout.generation import prompt_token_ids
     from stages.rollout.server import GenerationServer, ServerBackend, ServerFailed
@@ -226,10 +228,12 @@ def test_a_synchronous_servers_batch_is_taken_in_whole_however_its_requests_arri
     _, tokenizer = load_model_and_tokenizer(vllm_tiny)
     prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} * {a + 7} ="}] for a in range(8)])
     sampled = SamplingSettings(temperature=1.0, max_tokens=8, attempts=4, seed=5)
-    late = {"late": False, "sent": None, "answered": []}
+    late = {"late": False, "sent": None, "answered": [], "pauses": []}
     send = GenerationServer.request
 
     def request(server, path, body=None, timeout=3600.0):  # the last prompt's last request held back on its way
+        if path.startswith("/pause"):
+            late["pauses"].append(len(late["answered"]))  # requests answered before each batch's intake
         if path != "/v1/completions":
             return send(server, path, body, timeout)
         last = sampled.seed + len(prompts) - 1 + (sampled.attempts - 1 if body.get("n") == 1 else 0)
@@ -244,8 +248,9 @@ def test_a_synchronous_servers_batch_is_taken_in_whole_however_its_requests_arri
     bf16 = EngineSettings(dtype="bfloat16", kv_cache_gib=1)
     drawn, first_answer = {}, {}
     for whole in (False, True):
-        with GenerationServer(vllm_tiny, tmp_path / f"server-{whole}.log", engine=bf16, max_model_len=96,
-                              whole_batches=whole, echo=None) as server:
+        # LoRA served (version 0 is the checkpoint): batches of several versions may be drawn at once
+        with GenerationServer(vllm_tiny, tmp_path / f"server-{whole}.log", engine=bf16, max_model_len=256,
+                              lora_rank=8, whole_batches=whole, echo=None) as server:
             backend = ServerBackend(server, tokenizer)
             for late["late"] in (False, True):
                 late["answered"] = []
@@ -253,8 +258,22 @@ def test_a_synchronous_servers_batch_is_taken_in_whole_however_its_requests_arri
                 drawn[whole, late["late"]] = [(s.token_ids, s.logprobs) for group in groups for s in group]
             first_answer[whole] = min(late["answered"]) - late["sent"]
             if whole:
+                longer = SamplingSettings(temperature=1.0, max_tokens=200, attempts=4, seed=5)
+                others = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} - 3 ="}] for a in range(6)])
+                alone = {name: [(s.token_ids, s.logprobs) for group in backend.generate_ids(batch, longer)
+                                for s in group] for name, batch in (("first", prompts), ("second", others))}
+                late["answered"], late["pauses"], together = [], [], {}
+                first = threading.Thread(target=lambda: together.update(first=backend.generate_ids(prompts, longer)))
+                first.start()
+                while not late["pauses"]:
+                    time.sleep(0.001)
+                together["second"] = backend.generate_ids(others, longer)
+                first.join()
+                assert late["pauses"] == [0, len(prompts) * longer.attempts], late["pauses"]
+                assert {name: [(s.token_ids, s.logprobs) for group in groups for s in group]
+                        for name, groups in together.items()} == alone
                 with pytest.raises(ServerFailed, match="maximum context length|max_model_len|too long"):
-                    backend.generate_ids([list(range(5, 200))], sampled)
+                    backend.generate_ids([list(range(5, 300))], sampled)
                 assert len(backend.generate_ids(prompts[:2], sampled)) == 2
     assert first_answer[True] > 0 > first_answer[False], first_answer
     assert len(drawn[True, False]) == 32 and all(ids and len(ids) == len(lp) for ids, lp in drawn[True, False])

@@ -16,12 +16,10 @@ S = 1 generation of step k+1's rollouts overlaps training on step k's. The stale
 when the batch is used; a batch past it would be dropped, counted (``ahead/dropped_samples``) and drawn
 again by the current weights, which the pinned versions above never need.
 
-The samples themselves are the same only as far as the server's batching allows: a batch's prompts go as
-concurrent requests, vLLM batches them as they arrive and is not batch-invariant, so on SmolLM2 a rerun's sampler
-log-probs can differ in the third decimal and a token can flip (seed 6, 8 steps at S = 1: two of three runs
-trained alike to five digits; the third's log-probs differed from its first step, its tokens from its third). The
-in-process engine takes a batch at once, and so does the server of a synchronous stage (S = 0; server.py), whose
-reruns are equal.
+The samples are the same too: the server takes each batch in whole and one batch at a time, scheduled in the
+batch's order (stages/rollout/server.py), so the producer's batch and one the trainer draws again never share the
+engine's steps. Taking requests as they arrived, reruns could part: on SmolLM2, seed 6, 8 steps at S = 1, two of
+three runs trained alike to five digits, the third's sampler log-probs differed from its first step.
 
 A resumed stage draws as the stage never stopped would (by the same versions and seeds). A checkpoint at step k
 keeps the batches already planned to be drawn by versions older than k (``save_drawn``: the next S - 1 or S
@@ -29,8 +27,7 @@ batches, waited for when not drawn yet, as ``drawn-ahead.pkl``: token ids, log-p
 the weights of those versions would be the model's size each), and the resumed execution trains on them before it
 draws anything (``restore_drawn``); every later batch is drawn by version k or newer, which it has. So each of its
 batches is drawn by the uninterrupted stage's version with its seeds, from its first one, in full fine-tuning, with
-LoRA adapters and with merged LoRA alike; its samples equal the uninterrupted stage's up to the server's batching
-(above).
+LoRA adapters and with merged LoRA alike.
 
 Logged every step: ``ahead/staleness_mean`` and ``ahead/staleness_max`` (optimizer steps between the
 weights that drew a sample and the weights it trains), ``ahead/dropped_samples``, ``ahead/sync_seconds``
@@ -153,13 +150,15 @@ class ServedRollouts:
         first = self._first is None
         if first:  # this execution's first batch: drawn ahead only where a checkpoint kept it
             self._first = (call, step)
-            if ahead:
-                self._start(trainer, call + 1)
+            self._updates = trainer.num_iterations * trainer.args.steps_per_generation
         if not ahead:
             out, version = self._draw_now(prompts, call)
         elif first and call not in self._ready:
             out, version = self._draw_now(prompts, call, self.version_for(call, self._updates))
+            self._start(trainer, call + 1)  # after it: the producer's first batch would only queue behind it
         else:
+            if first:
+                self._start(trainer, call + 1)
             planned, out, version = self._take(call)
             if planned != list(prompts):  # the plan is a copy of TRL's sampler: a mismatch is drawn again
                 self.mispredicted += 1
@@ -217,7 +216,6 @@ class ServedRollouts:
         return min(call - 1, self._last_call)  # none is drawn past the stage's last step
 
     def _start(self, trainer, from_call: int) -> None:
-        self._updates = trainer.num_iterations * trainer.args.steps_per_generation
         first_call, first_step = self._first
         # the last call the stage will make: none is drawn for steps past max_steps
         self._last_call = first_call + -(-(trainer.state.max_steps - first_step) // self._updates) - 1

@@ -25,14 +25,15 @@ of the policy's weights, which the trainer pushes after its optimizer steps:
   step for its rollouts with the adapter and 3.1 s with merged weights, whose push took 1.6 s against 0.13
   (bench/async_grpo.py, README "Generation apart from training").
 
-A synchronous stage's server (``max_staleness: 0``, nothing else in flight) takes each batch in whole: the backend
-pauses its scheduler, sends one request per attempt (seeded as vLLM seeds the attempts of one request), waits
-until the server has registered all of them (stages/rollout/server_routes.py) and resumes it, and the server
-schedules them by each request's ``priority`` (the batch's order), not by arrival; so its engine steps through the
-same batches on every run. Taking requests as they arrived, two 50-step smollm2-reasoning runs on seed 0 differed
-in the sampler's log-probs from step 1 and in the loss from step 49 (``eval_grpo`` 0.351 and 0.349; an earlier run
-0.253); taken in whole, two runs were equal in every metric at every step (0.349 twice), each batch 1.02x the
-seconds (bench/server_batches.py). Drawing ahead, the producer's batches still go as they arrive.
+Every batch is taken in whole, one batch at a time: the backend pauses the server's scheduler, sends one request
+per attempt (seeded as vLLM seeds the attempts of one request), waits until the server has registered all of them
+(stages/rollout/server_routes.py) and resumes it; the server schedules them by each request's ``priority`` (the
+batch's order), not by arrival, and the next batch is taken in only once this one is answered. So the engine steps
+through the same batches on every run, synchronous or drawing ahead (where the producer's batch and one the trainer
+draws again would otherwise share the engine). Taking requests as they arrived, two 50-step smollm2-reasoning runs
+with a synchronous server on seed 0 differed in the sampler's log-probs from step 1 and in the loss from step 49
+(``eval_grpo`` 0.351 and 0.349; an earlier run 0.253); taken in whole, two runs were equal in every metric at every
+step (0.349 twice), each batch 1.02x the seconds (bench/server_batches.py).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from stages.spec_model import SpecModel
 
 BASE_NAME = "policy"  # the served name of the checkpoint as loaded (version 0, and every full-weights version)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
-WHOLE_BATCH = 1024  # the most requests a batch drawn whole holds at once (a thread each while they are taken in)
+WHOLE_BATCH = 1024  # the most requests taken in whole at once (a thread each); a larger batch goes in such chunks
 
 
 class GenerationSettings(SpecModel):
@@ -79,10 +80,10 @@ class GenerationSettings(SpecModel):
     max_staleness: int = Field(
         0, ge=0, le=8,
         description="server: how many optimizer steps older than the policy being trained a step's samples may "
-        "be. 0 is synchronous (each step's rollouts drawn by the current weights, the batch taken in whole by the "
-        "server, so a rerun draws the same samples); k lets generation of the next "
+        "be. 0 is synchronous (each step's rollouts drawn by the current weights); k lets generation of the next "
         "k steps' rollouts overlap training, each step's drawn by the weights of k steps before "
-        "(stages/rollout/ahead.py); older ones are dropped, counted and drawn again.")
+        "(stages/rollout/ahead.py); older ones are dropped, counted and drawn again. Either way the server takes "
+        "each batch in whole, so a rerun draws the same samples.")
     lora_weights: Literal["adapter", "merged"] = Field(
         "adapter", description="server, a policy trained with `lora`: how each version reaches the server. "
         "adapter: the adapter alone over HTTP; several versions are served side by side, and vLLM applies the "
@@ -175,13 +176,14 @@ class GenerationServer:
     def __init__(self, checkpoint: Path, log_path: Path, *, engine: EngineSettings | None = None,
                  max_model_len: int | None = None, lora_rank: int | None = None, max_loras: int = 2,
                  trust_remote_code: bool = False, startup_timeout_s: float = 600.0, cpus: list[int] | None = None,
-                 whole_batches: bool = False, echo=print):
+                 whole_batches: bool = True, echo=print):
         self.checkpoint, self.log_path = Path(checkpoint), Path(log_path)
         self.engine = engine or EngineSettings()
         self.max_model_len, self.lora_rank, self.max_loras = max_model_len, lora_rank, max_loras
         self.trust_remote_code, self.startup_timeout_s, self.echo = trust_remote_code, startup_timeout_s, echo
         self.cpus = cpus  # the cores the server's processes and vLLM's threads are bound to (None: all)
-        # each batch held until the engine has all of it, then scheduled in the client's order (ServerBackend)
+        # each batch held until the engine has all of it, then scheduled in the client's order, one batch at a
+        # time (ServerBackend); False: requests batched as they arrive (kept to measure what whole batches change)
         self.whole_batches = whole_batches
         self.port = 0
         self.startup_seconds = 0.0  # from launch to /health answering
@@ -384,7 +386,7 @@ class ServerBackend:
         self.served: dict[int, str] = {0: BASE_NAME}  # version -> served model name
         self.weights_version = 0  # the newest version pushed
         self._slot = threading.Lock()  # full weights: one version at a time, not swapped under a batch
-        self._taking_in = threading.Lock()  # whole batches: one paused intake at a time
+        self._one_batch = threading.Lock()  # whole batches: one batch on the engine at a time, from intake to answers
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="generation-request")
 
     def identity(self) -> dict:
@@ -462,14 +464,14 @@ class ServerBackend:
         bodies = [{**body, "request_id": f"{tag}-{k}", "priority": k} for k, body in enumerate(bodies)]
         pool = ThreadPoolExecutor(max_workers=len(bodies), thread_name_prefix="generation-request")
         try:
-            with self._taking_in:
+            with self._one_batch:  # another thread's batch waits until this one is answered: none share a step
                 self.server.request("/pause?mode=keep&clear_cache=false")
                 try:
                     futures = [pool.submit(self.server.request, "/v1/completions", body) for body in bodies]
                     self._wait_registered(f"cmpl-{tag}-", futures)
                 finally:
                     self.server.request("/resume")
-            return [future.result() for future in futures]
+                return [future.result() for future in futures]
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -574,7 +576,7 @@ def open_generation_server(config, checkpoint: Path, tokenizer, prompts: list[li
         max_model_len=context_length(tokenizer, prompts, rollout_budget(config)),
         lora_rank=config.lora.r if adapters else None, max_loras=generation.max_staleness + 2,
         trust_remote_code=trust_remote_code, startup_timeout_s=generation.startup_timeout_s,
-        cpus=cpu_split(generation)[0], whole_batches=generation.max_staleness == 0)
+        cpus=cpu_split(generation)[0])
     return ServerBackend(server.start(), tokenizer)
 
 

@@ -2,7 +2,7 @@
 ``--middleware``): one route, ``/posttrain/registered?prefix=P``, answering how many requests whose id starts
 with ``P`` the server has taken in.
 
-A synchronous stage's batch is drawn as one (``ServerBackend`` with ``whole_batches``): the client pauses the
+Each batch is drawn as one (``ServerBackend`` with ``whole_batches``): the client pauses the
 scheduler (``/pause?mode=keep``), sends every request of the batch, and resumes it only once this route counts
 them all. vLLM's API process registers a request and hands it to its engine in one stretch, with nothing awaited
 between the two (vllm/v1/engine/async_llm.py ``_add_request``, for requests with ``n: 1``), and the resume
