@@ -38,6 +38,11 @@ HISTORIES = ("reward/mean", "completion/mean_tokens", "ahead/staleness_mean", "a
              "correction/logp_diff_abs_mean")
 
 
+def layout_overrides(seed: int, layout: str) -> list[str]:
+    """The pipeline overrides that run smollm2-reasoning's GRPO stage in ``layout`` on ``seed``."""
+    return [f"seed={seed}", "stages.grpo.dynamic_sampling=null", *LAYOUTS[layout]]
+
+
 def mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
 
@@ -81,7 +86,7 @@ def main() -> None:
     results = {}
     try:
         for layout in args.layouts:
-            overrides = [f"seed={args.seed}", "stages.grpo.dynamic_sampling=null", *LAYOUTS[layout]]
+            overrides = layout_overrides(args.seed, layout)
             results[layout] = layout_figures(home, run_pipeline("smollm2-reasoning.yaml", overrides, home))
             print(layout, results[layout], flush=True)
     finally:

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import print_summary  # noqa: E402
-from bench.async_learning import LAYOUTS, layout_figures  # noqa: E402
+from bench.async_learning import LAYOUTS, layout_figures, layout_overrides  # noqa: E402
 from bench.results import run_pipeline, stage_runs  # noqa: E402
 
 PIPELINE = "smollm2-reasoning.yaml"
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    overrides = [f"seed={args.seed}", "stages.grpo.dynamic_sampling=null", *LAYOUTS[args.layout]]
+    overrides = layout_overrides(args.seed, args.layout)
     home = tempfile.mkdtemp(prefix="posttrain-server-reruns-")
     summary = {}
     try:
@@ -66,8 +66,7 @@ def main() -> None:
         summary["differences"] = differences(home)
         print("differences", summary["differences"], flush=True)
         for layout in args.also:
-            also = [f"seed={args.seed}", "stages.grpo.dynamic_sampling=null", *LAYOUTS[layout]]
-            summary[layout] = layout_figures(home, run_pipeline(PIPELINE, also, home))
+            summary[layout] = layout_figures(home, run_pipeline(PIPELINE, layout_overrides(args.seed, layout), home))
             print(layout, summary[layout], flush=True)
     finally:
         shutil.rmtree(home, ignore_errors=True)

@@ -155,10 +155,7 @@ class ServedRollouts:
             out, version = self._draw_now(prompts, call)
         elif first and call not in self._ready:
             out, version = self._draw_now(prompts, call, self.version_for(call, self._updates))
-            self._start(trainer, call + 1)  # after it: the producer's first batch would only queue behind it
-        else:
-            if first:
-                self._start(trainer, call + 1)
+        else:  # drawn ahead, or (this execution's first) kept by the checkpoint it resumes from
             planned, out, version = self._take(call)
             if planned != list(prompts):  # the plan is a copy of TRL's sampler: a mismatch is drawn again
                 self.mispredicted += 1
@@ -166,6 +163,8 @@ class ServedRollouts:
             elif step - version > self.max_staleness:
                 self.dropped += len(out["completion_ids"])
                 out, version = self._draw_now(prompts, call)
+        if first and ahead:  # after the first batch: the producer's first batch would only queue behind it
+            self._start(trainer, call + 1)
         staleness = step - version
         self._measure("ahead/wait_seconds", time.perf_counter() - started)
         self._measure("ahead/staleness_mean", float(staleness))
