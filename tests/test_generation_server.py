@@ -44,6 +44,26 @@ def vllm_tiny(tmp_path_factory) -> Path:
                                                  intermediate_size=128), 0, cache, cache)
 
 
+@pytest.fixture(scope="module")
+def fp32_server(vllm_tiny, tmp_path_factory):
+    """One float32 server for the tests that draw from it and push to it (a start takes ~20 s on this CPU),
+    started with ``VLLM_ENABLE_V1_MULTIPROCESSING`` unset, as a process that never ran an in-process engine
+    has it; once closed, none of its processes is left."""
+    from stages.rollout.server import GenerationServer
+
+    log = tmp_path_factory.mktemp("fp32-server") / "server.log"
+    with pytest.MonkeyPatch.context() as environment:
+        environment.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+        server = GenerationServer(vllm_tiny, log, engine=FP32, max_model_len=128, echo=None).start()
+    pgid = server.process.pid
+    try:
+        yield server
+    finally:
+        server.close()
+    assert gone(pgid), f"server processes left: {group_of(pgid)}"
+    assert "Application startup complete" in log.read_text()
+
+
 def group_of(pid: int) -> list[int]:
     """The processes still in process group ``pid`` (a guard's: the server's whole tree)."""
     found = []
@@ -85,22 +105,21 @@ def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) ->
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion_ids)[:, None])[:, 0]
 
 
-def test_full_weights_pushed_to_the_server_give_the_trainers_logprobs(vllm_tiny, tmp_path):
+def test_full_weights_pushed_to_the_server_give_the_trainers_logprobs(vllm_tiny, fp32_server, tmp_path):
     """Full fine-tuning: each version pushed (reload from disk, on this CPU) changes the server's
     log-probs for a fixed prompt, and they are the trainer's own for that version to float error; then a
     LoRA policy pushed merged (``lora_weights: merged``) the same way, its base weights unfolded again
-    for training; the server is gone once closed."""
+    for training (the only test that pushes to ``fp32_server``: it starts from the checkpoint)."""
     from peft import LoraConfig, get_peft_model
 
     from stages.models.loading import load_model_and_tokenizer
     from stages.rollout.generation import prompt_token_ids
-    from stages.rollout.server import GenerationServer, ServerBackend
+    from stages.rollout.server import ServerBackend
 
     model, tokenizer = load_model_and_tokenizer(vllm_tiny)
     prompt = prompt_token_ids(tokenizer, [[{"role": "user", "content": "12 + 30 ="}]])
-    server = GenerationServer(vllm_tiny, tmp_path / "server.log", engine=FP32, max_model_len=128, echo=None)
-    with server:
-        backend = ServerBackend(server, tokenizer)
+    backend = ServerBackend(fp32_server, tokenizer)
+    try:
         seen = []
         for version in range(3):
             if version:
@@ -132,9 +151,8 @@ def test_full_weights_pushed_to_the_server_give_the_trainers_logprobs(vllm_tiny,
         # unfolded after the push, to float error (as the colocated engine's merged pushes)
         assert all(torch.allclose(t, base_before[n], atol=1e-5) for n, t in policy.state_dict().items()
                    if "base_layer" in n)
-        pgid = server.process.pid
-    assert gone(pgid), f"server processes left: {group_of(pgid)}"
-    assert "Application startup complete" in (tmp_path / "server.log").read_text()
+    finally:
+        backend.close()
 
 
 def test_full_weights_reach_a_bfloat16_server_in_its_dtype_as_the_float32_file_would(vllm_tiny, tmp_path,
@@ -185,7 +203,7 @@ def group_cpu_seconds(pgid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def test_a_server_on_a_cpu_uses_no_cpu_between_batches(vllm_tiny, tmp_path, monkeypatch):
+def test_a_server_on_a_cpu_uses_no_cpu_between_batches(vllm_tiny, fp32_server):
     """On a CPU the server's engine runs the model in its own process: vLLM's default hands each engine step
     to a worker process over shared memory, both ends busy-waiting for 1 s after each message (about one
     core-second after every batch, taken from the trainer's next step on a shared CPU). Whatever this process
@@ -193,20 +211,18 @@ def test_a_server_on_a_cpu_uses_no_cpu_between_batches(vllm_tiny, tmp_path, monk
     under 0.3 core-seconds in the 1.5 s after answering a batch."""
     from stages.models.loading import load_model_and_tokenizer
     from stages.rollout.generation import prompt_token_ids
-    from stages.rollout.server import GenerationServer, ServerBackend
+    from stages.rollout.server import ServerBackend
 
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     _, tokenizer = load_model_and_tokenizer(vllm_tiny)
     prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} * {a} ="}] for a in range(8)])
     sampled = SamplingSettings(temperature=1.0, max_tokens=32, attempts=4, seed=0)
-    with GenerationServer(vllm_tiny, tmp_path / "server.log", engine=FP32, max_model_len=128, echo=None) as server:
-        backend = ServerBackend(server, tokenizer)
-        used = []
-        for _ in range(2):
-            groups = backend.generate_ids(prompts, sampled)
-            before = group_cpu_seconds(server.process.pid)
-            time.sleep(1.5)
-            used.append(group_cpu_seconds(server.process.pid) - before)
+    backend, used = ServerBackend(fp32_server, tokenizer), []
+    for _ in range(2):
+        groups = backend.generate_ids(prompts, sampled)
+        before = group_cpu_seconds(fp32_server.process.pid)
+        time.sleep(1.5)
+        used.append(group_cpu_seconds(fp32_server.process.pid) - before)
+    backend.close()
     assert all(len(group) == 4 and all(sample.token_ids for sample in group) for group in groups)
     assert max(used) < 0.3, f"core-seconds the idle server used after each batch: {used}"
 
@@ -258,7 +274,7 @@ def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone
                 drawn[whole, late["late"]] = [(s.token_ids, s.logprobs) for group in groups for s in group]
             first_answer[whole] = min(late["answered"]) - late["sent"]
             if whole:
-                longer = SamplingSettings(temperature=1.0, max_tokens=200, attempts=4, seed=5)
+                longer = SamplingSettings(temperature=1.0, max_tokens=64, attempts=4, seed=5)
                 others = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} - 3 ="}] for a in range(6)])
                 alone = {name: [(s.token_ids, s.logprobs) for group in backend.generate_ids(batch, longer)
                                 for s in group] for name, batch in (("first", prompts), ("second", others))}
