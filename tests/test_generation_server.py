@@ -44,26 +44,6 @@ def vllm_tiny(tmp_path_factory) -> Path:
                                                  intermediate_size=128), 0, cache, cache)
 
 
-@pytest.fixture(scope="module")
-def fp32_server(vllm_tiny, tmp_path_factory):
-    """One float32 server for the tests that draw from it and push to it (a start takes ~20 s on this CPU),
-    started with ``VLLM_ENABLE_V1_MULTIPROCESSING`` unset, as a process that never ran an in-process engine
-    has it; once closed, none of its processes is left."""
-    from stages.rollout.server import GenerationServer
-
-    log = tmp_path_factory.mktemp("fp32-server") / "server.log"
-    with pytest.MonkeyPatch.context() as environment:
-        environment.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-        server = GenerationServer(vllm_tiny, log, engine=FP32, max_model_len=128, echo=None).start()
-    pgid = server.process.pid
-    try:
-        yield server
-    finally:
-        server.close()
-    assert gone(pgid), f"server processes left: {group_of(pgid)}"
-    assert "Application startup complete" in log.read_text()
-
-
 def group_of(pid: int) -> list[int]:
     """The processes still in process group ``pid`` (a guard's: the server's whole tree)."""
     found = []
@@ -105,54 +85,111 @@ def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) ->
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion_ids)[:, None])[:, 0]
 
 
-def test_full_weights_pushed_to_the_server_give_the_trainers_logprobs(vllm_tiny, fp32_server, tmp_path):
-    """Full fine-tuning: each version pushed (reload from disk, on this CPU) changes the server's
-    log-probs for a fixed prompt, and they are the trainer's own for that version to float error; then a
-    LoRA policy pushed merged (``lora_weights: merged``) the same way, its base weights unfolded again
-    for training (the only test that pushes to ``fp32_server``: it starts from the checkpoint)."""
-    from peft import LoraConfig, get_peft_model
+def group_cpu_seconds(pgid: int) -> float:
+    """User and system CPU seconds the processes now in process group ``pgid`` have used."""
+    ticks = 0
+    for pid in group_of(pgid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
-    from stages.models.loading import load_model_and_tokenizer
-    from stages.rollout.generation import prompt_token_ids
-    from stages.rollout.server import ServerBackend
 
-    model, tokenizer = load_model_and_tokenizer(vllm_tiny)
-    prompt = prompt_token_ids(tokenizer, [[{"role": "user", "content": "12 + 30 ="}]])
-    backend = ServerBackend(fp32_server, tokenizer)
-    try:
-        seen = []
-        for version in range(3):
-            if version:
-                with torch.no_grad():  # an "optimizer step": every weight moves
-                    for parameter in model.parameters():
-                        parameter.add_(torch.randn_like(parameter) * 0.05)
-                assert backend.push(model, version, tmp_path / "served") > 0
+class TestOneFloat32Server:
+    """Tests that only draw from a float32 server and push to it share one (a start takes ~20 s on this CPU);
+    it is closed after the last of them, before any test that looks for servers left behind."""
+
+    @pytest.fixture(scope="class")
+    def fp32_server(self, vllm_tiny, tmp_path_factory):
+        """Started with ``VLLM_ENABLE_V1_MULTIPROCESSING`` unset, as a process that never ran an in-process engine
+        has it; once closed, none of its processes is left."""
+        from stages.rollout.server import GenerationServer
+
+        log = tmp_path_factory.mktemp("fp32-server") / "server.log"
+        with pytest.MonkeyPatch.context() as environment:
+            environment.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+            server = GenerationServer(vllm_tiny, log, engine=FP32, max_model_len=128, echo=None).start()
+        pgid = server.process.pid
+        try:
+            yield server
+        finally:
+            server.close()
+        assert gone(pgid), f"server processes left: {group_of(pgid)}"
+        assert "Application startup complete" in log.read_text()
+
+    def test_full_weights_pushed_to_the_server_give_the_trainers_logprobs(self, vllm_tiny, fp32_server, tmp_path):
+        """Full fine-tuning: each version pushed (reload from disk, on this CPU) changes the server's
+        log-probs for a fixed prompt, and they are the trainer's own for that version to float error; then a
+        LoRA policy pushed merged (``lora_weights: merged``) the same way, its base weights unfolded again
+        for training (the only test that pushes to ``fp32_server``: it starts from the checkpoint)."""
+        from peft import LoraConfig, get_peft_model
+
+        from stages.models.loading import load_model_and_tokenizer
+        from stages.rollout.generation import prompt_token_ids
+        from stages.rollout.server import ServerBackend
+
+        model, tokenizer = load_model_and_tokenizer(vllm_tiny)
+        prompt = prompt_token_ids(tokenizer, [[{"role": "user", "content": "12 + 30 ="}]])
+        backend = ServerBackend(fp32_server, tokenizer)
+        try:
+            seen = []
+            for version in range(3):
+                if version:
+                    with torch.no_grad():  # an "optimizer step": every weight moves
+                        for parameter in model.parameters():
+                            parameter.add_(torch.randn_like(parameter) * 0.05)
+                    assert backend.push(model, version, tmp_path / "served") > 0
+                [[sample]] = backend.generate_ids(prompt, GREEDY)
+                assert sample.weights_version == version
+                expected = trainer_logprobs(model, prompt[0], sample.token_ids)
+                assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=2e-4), (sample.logprobs, expected)
+                seen.append(sample.logprobs)
+            assert seen[0] != seen[1] != seen[2]
+
+            policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+            with torch.no_grad():  # a trained adapter: B away from its zero start
+                for name, parameter in policy.named_parameters():
+                    if "lora_B" in name:
+                        parameter.normal_(0, 0.5)
+            base_before = {n: t.clone() for n, t in policy.state_dict().items() if "base_layer" in n}
+            assert backend.push(policy, 3, tmp_path / "served") > 0
             [[sample]] = backend.generate_ids(prompt, GREEDY)
-            assert sample.weights_version == version
-            expected = trainer_logprobs(model, prompt[0], sample.token_ids)
+            expected = trainer_logprobs(policy, prompt[0], sample.token_ids)
+            with policy.disable_adapter():
+                unadapted = trainer_logprobs(policy, prompt[0], sample.token_ids)
             assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=2e-4), (sample.logprobs, expected)
-            seen.append(sample.logprobs)
-        assert seen[0] != seen[1] != seen[2]
+            assert not torch.allclose(expected, unadapted, atol=1e-3)  # the adapter changed what the server serves
+            assert not list((tmp_path / "served").glob("v3/adapter_config.json"))  # whole weights, not the adapter
+            # unfolded after the push, to float error (as the colocated engine's merged pushes)
+            assert all(torch.allclose(t, base_before[n], atol=1e-5) for n, t in policy.state_dict().items()
+                       if "base_layer" in n)
+        finally:
+            backend.close()
 
-        policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-        with torch.no_grad():  # a trained adapter: B away from its zero start
-            for name, parameter in policy.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(0, 0.5)
-        base_before = {n: t.clone() for n, t in policy.state_dict().items() if "base_layer" in n}
-        assert backend.push(policy, 3, tmp_path / "served") > 0
-        [[sample]] = backend.generate_ids(prompt, GREEDY)
-        expected = trainer_logprobs(policy, prompt[0], sample.token_ids)
-        with policy.disable_adapter():
-            unadapted = trainer_logprobs(policy, prompt[0], sample.token_ids)
-        assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=2e-4), (sample.logprobs, expected)
-        assert not torch.allclose(expected, unadapted, atol=1e-3)  # the adapter changed what the server serves
-        assert not list((tmp_path / "served").glob("v3/adapter_config.json"))  # whole weights, not the adapter
-        # unfolded after the push, to float error (as the colocated engine's merged pushes)
-        assert all(torch.allclose(t, base_before[n], atol=1e-5) for n, t in policy.state_dict().items()
-                   if "base_layer" in n)
-    finally:
+    def test_a_server_on_a_cpu_uses_no_cpu_between_batches(self, vllm_tiny, fp32_server):
+        """On a CPU the server's engine runs the model in its own process: vLLM's default hands each engine step
+        to a worker process over shared memory, both ends busy-waiting for 1 s after each message (about one
+        core-second after every batch, taken from the trainer's next step on a shared CPU). Whatever this process
+        ran before (an in-process engine leaves ``VLLM_ENABLE_V1_MULTIPROCESSING`` set), the server's processes use
+        under 0.3 core-seconds in the 1.5 s after answering a batch."""
+        from stages.models.loading import load_model_and_tokenizer
+        from stages.rollout.generation import prompt_token_ids
+        from stages.rollout.server import ServerBackend
+
+        _, tokenizer = load_model_and_tokenizer(vllm_tiny)
+        prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} * {a} ="}] for a in range(8)])
+        sampled = SamplingSettings(temperature=1.0, max_tokens=32, attempts=4, seed=0)
+        backend, used = ServerBackend(fp32_server, tokenizer), []
+        for _ in range(2):
+            groups = backend.generate_ids(prompts, sampled)
+            before = group_cpu_seconds(fp32_server.process.pid)
+            time.sleep(1.5)
+            used.append(group_cpu_seconds(fp32_server.process.pid) - before)
         backend.close()
+        assert all(len(group) == 4 and all(sample.token_ids for sample in group) for group in groups)
+        assert max(used) < 0.3, f"core-seconds the idle server used after each batch: {used}"
 
 
 def test_full_weights_reach_a_bfloat16_server_in_its_dtype_as_the_float32_file_would(vllm_tiny, tmp_path,
@@ -189,42 +226,6 @@ def test_full_weights_reach_a_bfloat16_server_in_its_dtype_as_the_float32_file_w
     written = tmp_path / "served" / "v1" / "model.safetensors"
     assert {t.dtype for t in load_file(written).values()} == {torch.bfloat16}
     assert written.stat().st_size < 0.51 * (tmp_path / "float32" / "model.safetensors").stat().st_size
-
-
-def group_cpu_seconds(pgid: int) -> float:
-    """User and system CPU seconds the processes now in process group ``pgid`` have used."""
-    ticks = 0
-    for pid in group_of(pgid):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def test_a_server_on_a_cpu_uses_no_cpu_between_batches(vllm_tiny, fp32_server):
-    """On a CPU the server's engine runs the model in its own process: vLLM's default hands each engine step
-    to a worker process over shared memory, both ends busy-waiting for 1 s after each message (about one
-    core-second after every batch, taken from the trainer's next step on a shared CPU). Whatever this process
-    ran before (an in-process engine leaves ``VLLM_ENABLE_V1_MULTIPROCESSING`` set), the server's processes use
-    under 0.3 core-seconds in the 1.5 s after answering a batch."""
-    from stages.models.loading import load_model_and_tokenizer
-    from stages.rollout.generation import prompt_token_ids
-    from stages.rollout.server import ServerBackend
-
-    _, tokenizer = load_model_and_tokenizer(vllm_tiny)
-    prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} * {a} ="}] for a in range(8)])
-    sampled = SamplingSettings(temperature=1.0, max_tokens=32, attempts=4, seed=0)
-    backend, used = ServerBackend(fp32_server, tokenizer), []
-    for _ in range(2):
-        groups = backend.generate_ids(prompts, sampled)
-        before = group_cpu_seconds(fp32_server.process.pid)
-        time.sleep(1.5)
-        used.append(group_cpu_seconds(fp32_server.process.pid) - before)
-    backend.close()
-    assert all(len(group) == 4 and all(sample.token_ids for sample in group) for group in groups)
-    assert max(used) < 0.3, f"core-seconds the idle server used after each batch: {used}"
 
 
 def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone(vllm_tiny, tmp_path, monkeypatch):
