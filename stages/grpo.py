@@ -26,7 +26,7 @@ What we map, and where it departs from DeepSeekMath's GRPO:
 Where posttrain's vLLM engine samples (``backend: vllm``, or ``auto`` where vLLM serves the model),
 the samples are not the float32 trainer's: each token's advantage is weighted by pi_trainer /
 pi_sampler, truncated at ``correction.cap`` (``correction``, default ``token_tis`` under vLLM, none
-when TRL samples with the training model), which is TRL's own vLLM correction, and the mismatch is
+when the training model samples its own rollouts), which is TRL's own vLLM correction, and the mismatch is
 logged every step (``correction/logp_diff_abs_mean``, ``correction/kl_sampler_trainer``,
 ``correction/weight_mean``, ``correction/clipped_frac``).
 
@@ -329,19 +329,16 @@ def build_grpo_config(config, output_dir: Path, seed: int):
 
 def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: str, step_metrics=None,
                   work_dir: Path | None = None):
-    """posttrain's rollouts for TRL (stages/rollout/training.py): an environment's episodes (through vLLM or the
-    training model's generate; their metrics go to ``step_metrics``), or vLLM samples when the backend
-    resolved to vLLM, both from a generation server of the stage's own with ``generation.mode: server``
-    (stages/rollout/ahead.py), else None (TRL samples with generate on the training model)."""
+    """posttrain's rollouts for TRL (stages/rollout/training.py): single completions or an environment's episodes
+    (their metrics go to ``step_metrics``), drawn by the in-process vLLM engine when the backend resolved to
+    vLLM, by a generation server of the stage's own with ``generation.mode: server`` (stages/rollout/ahead.py),
+    else by generate on the training model; single completions there from the trainer's random stream, as
+    TRL's own generate drew them (``PolicyRollouts`` says why)."""
     import os
 
     from stages.rollout.episodes import EpisodeRunner
     from stages.rollout.training import PolicyRollouts, open_rollout_engine
 
-    if backend not in ("vllm", "vllm_server") and config.environment is None:
-        # TRL's own generate on the training model: the quickstart's GRPO figures are drawn by it, and routing it
-        # through the runner (PolicyRollouts on HF generate) would redraw every one of them
-        return None
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
     env = config.environment
     runner = EpisodeRunner.completions(tokenizer)
@@ -354,7 +351,8 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
     if backend == "vllm":
         def open_engine():
             return open_rollout_engine(config, inputs.policy, tokenizer, dataset["prompt"], inputs.trust_remote_code)
-    rollouts = PolicyRollouts(runner, tokenizer, config.sampling.seeded(seed), open_engine, step_metrics)
+    rollouts = PolicyRollouts(runner, tokenizer, config.sampling.seeded(seed), open_engine, step_metrics,
+                              trainer_stream=backend == "hf" and env is None)
     if backend != "vllm_server":
         return rollouts
     return served_rollouts(config, inputs, tokenizer, dataset, rollouts, step_metrics, work_dir)
@@ -448,8 +446,6 @@ def _attach(trainer, config, step_metrics, correction, rollouts) -> None:
 
 def _close_rollouts(rollouts, ctx) -> None:
     """Stop the rollouts' engine or server (and its producer), logging its weight syncs and start-up."""
-    if rollouts is None:
-        return
     ctx.log_metrics({"engine_weight_syncs": float(rollouts.syncs)})
     if hasattr(rollouts, "startup_seconds"):
         ctx.log_metrics({"generation_server_startup_seconds": rollouts.startup_seconds})
@@ -504,8 +500,7 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
 
     def save() -> dict:
         return {"history": history, "watch": watch.state(), "reward_errors": scorer.policy.state(),
-                "calls": rollouts.calls if rollouts is not None else 0,
-                "syncs": rollouts.syncs if rollouts is not None else 0,
+                "calls": rollouts.calls, "syncs": rollouts.syncs,
                 "dropped": getattr(rollouts, "dropped", 0),
                 "dynamic_rng": trainer.dynamic[2].getstate() if trainer.dynamic is not None else None}
 
@@ -513,8 +508,7 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
         history[:] = saved["history"]
         watch.restore(saved["watch"])
         scorer.policy.restore(saved["reward_errors"])
-        if rollouts is not None:
-            rollouts.calls, rollouts.syncs = saved["calls"], saved["syncs"]
+        rollouts.calls, rollouts.syncs = saved["calls"], saved["syncs"]
         if hasattr(rollouts, "dropped"):
             rollouts.dropped = saved.get("dropped", 0)
         if trainer.dynamic is not None:

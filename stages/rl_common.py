@@ -262,9 +262,9 @@ class GRPOStageConfig(RLCommon):
             raise ValueError(f"cispo_cap only applies to loss cispo, not {self.loss}; remove it or set loss: cispo")
         if self.correction is not None and self.correction.kind != "none" and self.backend == "hf" \
                 and self.environment is None:
-            raise ValueError("correction weighs samples another sampler drew; with backend hf TRL samples with "
-                             "the training model itself and records no sampler log-probs: use backend vllm (or "
-                             "auto), or remove correction")
+            raise ValueError("correction weighs samples another sampler drew; with backend hf the rollouts are "
+                             "drawn by the training model itself, so there is nothing to correct: use backend "
+                             "vllm (or auto), or remove correction")
         if self.generation.max_staleness > 0 and self.dynamic_sampling is not None:
             raise ValueError("dynamic_sampling draws its extra prompts from the rewards of the step being trained, "
                              "which cannot be drawn ahead: use generation.max_staleness: 0 with it, or remove "

@@ -247,7 +247,10 @@ def test_the_grpo_stage_computes_what_trl_computes_on_the_same_batches(tiny_chec
     a plain reward, the checkpoint loaded with transformers): same seed, data and settings give the same
     loss, KL, gradient norm, reward and clipped fraction at every step (relative 1e-5: float32 on one
     machine, the same kernels), for each loss, both advantages and reused batches, so a change to how the
-    stage samples, scores or logs cannot silently change the algorithm."""
+    stage samples, scores or logs cannot silently change the algorithm. The stage's rollouts are drawn by
+    posttrain's rollout layer (stages/rollout/training.py ``PolicyRollouts`` on HF generate, from the
+    trainer's random stream), TRL's by its own generate: equal rewards at every step say the draws are
+    the same (a draw seeded per call, as the other places sample, fails this)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -358,3 +361,48 @@ def test_sampler_weights_folded_into_advantages_are_trls_own_vllm_correction(tin
     assert worst < 1e-5, worst
     plain_loss, _ = loss_and_grads(batch, use_vllm=False)
     assert plain_loss != pytest.approx(trl_loss, rel=1e-3)  # the weights changed the loss: the test can fail
+
+
+def test_rollouts_drawn_on_the_training_model_carry_its_log_probs_and_weights_version(tiny_checkpoint, tmp_path):
+    """GRPO's single completions on HF generate come from the rollout layer (TRL's ``rollout_func`` contract:
+    called with the step's prompts and the trainer): each carries its token ids, the log-probs the training
+    model gave them as it sampled (its own forward pass over prompt and completion gives the same, 1e-5),
+    and the version of the weights (the trainer's optimizer steps); the draws continue the trainer's random
+    stream, so the same stream state draws the same completions and the next call draws others."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from stages.rollout.episodes import EpisodeRunner
+    from stages.rollout.generation import SamplingSettings
+    from stages.rollout.training import PolicyRollouts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    prompts = [[{"role": "user", "content": f"{a}+{a}"}] for a in range(3)]
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=12, num_generations=4,
+                      max_completion_length=5, report_to="none", use_cpu=True, bf16=False, disable_dropout=True)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_checkpoint), args=args,
+                          reward_funcs=[plain_length_penalty], processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
+    rollouts = PolicyRollouts(EpisodeRunner.completions(tokenizer), tokenizer,
+                              SamplingSettings(attempts=4, max_tokens=5, temperature=1.0, seed=0), trainer_stream=True)
+    step_prompts = [p for p in prompts for _ in range(4)]
+    state = torch.random.get_rng_state()
+    out = rollouts(step_prompts, trainer)
+    torch.random.set_rng_state(state)
+    assert rollouts(step_prompts, trainer) == out  # the trainer's stream, as it stood, drew them
+    assert rollouts(step_prompts, trainer)["completion_ids"] != out["completion_ids"]  # and moves on
+
+    model = trainer.model
+    for prompt_ids, completion_ids, logprobs in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+        assert len(completion_ids) == len(logprobs) > 0
+        ids = torch.tensor([prompt_ids + completion_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
+        own = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1)
+        assert own.tolist() == pytest.approx(logprobs, abs=1e-5)
+
+    trainer.state.global_step = 3  # three optimizer steps on: the samples say so
+    with rollouts.sampler(trainer) as backend:
+        groups = EpisodeRunner.completions(tokenizer).run(backend, prompts[:1], rollouts.settings)
+    assert [episode.weights_version for episode in groups[0]] == [3] * 4

@@ -22,11 +22,12 @@ of the observation (the ``tool`` messages and the next generation prompt, comput
 fixed two-message conversation as TRL does and tokenised alone; mask 0, log-prob 0). The
 transcript's text is never re-rendered and re-tokenised, which can split tokens differently.
 
-The same runner draws every single completion in posttrain (GRPO with neither vLLM nor an
-environment aside: TRL samples that itself), as a one-turn episode with no environment
-(``EpisodeRunner.completions``, ``complete``): one request per prompt for all its attempts,
-seeded as the engine seeds any draw, so a completion drawn this way is exactly the engine's
-own sample (tests/test_agent.py, tests/test_vllm.py).
+The same runner draws every single completion in posttrain, as a one-turn episode with no
+environment (``EpisodeRunner.completions``, ``complete``): one request per prompt for all its
+attempts, seeded as the engine seeds any draw, so a completion drawn this way is exactly the
+engine's own sample (tests/test_agent.py, tests/test_vllm.py); GRPO's single completions on the
+training model draw from the trainer's random stream, TRL's own generate's draw exactly
+(stages/rollout/training.py ``PolicyRollouts``, tests/test_grpo.py).
 """
 
 from __future__ import annotations
@@ -109,8 +110,7 @@ class EpisodeRunner:
     """Runs episodes at fixed settings through a backend's ``generate_ids``: an environment's (model turns and
     observations), or, with none, one-turn episodes: a single completion of each prompt, which is how every
     sample in posttrain is made (evaluation, GRPO's rollouts, PPO, online DPO, the difficulty filter, a model
-    judge; stages/rollout/training.py ``PolicyRollouts``, ``complete``), but for GRPO with neither vLLM nor an
-    environment, which TRL samples with its own generate (stages/grpo.py ``grpo_rollouts`` says why)."""
+    judge; stages/rollout/training.py ``PolicyRollouts``, ``complete``)."""
 
     def __init__(self, environment: Environment | None, spec: EnvironmentSpec | None, tokenizer):
         self.environment, self.spec, self.tokenizer = environment, spec, tokenizer

@@ -26,7 +26,10 @@ call: a training step's rollouts, a dynamic-sampling refill, an eval's one draw)
 ``stage seed + d * SEED_STRIDE + i``, i counted over the whole step's batch (a process's shard
 starts at its offset, ``draw_offset``), so no two prompts of a stage share a seed, and on vLLM
 (which seeds each prompt) a sample does not depend on how the batch was split over processes. An
-episode's later turns add their own offsets inside the draw (stages/rollout/episodes.py).
+episode's later turns add their own offsets inside the draw (stages/rollout/episodes.py). GRPO's
+single completions on HF generate continue the trainer's random stream instead (seeded with the stage's
+seed, saved with each checkpoint): the draw TRL's own generate made, which the quickstart's figures
+come from (stages/rollout/training.py ``PolicyRollouts``).
 Stop strings end a completion where they first appear (the string itself is cut from the
 text; its tokens stay in ``token_ids``), and such a completion is not truncated.
 """
@@ -362,7 +365,7 @@ class HFGenerateBackend:
         return {}
 
     def __init__(self, model, tokenizer, prompt_batch_size: int = 32, progress=None, keep_logprobs: bool = True,
-                 weights_version: int = 0):
+                 weights_version: int = 0, seeded: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.prompt_batch_size = prompt_batch_size
@@ -370,6 +373,9 @@ class HFGenerateBackend:
         # Evaluation needs no log-probs; keeping them stacks (rows x tokens x vocab) scores.
         self.keep_logprobs = keep_logprobs
         self.weights_version = weights_version  # the updates ``model`` has had (a training stage's policy)
+        # False: draw from the caller's random stream instead of seeding each draw (a GRPO trainer's, which
+        # TRL seeds with the stage's seed and every checkpoint saves; stages/rollout/training.py says why)
+        self.seeded = seeded
 
     def close(self) -> None:
         import torch
@@ -378,14 +384,23 @@ class HFGenerateBackend:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def generate(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
+    @contextmanager
+    def _random_stream(self, seed: int):
+        """Where the draw's randomness comes from: generate() draws from the global RNG, so a seeded backend
+        seeds it with ``seed`` inside a fork (the caller's random state, a training loop's, is left as it
+        was); an unseeded one draws from the caller's stream as it stands."""
         import torch
 
-        results: list[list[Sample]] = []
-        # generate() draws from the global RNG: seed it inside a fork so the caller's
-        # random state (a training loop's) is left as it was.
+        if not self.seeded:
+            yield
+            return
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(settings.seed)
+            torch.manual_seed(seed)
+            yield
+
+    def generate(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
+        results: list[list[Sample]] = []
+        with self._random_stream(settings.seed):
             for start in range(0, len(prompts), self.prompt_batch_size):
                 batch = prompts[start : start + self.prompt_batch_size]
                 results.extend(self._generate_batch(batch, settings))
@@ -400,8 +415,7 @@ class HFGenerateBackend:
         import torch
 
         results: list[list[Sample]] = []
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(settings.seed + seed_offset)
+        with self._random_stream(settings.seed + seed_offset):
             for start in range(0, len(prompt_ids), self.prompt_batch_size):
                 batch = prompt_ids[start : start + self.prompt_batch_size]
                 width = max(len(ids) for ids in batch)

@@ -103,10 +103,19 @@ class PolicyRollouts:
     ``RepeatSampler``); a call's draws are seeded ``seed + call * SEED_STRIDE + prompt index``
     (stages/rollout/generation.py ``draw_offset``; distinct prompts counted over all processes), so a rerun
     draws the same rollouts.
+
+    ``trainer_stream``: generate on the training model draws single completions from the trainer's random
+    stream instead (TRL seeds it with the stage's seed, and every checkpoint saves and a resume restores it,
+    so a rerun and a resume draw the same rollouts too). That is the stream TRL's own generate drew GRPO's
+    rollouts from before they came here: one generate over the step's prompts with the group's attempts of
+    each in a row, which this draw repeats call for call, so the README's quickstart figures, drawn so,
+    stand (tests/test_grpo.py holds the two equal).
     """
 
-    def __init__(self, runner, tokenizer, settings: SamplingSettings, open_engine=None, step_metrics=None):
+    def __init__(self, runner, tokenizer, settings: SamplingSettings, open_engine=None, step_metrics=None,
+                 trainer_stream: bool = False):
         self.runner, self.tokenizer, self.open_engine = runner, tokenizer, open_engine
+        self.trainer_stream = trainer_stream
         self.settings, self.group_size = settings, settings.attempts  # seeded with the stage's seed
         self.step_metrics = step_metrics
         self.backend: VLLMBackend | None = None
@@ -132,20 +141,25 @@ class PolicyRollouts:
     @contextmanager
     def sampler(self, trainer):
         """What samples the policy ``trainer`` trains now: the synced engine, or else its own generate on the
-        training model, unwrapped as TRL unwraps it for its own generate (a ZeRO-3 model's weights gathered;
-        TRL calls a ``rollout_func`` without doing so)."""
+        training model, unwrapped as TRL unwraps it for its own generate (a ZeRO-3 model's weights gathered, an
+        FSDP v1 model's summoned; TRL calls a ``rollout_func`` without doing so)."""
         if self.open_engine is not None:
             yield self.synced(trainer)
             return
+        from contextlib import nullcontext
+
         from trl.models import unwrap_model_for_generation
 
         from stages.rollout.generation import HFGenerateBackend
 
+        summoned = getattr(trainer, "_dist", None)  # TRL's DistributedBackend: a no-op but for FSDP v1
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
                                          gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
                                          gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
-                                         ) as model:
-            yield HFGenerateBackend(model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True)
+                                         ) as model, \
+                (summoned.summon_full_params(trainer.model_wrapped, recurse=False) if summoned else nullcontext()):
+            yield HFGenerateBackend(model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True,
+                                    weights_version=trainer.state.global_step, seeded=not self.trainer_stream)
 
     def __call__(self, prompts: list, trainer) -> dict:
         first = trainer.accelerator.process_index * (len(prompts) // self.group_size)  # this process's shard
