@@ -108,8 +108,9 @@ class PolicyRollouts:
     stream instead (TRL seeds it with the stage's seed, and every checkpoint saves and a resume restores it,
     so a rerun and a resume draw the same rollouts too). That is the stream TRL's own generate drew GRPO's
     rollouts from before they came here: one generate over the step's prompts with the group's attempts of
-    each in a row, which this draw repeats call for call, so the README's quickstart figures, drawn so,
-    stand (tests/test_grpo.py holds the two equal).
+    each in a row, which this draw repeats call for call (for up to 256 prompts a step; more are drawn in
+    several calls), so the README's quickstart figures, drawn so, stand (tests/test_grpo.py holds the two
+    equal).
     """
 
     def __init__(self, runner, tokenizer, settings: SamplingSettings, open_engine=None, step_metrics=None,
