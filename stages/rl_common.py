@@ -104,7 +104,8 @@ class RLCommon(ExecutionLimits, Resumable):
         "the policy's weights pushed into it after every optimizer step), `hf` (transformers generate on the "
         "training model) or `auto` (vLLM wherever it can serve the model, else hf); logged as resolved_backend.")
     engine: EngineSettings = Field(default_factory=EngineSettings, description="vLLM engine settings for rollouts "
-                                   "(dtype auto: the checkpoint's, so sampler and trainer log-probs agree).")
+                                   "(dtype auto follows the machine; float32 keeps the sampler's log-probs the "
+                                   "trainer's own, and the sampler correction weighs any mismatch).")
     correction: SamplerCorrection | None = Field(
         None, description="Importance-sampling correction where the sampler is not the trainer "
         "(stages/rl_math.py `sampler_correction`); default token_tis at cap 3 when the vLLM engine samples "

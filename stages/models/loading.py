@@ -280,8 +280,9 @@ def chat_template_problem(path: Path) -> str | None:
     )
 
 
-def load_model_and_tokenizer(path: Path, *, for_generation: bool = False, trust_remote_code: bool = False):
-    """Load a causal LM and its tokenizer from a local checkpoint dir.
+def load_model_and_tokenizer(path: Path, *, for_generation: bool = False, trust_remote_code: bool = False,
+                             dtype: str | None = None):
+    """Load a causal LM and its tokenizer from a local checkpoint dir (in ``dtype``, else the checkpoint's own).
 
     ``trust_remote_code`` is passed explicitly (never left to transformers' default), so a
     checkpoint's own Python runs only when the pipeline's model says ``trust_remote_code: true``.
@@ -291,7 +292,8 @@ def load_model_and_tokenizer(path: Path, *, for_generation: bool = False, trust_
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                 **({"dtype": dtype} if dtype else {}))
     if for_generation:
         tokenizer.padding_side = "left"
         model.eval()

@@ -157,7 +157,7 @@ def model_identity(checkpoint: Path) -> str:
 def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs) -> dict[str, JudgeReward]:
     """The reward function of every ``fn: judge`` reward; ``inputs`` carries each model judge's checkpoint
     (``scorer_checkpoints``) and the reply cache's directory (``judge_cache``, None: no cache)."""
-    from stages.rollout.generation import resolve_backend
+    from stages.rollout.generation import resolve_backend, resolve_dtype
 
     cache_dir = inputs.judge_cache
     bound = {}
@@ -170,7 +170,10 @@ def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs) -> dict[str
             checkpoint = inputs.scorer_checkpoint(name, f"is judged by {spec.stage or 'its model'!r}")
             trusted = getattr(spec.model, "trust_remote_code", False) if spec.model else inputs.trust_remote_code
             ask = ModelJudge(spec, checkpoint, bool(trusted))
-            identity = f"{model_identity(checkpoint)} backend {resolve_backend(spec.backend, checkpoint)[0]}"
+            backend = resolve_backend(spec.backend, checkpoint)[0]
+            if backend == "vllm":  # the dtype it computes in changes its replies
+                backend += f" {resolve_dtype('auto', checkpoint)[0]}"
+            identity = f"{model_identity(checkpoint)} backend {backend}"
         key = hashlib.sha256(json.dumps([identity, spec.sampling.model_dump(mode="json")]).encode()).hexdigest()[:20]
         bound[name] = JudgeReward(spec, ask, ReplyCache(cache_dir, key))
     return bound

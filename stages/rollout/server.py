@@ -57,7 +57,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from stages.rollout.generation import (EngineSettings, Sample, SamplingSettings, adapters_merged, checkpoint_dtype,
+from stages.rollout.generation import (EngineSettings, Sample, SamplingSettings, adapters_merged, resolve_dtype,
                                        context_length, merged_named_weights, prompt_token_ids, rollout_budget)
 from stages.rollout import server_routes
 from stages.spec_model import SpecModel
@@ -199,7 +199,7 @@ class GenerationServer:
     @property
     def dtype(self) -> str:
         """The dtype the server holds and computes the weights in."""
-        return checkpoint_dtype(self.checkpoint) if self.engine.dtype == "auto" else self.engine.dtype
+        return resolve_dtype(self.engine.dtype, self.checkpoint)[0]
 
     def command(self) -> list[str]:
         import torch
@@ -395,7 +395,7 @@ class ServerBackend:
         import torch
 
         return {"engine": f"vllm-{vllm.__version__}-server", "device": "cuda" if torch.cuda.is_available() else "cpu",
-                "dtype": self.server.engine.dtype}
+                "dtype": self.server.dtype}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -63,7 +63,7 @@ def rollout_backend(config, checkpoint: Path) -> tuple[str, str]:
 
     if world_size() > 1 and config.backend == "auto":
         return "hf", f"auto: {world_size()} training processes, each samples its shard with HF generate"
-    return choose_backend(config.backend, checkpoint)
+    return choose_backend(config.backend, checkpoint, config.engine.dtype)
 
 
 def open_stage_engine(config, checkpoint: Path, tokenizer, prompts: list[list[dict]], ctx,
