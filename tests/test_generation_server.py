@@ -35,15 +35,6 @@ FP32 = EngineSettings(dtype="float32", kv_cache_gib=1)
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=6, attempts=1, seed=0)
 
 
-@pytest.fixture(scope="module")
-def vllm_tiny(tmp_path_factory) -> Path:
-    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
-
-    cache = tmp_path_factory.mktemp("server-models")
-    return resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=64, num_layers=2, num_heads=2,
-                                                 intermediate_size=128), 0, cache, cache)
-
-
 def group_of(pid: int) -> list[int]:
     """The processes still in process group ``pid`` (a guard's: the server's whole tree)."""
     found = []
@@ -264,10 +255,13 @@ def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone
     monkeypatch.setattr(GenerationServer, "request", request)
     bf16 = EngineSettings(dtype="bfloat16", kv_cache_gib=1)
     drawn, first_answer = {}, {}
-    for whole in (False, True):
-        # LoRA served (version 0 is the checkpoint): batches of several versions may be drawn at once
-        with GenerationServer(vllm_tiny, tmp_path / f"server-{whole}.log", engine=bf16, max_model_len=256,
-                              lora_rank=8, whole_batches=whole, echo=None) as server:
+    # LoRA served (version 0 is the checkpoint): batches of several versions may be drawn at once. One server for
+    # both ways of sending: it schedules by priority (whole batches), and requests sent as they arrive carry none,
+    # so it takes them in arrival order, as a server started without whole batches does.
+    with GenerationServer(vllm_tiny, tmp_path / "server.log", engine=bf16, max_model_len=256, lora_rank=8,
+                          whole_batches=True, echo=None) as server:
+        for whole in (False, True):
+            server.whole_batches = whole  # how ServerBackend sends a batch
             backend = ServerBackend(server, tokenizer)
             for late["late"] in (False, True):
                 late["answered"] = []
@@ -282,7 +276,9 @@ def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone
                 late["answered"], late["pauses"], together = [], [], {}
                 first = threading.Thread(target=lambda: together.update(first=backend.generate_ids(prompts, longer)))
                 first.start()
-                while not late["pauses"]:
+                deadline = time.monotonic() + 120
+                while not late["pauses"]:  # the first batch's intake has begun
+                    assert time.monotonic() < deadline and first.is_alive(), "the first batch never paused the server"
                     time.sleep(0.001)
                 together["second"] = backend.generate_ids(others, longer)
                 first.join()

@@ -1,6 +1,6 @@
 """Against a real `mlflow server` on loopback: same pipeline, no other change than the URI.
 
-The server is started by the test and stopped by its PID. Outputs published by one
+The server is the session's (conftest.py `mlflow_server`), started and stopped by its PID. Outputs published by one
 machine are fetched from the server's artifact store by another (simulated by deleting
 the local outputs before `--only`).
 """
@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 from conftest import run_cli, write
-from servers import MlflowServer
 
 PIPELINE = """\
 name: remote
@@ -24,13 +23,6 @@ stages:
   sft: {kind: sft, data: train, max_steps: 4, batch_size: 8}
   eval_sft: {kind: eval, model: sft, data: heldout, sampling: {attempts: 2, max_tokens: 3}}
 """
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
-    yield server.url
-    server.stop()
 
 
 @pytest.mark.slow

