@@ -41,6 +41,9 @@ def in_a_worker_thread(fn):
 
 
 def test_a_hanging_math_expression_is_a_reward_error_within_the_bound_in_any_thread():
+    """``max_seconds`` bounds the reward's own work on a chunk, from the moment the worker holds the reward: a new
+    worker's start and its import of math-verify and SymPy (seconds on a loaded machine) are not counted, so the
+    right answers of the chunk are scored and only the hanging expression is an error."""
     spec = RewardSpec(fn="math_answer", max_seconds=BOUND_S)
     texts = ["\\boxed{2}", HANGING, "3", "no idea"]
     columns = reward_columns([{"answer": a} for a in ("2", "1", "3", "4")], [[]] * 4, 1)

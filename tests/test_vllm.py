@@ -337,6 +337,13 @@ def test_online_dpo_samples_its_pairs_through_vllm(vllm_tiny, ctx_factory, home)
     assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
 
 
+# GRPO's steps per engine and the window its reward is averaged over at either end: 60 steps lift the mean reward
+# by about 0.1-0.2 with either engine, and with a learning rate of 1e-12 the gains are within +-0.03 (docs/benchmarks.md, "The test
+# suite"); POSTTRAIN_TEST_GRPO_LR reruns it so, to see the assertion fail.
+CLIMB_STEPS = int(os.environ.get("POSTTRAIN_TEST_CLIMB_STEPS", "100"))
+CLIMB_WINDOW = CLIMB_STEPS // 5
+
+
 @pytest.mark.slow
 def test_grpo_on_vllm_climbs_like_grpo_on_hf_on_the_quickstart_task(ctx_factory, home, tmp_path_factory):
     """The quickstart's lesson on a model vLLM's CPU kernels take (head size 32): after SFT on a
@@ -353,7 +360,7 @@ def test_grpo_on_vllm_climbs_like_grpo_on_hf_on_the_quickstart_task(ctx_factory,
                                                  intermediate_size=128), 0, cache, cache)
     demos = materialize(ArithmeticData(generator="arithmetic", n=2000, demo_error_rate=0.35, role="train"),
                         Path("."), home / "data")
-    with torch_threads(2):
+    with torch_threads(1):  # the other test worker has the other core
         tuned = sft.run(SFTStageConfig(kind="sft", data="train", max_steps=200, batch_size=32, lr=3e-3,
                                        lr_schedule="cosine", assistant_only_loss=True),
                         StageInputs(model=base, datasets={"data": demos}), ctx_factory("sft"))["checkpoint"]
@@ -361,12 +368,14 @@ def test_grpo_on_vllm_climbs_like_grpo_on_hf_on_the_quickstart_task(ctx_factory,
         for backend in ("vllm", "hf"):
             config = rl_stage_config(kind="rl", algorithm="grpo", policy="base", data="train", rewards=["correct"],
                                    kl_beta=0.01, sampling={"attempts": 8, "max_tokens": 4}, prompts_per_step=16,
-                                   max_steps=100, lr=5e-4, backend=backend, sample_every=100,
+                                   max_steps=CLIMB_STEPS, backend=backend, sample_every=CLIMB_STEPS,
+                                   lr=float(os.environ.get("POSTTRAIN_TEST_GRPO_LR", "5e-4")),
                                    engine={"dtype": "float32", "kv_cache_gib": 0.25})
             ctx = ctx_factory(f"grpo-{backend}")
             inputs = StageInputs(policy=tuned, datasets={"data": demos}, rewards={"correct": RewardSpec(fn="exact_answer")})
             rl.run(config, inputs, ctx)
             rewards = [p.value for p in ctx.metric_history("reward/mean")]
-            gains[backend] = sum(rewards[-20:]) / 20 - sum(rewards[:20]) / 20
+            gains[backend] = (sum(rewards[-CLIMB_WINDOW:]) - sum(rewards[:CLIMB_WINDOW])) / CLIMB_WINDOW
+    print(f"\nGRPO reward gain over {CLIMB_STEPS} steps: {gains}")
     assert gains["vllm"] > 0.05 and gains["hf"] > 0.05, gains
     assert abs(gains["vllm"] - gains["hf"]) < 0.15, gains

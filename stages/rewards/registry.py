@@ -204,6 +204,7 @@ def _lazy(path: str) -> Callable[..., Any]:
         return load_reward_fn(path)(completions, **columns)
 
     call.__name__ = path.rpartition(":")[2]
+    call.lazy_path = path  # the reward worker imports it before its time bound starts
     return call
 
 

@@ -10,7 +10,9 @@ worker process per stage process, started on first use, and a call that passes i
 kills the worker:
 
 - a batch is sent in chunks of ``CHUNK`` completions, each chunk bounded by the reward's
-  ``max_seconds``; a chunk that raises or passes the bound is retried one completion at a
+  ``max_seconds`` from the moment the worker starts scoring it (starting the worker and importing
+  the reward's module, math-verify and SymPy for ``math_answer``, are bounded apart by
+  ``START_SECONDS``); a chunk that raises or passes the bound is retried one completion at a
   time, each bounded by ``max_seconds`` too, so a completion that hangs is a reward error
   named with that completion ("took longer than 5 s"), counted under the stage's
   ``reward_errors`` policy, while the rest of its batch is scored;
@@ -38,6 +40,7 @@ import time
 from typing import Any
 
 CHUNK = 32
+START_SECONDS = 300.0  # a worker that has not started and imported the reward by then is taken for dead
 
 
 class RewardTimeout(Exception):
@@ -105,7 +108,11 @@ class RewardWorker:
                 # with this process's sys.path and environment as they are now: the worker imports what this
                 # process can import and reads the variables it reads
                 send(process.stdin, (list(sys.path), dict(os.environ), fn, completions, columns, kwargs))
-                status, value = receive(process.stdout.fileno(), time.monotonic() + seconds)
+                # the worker answers "started" once it holds the reward (started, its module imported): the
+                # bound counts from there, so a slow start on a loaded machine is not the reward's time
+                status, value = receive(process.stdout.fileno(), time.monotonic() + START_SECONDS)
+                if status == "started":
+                    status, value = receive(process.stdout.fileno(), time.monotonic() + seconds)
             except RewardTimeout:
                 self.stop()
                 raise

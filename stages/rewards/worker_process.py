@@ -23,8 +23,9 @@ def _die_with_parent() -> None:
 
 
 def serve() -> None:
-    """The worker's loop: read (sys.path, environment, fn, completions, columns, kwargs), answer ("ok", result) or
-    ("raised", (class name, message, whether it is a RewardError))."""
+    """The worker's loop: read (sys.path, environment, fn, completions, columns, kwargs), answer ("started", None)
+    once the reward is imported, then ("ok", result) or ("raised", (class name, message, whether it is a
+    RewardError)); a reward that cannot be imported is answered ("raised", ...) at once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the stage's to handle; it stops the worker
     _die_with_parent()
     stdin = sys.stdin.buffer
@@ -44,7 +45,14 @@ def serve() -> None:
             os.environ.clear()
             os.environ.update(environment)
         try:
-            result = load_reward_fn(fn)(completions, **columns, **kwargs)
+            reward = load_reward_fn(fn)
+            reward = load_reward_fn(reward.lazy_path) if hasattr(reward, "lazy_path") else reward  # a lazy built-in
+        except Exception as error:
+            send(stdout, ("raised", (type(error).__name__, str(error), isinstance(error, RewardError))))
+            continue
+        send(stdout, ("started", None))
+        try:
+            result = reward(completions, **columns, **kwargs)
             if not hasattr(result, "scores") and not isinstance(result, tuple):
                 result = list(result)  # a generator or an array: what pickles
             send(stdout, ("ok", result))
