@@ -699,3 +699,56 @@ def test_the_pipelines_and_the_quickstart_still_validate(capsys, home):
             continue  # reads the hub: validated with and without a cache in tests/test_shipped_pipelines.py
         assert run_cli("validate", str(pipeline)) == 0, capsys.readouterr().err
     assert_nothing_left(home)
+
+
+REQUIRED_VALUES = {"data": "train", "model": "base", "policy": "base", "rewards": ["correct"],
+                   "lm_eval": {"tasks": ["arc_easy"]}}
+WRONG_TYPES = {str: {"not": "a name"}, list: 7}
+LM_EVAL_MISTAKES = {"a count below its bound": {"tasks": ["arc_easy"], "num_fewshot": -1},
+                    "lm-eval's command-line string": "--tasks arc_easy --limit 5",
+                    "a backend typo": {"tasks": ["arc_easy"], "backend": "vlm"},
+                    "an unknown key": {"tasks": ["arc_easy"], "fewshots": 5},
+                    "an empty task list": {"tasks": []}}
+
+
+def required_field_cases():
+    """(kind, field, wrong value) for every required field of every stage kind's config (the discriminators aside),
+    and the lm_eval block's mistakes: a field of a type no check downstream expects."""
+    import typing
+
+    from stages.registry import STAGE_KINDS
+
+    for kind, declared in STAGE_KINDS.items():
+        for model in declared.config_models():
+            fields = {name: info for name, info in model.model_fields.items()
+                      if info.is_required() and name not in ("kind", "algorithm")}
+            algorithm = model.model_fields.get("algorithm")
+            base = {"kind": kind, **({"algorithm": typing.get_args(algorithm.annotation)[0]} if algorithm else {}),
+                    **{name: REQUIRED_VALUES[name] for name in fields}}
+            for name, info in fields.items():
+                wrong = WRONG_TYPES.get(typing.get_origin(info.annotation) or info.annotation, "not a block")
+                yield pytest.param(base, name, wrong, id=f"{model.__name__}.{name}")
+            if "lm_eval" in fields:
+                for what, wrong in LM_EVAL_MISTAKES.items():
+                    yield pytest.param(base, "lm_eval", wrong, id=f"{model.__name__}.lm_eval: {what}")
+                yield pytest.param(base, "lm_eval", None, id=f"{model.__name__}.lm_eval: missing")
+
+
+@pytest.mark.parametrize("base, name, wrong", list(required_field_cases()))
+def test_a_required_field_of_any_stage_kind_that_fails_is_refused_at_its_path_and_read_by_no_later_check(
+        base, name, wrong, tmp_path, home, capsys):
+    """A stage whose required field fails its own check: `validate` exits 2 naming the field, with no traceback, and
+    the checks after it (the stage kind's own, of its files and this machine) never read the failed field (a
+    benchmark stage's lm_eval block in any of these shapes took `validate` down with a traceback)."""
+    import yaml
+
+    stage = {**base, name: wrong} if wrong is not None else {k: v for k, v in base.items() if k != name}
+    pipeline = {"name": "fields", "model": {"init": "tiny", "hidden_size": 32, "num_layers": 1, "num_heads": 2},
+                "data": {"train": {"generator": "arithmetic", "n": 8, "role": "train"}},
+                "rewards": {"correct": {"fn": "exact_answer"}}, "stages": {"s": stage}}
+    path = tmp_path / "fields.yaml"
+    path.write_text(yaml.safe_dump(pipeline, sort_keys=False), encoding="utf-8")
+    assert run_cli("validate", str(path)) == 2
+    err = capsys.readouterr().err
+    assert f"stages.s.{name}" in err and "Traceback" not in err, err
+    assert not home.exists()

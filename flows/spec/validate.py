@@ -87,22 +87,24 @@ def _partial(adapter: TypeAdapter, values: dict) -> dict:
     return good
 
 
-def _lenient_stages(raw_stages: dict) -> dict:
-    """Every stage of a known kind, validated if it can be, else built without validation.
+def _lenient_stages(raw_stages: dict) -> tuple[dict, set]:
+    """Every stage of a known kind, validated if it can be, else built without validation; and the names of those
+    that validated.
 
     So a stage with a bad learning rate still has its references, datasets and rewards
     checked: the user sees all of a file's errors in one pass.
     """
-    adapter, stages = TypeAdapter(StageSpec), {}
+    adapter, stages, validated = TypeAdapter(StageSpec), {}, set()
     for name, value in raw_stages.items():
         try:
             stages[name] = adapter.validate_python(value)
+            validated.add(name)
         except ValidationError:
             kind = STAGE_KINDS.get(stage_kind(value))
             if kind is not None:
                 config_cls = kind.model_for(value)
                 stages[name] = config_cls.model_construct(**_valid_fields(config_cls, value))
-    return stages
+    return stages, validated
 
 
 def _valid_fields(config_cls, value: dict) -> dict:
@@ -135,6 +137,7 @@ class _Draft:
     raw_rewards: dict
     raw_checks: dict
     stages: dict  # stage name -> config (fields that failed validation left at their defaults)
+    validated: set  # the stages whose config validated whole: a stage kind's own checks run on those alone
     data: dict  # dataset name -> DataSpec, for those that validated
     rewards: dict  # reward name -> RewardSpec, for those that validated
     records: _DatasetRecords
@@ -145,8 +148,9 @@ class _Draft:
             return raw.get(key) if isinstance(raw.get(key), dict) else {}
 
         data = _partial(TypeAdapter(DataSpec), section("data"))
+        stages, validated = _lenient_stages(section("stages"))
         return cls(raw, base_dir, section("stages"), section("data"), section("rewards"), section("reward_checks"),
-                   _lenient_stages(section("stages")), data, _partial(TypeAdapter(RewardSpec), section("rewards")),
+                   stages, validated, data, _partial(TypeAdapter(RewardSpec), section("rewards")),
                    _DatasetRecords(data, base_dir))
 
 
@@ -181,7 +185,9 @@ def _reference_issues(d: _Draft) -> Issues:
     issues = []
     for name, config in d.stages.items():
         issues += _stage_reference_issues(d, name, config)
-        if hasattr(config, "here_problems"):  # what the stage needs of its files, and of this machine if it runs here
+        # what the stage needs of its files and, if it runs here, of this machine: asked of a config that validated
+        # whole (a field that failed is reported at its place, and the kind's check was written for valid ones)
+        if hasattr(config, "here_problems") and name in d.validated:
             resources = _stage_resources(d, config)
             runs_here = resources is None or resources.pool is None
             issues += [(("stages", name, *where.split(".")), why)

@@ -138,12 +138,15 @@ class ModelJudge:
 
     def __call__(self, conversations: list[list[dict]]) -> list[str]:
         from stages.rollout.episodes import complete
-        from stages.rollout.generation import open_backend
+        from stages.rollout.generation import EngineSettings, checkpoint_dtype, open_backend
 
         if self.backend is None:
+            # in the checkpoint's own dtype on any machine: a judge's greedy verdict is a score, and bfloat16's
+            # rounding changes greedy replies (docs/benchmarks.md, "The engine on a CPU")
             self.backend = open_backend(self.spec.backend, self.checkpoint, keep_logprobs=False,
                                         trust_remote_code=self.trust_remote_code,
-                                        prompt_batch_size=self.spec.batch_size)
+                                        prompt_batch_size=self.spec.batch_size,
+                                        engine=EngineSettings(dtype=checkpoint_dtype(self.checkpoint)))
         return [group[0].text for group in complete(self.backend, conversations, self.spec.sampling)]
 
 
@@ -157,7 +160,7 @@ def model_identity(checkpoint: Path) -> str:
 def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs) -> dict[str, JudgeReward]:
     """The reward function of every ``fn: judge`` reward; ``inputs`` carries each model judge's checkpoint
     (``scorer_checkpoints``) and the reply cache's directory (``judge_cache``, None: no cache)."""
-    from stages.rollout.generation import resolve_backend, resolve_dtype
+    from stages.rollout.generation import resolve_backend
 
     cache_dir = inputs.judge_cache
     bound = {}
@@ -170,10 +173,7 @@ def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs) -> dict[str
             checkpoint = inputs.scorer_checkpoint(name, f"is judged by {spec.stage or 'its model'!r}")
             trusted = getattr(spec.model, "trust_remote_code", False) if spec.model else inputs.trust_remote_code
             ask = ModelJudge(spec, checkpoint, bool(trusted))
-            backend = resolve_backend(spec.backend, checkpoint)[0]
-            if backend == "vllm":  # the dtype it computes in changes its replies
-                backend += f" {resolve_dtype('auto', checkpoint)[0]}"
-            identity = f"{model_identity(checkpoint)} backend {backend}"
+            identity = f"{model_identity(checkpoint)} backend {resolve_backend(spec.backend, checkpoint)[0]}"
         key = hashlib.sha256(json.dumps([identity, spec.sampling.model_dump(mode="json")]).encode()).hexdigest()[:20]
         bound[name] = JudgeReward(spec, ask, ReplyCache(cache_dir, key))
     return bound
