@@ -17,7 +17,7 @@ QUICKSTART = ROOT / "pipelines" / "quickstart.yaml"
 
 # The suite runs on two worker processes (pyproject.toml addopts: pytest-xdist). Each keeps torch, and what its
 # tests start, to one thread unless a test asks for more (``torch_threads``): OpenMP threads spinning beside another
-# process's make tiny models far slower, and most tests keep one core busy, so two workers fill two cores.
+# process's make tiny models far slower, and most tests keep about one core busy, so two workers nearly halve it.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

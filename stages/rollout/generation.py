@@ -18,7 +18,8 @@ template by the backend, the same way for both.
 ``backend: auto`` and ``engine.dtype: auto`` are chosen from what the machine can do (``Machine``):
 vLLM on a GPU; on a CPU, vLLM in bfloat16 where the CPU computes bfloat16 natively (AMX-BF16,
 AVX-512 BF16), and without that vLLM in float32 (bfloat16 is emulated there and slower than
-HF generate); HF generate wherever vLLM cannot serve the model. The stage logs which and why
+HF generate); HF generate wherever vLLM cannot serve the model, or bfloat16 is declared on a CPU
+that would emulate it. The stage logs which and why
 (docs/benchmarks.md has the measurements behind the rule). What the engine changes about samples
 (vLLM's version, device and dtype) is the backend's ``identity()``, part of the evaluation
 settings hash; HF generate's identity is empty, so hashes from before vLLM existed stay
@@ -39,6 +40,7 @@ text; its tokens stay in ``token_ids``), and such a completion is not truncated.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from contextlib import contextmanager
@@ -235,8 +237,10 @@ class Machine:
 CPU_BFLOAT16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX-512 BF16"}  # /proc/cpuinfo flag: its name
 
 
+@functools.cache
 def this_machine() -> Machine:
-    """This machine: a CUDA GPU or not, and its CPU's native bfloat16 feature read from /proc/cpuinfo."""
+    """This machine: a CUDA GPU or not, and its CPU's native bfloat16 feature read from /proc/cpuinfo (once a
+    process: an engine's backend and its dtype are both resolved from it)."""
     import torch
 
     try:
@@ -264,8 +268,8 @@ def resolve_dtype(declared: str, checkpoint: Path | None, machine: Machine | Non
 
 def resolve_backend(name: str, checkpoint: Path | None = None, dtype: str = "auto",
                     machine: Machine | None = None) -> tuple[str, str]:
-    """(backend, why): ``auto`` is ``vllm`` wherever vLLM can serve the checkpoint and samples faster than HF
-    generate in the dtype it would run in (``resolve_dtype``), else ``hf``."""
+    """(backend, why): ``auto`` is ``vllm`` wherever vLLM can serve the checkpoint, except in a bfloat16 this CPU
+    would emulate (slower than HF generate, docs/benchmarks.md); else ``hf``."""
     if name != "auto":
         return name, "declared"
     problem = vllm_problem(checkpoint)
