@@ -42,7 +42,7 @@ from pydantic import ConfigDict, Field
 from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.rollout.generation import vllm_distribution
 from stages.data.hub import folder_digest, hub_answers
-from stages.spec_model import SpecModel
+from stages.spec_model import SpecModel, applies_when
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
 LM_EVAL_INSTALL_HINT = "pip install -c constraints/cpu.txt -e '.[bench]' (lm-evaluation-harness)"
@@ -64,7 +64,8 @@ class LmEvalSpec(SpecModel):
                                       "post-trained model answers in its chat format).")
     backend: Literal["hf", "vllm"] = Field("hf", description="The harness's model backend: `hf` (transformers) "
                                            "or `vllm`.")
-    batch_size: int = Field(8, ge=1, le=4096, description="Requests per forward batch (hf backend).")
+    batch_size: int = Field(8, ge=1, le=4096, json_schema_extra=applies_when(
+        {"lm_eval.backend": "hf"}, why="the vllm backend schedules its own batches"), description="Requests per forward batch (hf backend).")
     gen_kwargs: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Generation settings over each task's own, as lm-eval's `--gen_kwargs`: "
         "e.g. {max_gen_toks: 512}; part of the settings hash.")

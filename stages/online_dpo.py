@@ -117,11 +117,7 @@ class OnlineDPOStageConfig(ExecutionLimits, Resumable):
 
     @model_validator(mode="after")
     def _generation_rules(self):
-        generation_rules(self.generation, self.backend, self.lora is not None)
-        if self.generation.max_staleness > 0:
-            raise ValueError("generation.max_staleness applies to grpo: online_dpo draws each step's candidates "
-                             "from the generation server when the step starts, by the weights of the update "
-                             "before (max_staleness 0); remove max_staleness")
+        generation_rules(self.generation, self.backend)
         return self
 
     @model_validator(mode="after")

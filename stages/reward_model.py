@@ -31,10 +31,11 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 
 from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_issues
 from stages.training.resume import Resumable
+from stages.spec_model import applies_when
 from stages.data.sources import read_materialized
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.rewards.reward_model import (  # re-exported: stages.reward_model is where callers look
@@ -46,6 +47,9 @@ from stages.rewards.reward_model import (  # re-exported: stages.reward_model is
     reward_model_correlations,
 )
 from stages.training.callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments
+
+
+_WHOLE_CLASSIFIER = "level step trains the whole token classifier"
 
 
 class RewardModelStageConfig(ExecutionLimits, Resumable):
@@ -60,7 +64,8 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
         "reward model, a token classifier trained to tell right steps from wrong ones at each step's last token "
         "(labels from `labels`), used as a reward that scores every step.")
     labels: str | None = Field(
-        None, description="level step: the process reward (a name under `rewards:`, e.g. a chain_steps verifier) "
+        None, json_schema_extra=applies_when({"level": "step"}, why="a pair reward model learns from preference "
+                                             "pairs, not step labels"), description="level step: the process reward (a name under `rewards:`, e.g. a chain_steps verifier) "
         "whose step scores label the steps of `data`'s demonstrations (a step scoring at least 1 is right); "
         "leave it out when `data` is a step-rated file (`records: steps`), whose ratings are the labels.")
     model: str = Field("base", description="Stage whose checkpoint the reward model starts from, or `base`.")
@@ -77,27 +82,18 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_length: int = Field(128, ge=8, description="Pairs with a reply longer than this (in tokens) are dropped.")
     center_rewards_coefficient: float | None = Field(
-        None, ge=0, description="Weight of a penalty on the squared mean score, keeping rewards centred near 0.")
+        None, ge=0, json_schema_extra=applies_when({"level": "pair"}, why=_WHOLE_CLASSIFIER), description="Weight of a penalty on the squared mean score, keeping rewards centred near 0.")
     eval_every: int = Field(50, ge=1, description="Measure held-out pairwise accuracy every N steps.")
     logging_steps: int = Field(10, ge=1, description="Log loss, training accuracy and margin every N steps.")
     seed: int | None = Field(None, description="Seed of the score head and data order; default the pipeline seed.")
-    lora: LoraSpec | None = Field(None, description=LORA_DESCRIPTION + " The score head trains in full and is "
+    lora: LoraSpec | None = Field(None, json_schema_extra=applies_when({"level": "pair"}, why=_WHOLE_CLASSIFIER),
+                                  description=LORA_DESCRIPTION + " The score head trains in full and is "
                                   "saved with the adapters.")
 
     @property
     def data_records(self) -> str:
         """What ``data`` must hold (flows/spec/validate.py)."""
         return "conversations" if self.level == "step" else "preferences"
-
-    @model_validator(mode="after")
-    def _level_fields(self):
-        if self.level == "step":
-            if self.lora is not None or self.center_rewards_coefficient is not None:
-                raise ValueError("level step trains the whole token classifier: lora and center_rewards_coefficient "
-                                 "apply to level pair only")
-        elif self.labels is not None:
-            raise ValueError("labels only applies to level step (a process reward model)")
-        return self
 
     def references(self) -> dict[str, str]:
         return {"model": self.model}

@@ -20,7 +20,7 @@ from stages.rollout.server import GenerationSettings, generation_rules
 from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.models.placement import Placement
-from stages.spec_model import SpecModel
+from stages.spec_model import SpecModel, applies_when
 
 class DynamicSampling(SpecModel):
     """DAPO's dynamic sampling: groups whose completions all earn the same reward carry no signal."""
@@ -44,7 +44,8 @@ class SamplerCorrection(SpecModel):
         "token_tis", description="token_tis: each token's policy-gradient term weighted by pi_trainer / "
         "pi_sampler, truncated at `cap`; sequence_mask: each sequence weighted by the product of its tokens' "
         "ratios, and dropped when that is above `cap`; none: no weight, the mismatch only logged.")
-    cap: float = Field(3.0, gt=1.0, le=100.0, allow_inf_nan=False,
+    cap: float = Field(3.0, gt=1.0, le=100.0, allow_inf_nan=False, json_schema_extra=applies_when(
+                           {"correction.kind": ["token_tis", "sequence_mask"]}, why="kind none weighs nothing"),
                        description="The truncation (token_tis) or the drop threshold (sequence_mask) of the weight.")
 
 
@@ -107,7 +108,11 @@ class RLCommon(ExecutionLimits, Resumable):
                                    "(dtype auto follows the machine; float32 keeps the sampler's log-probs the "
                                    "trainer's own, and the sampler correction weighs any mismatch).")
     correction: SamplerCorrection | None = Field(
-        None, description="Importance-sampling correction where the sampler is not the trainer "
+        None, json_schema_extra=applies_when(
+            {"backend": ["auto", "vllm"]}, {"environment": {"set": True}},
+            why="with backend hf the rollouts are drawn by the training model itself, so there is no other "
+                "sampler to correct for"),
+        description="Importance-sampling correction where the sampler is not the trainer "
         "(stages/rl_math.py `sampler_correction`); default token_tis at cap 3 when the vLLM engine samples "
         "(resolved_backend vllm), none when the training model does; either way the mismatch is logged "
         "(correction/logp_diff_abs_mean, correction/kl_sampler_trainer, correction/weight_mean, "
@@ -194,7 +199,7 @@ class RLCommon(ExecutionLimits, Resumable):
 
     @model_validator(mode="after")
     def _generation_rules(self):
-        generation_rules(self.generation, self.backend, self.lora is not None)
+        generation_rules(self.generation, self.backend)
         return self
 
     def references(self) -> dict[str, str]:
@@ -232,6 +237,7 @@ class GRPOStageConfig(RLCommon):
     loss: Literal["grpo", "dr_grpo", "dapo", "cispo"] = Field("dapo", description="GRPO-family loss (TRL loss_type).")
     cispo_cap: float = Field(
         5.0, gt=1.0, allow_inf_nan=False,
+        json_schema_extra=applies_when({"loss": "cispo"}, why="the other losses clip the ratio by clip_epsilon"),
         description="loss cispo: the absolute cap on each token's importance weight (TRL's epsilon_high for "
         "CISPO, not 1 + clip_epsilon); must be above 1, or on-policy tokens (ratio 1) would be clipped.")
     dynamic_sampling: DynamicSampling | None = Field(
@@ -259,13 +265,6 @@ class GRPOStageConfig(RLCommon):
     def _grpo_rules(self):
         if self.placement.reference != "policy" and self.kl_beta == 0:
             raise ValueError("kl_beta 0 loads no KL reference: remove placement.reference")
-        if "cispo_cap" in self.model_fields_set and self.loss != "cispo":
-            raise ValueError(f"cispo_cap only applies to loss cispo, not {self.loss}; remove it or set loss: cispo")
-        if self.correction is not None and self.correction.kind != "none" and self.backend == "hf" \
-                and self.environment is None:
-            raise ValueError("correction weighs samples another sampler drew; with backend hf the rollouts are "
-                             "drawn by the training model itself, so there is nothing to correct: use backend "
-                             "vllm (or auto), or remove correction")
         if self.generation.max_staleness > 0 and self.dynamic_sampling is not None:
             raise ValueError("dynamic_sampling draws its extra prompts from the rewards of the step being trained, "
                              "which cannot be drawn ahead: use generation.max_staleness: 0 with it, or remove "
@@ -287,18 +286,20 @@ class PPOStageConfig(RLCommon):
     minibatch_size: int = Field(32, ge=1, description="PPO: sequences per minibatch.")
     whiten_advantages: bool = Field(True, description="PPO: whiten advantages per rollout batch.")
     kl_target: float | None = Field(None, gt=0.0, description="PPO: adapt kl_beta toward this KL, in nats per completion (None: fixed).")
-    kl_horizon: int = Field(10000, ge=1, description="PPO: horizon of the adaptive KL controller.")
+    kl_horizon: int = Field(10000, ge=1, json_schema_extra=applies_when(
+        {"kl_target": {"set": True}}, why="a fixed kl_beta is not adapted"), description="PPO: horizon of the adaptive KL controller.")
     critic_lr: float | None = Field(None, gt=0, description="PPO: critic learning rate; default lr.")
     critic: str | None = Field(
         None, description="PPO: a `reward_model` stage whose checkpoint (backbone and score head) initialises "
         "the critic; default the policy's backbone with a zero value head.")
     process_weight: float = Field(
-        0.0, ge=0.0, le=1.0,
+        0.0, ge=0.0, le=1.0, json_schema_extra=applies_when(
+            {"environment": {"set": False}},
+            why="with `environment` the reward scores an episode's final answer, not its transcript"),
         description="PPO: dense credit from process rewards (rewards that score a completion's steps, e.g. "
         "chain_steps): each step's score, times the reward's weight and this, is placed at the step's last token, "
         "and the reward's completion score at the last token only (1 - this) of its weight; GAE carries step "
-        "scores back. 0: every reward at the last token (outcome only). Not with `environment` (an episode's "
-        "answer is scored, not its transcript).")
+        "scores back. 0: every reward at the last token (outcome only).")
 
     # references that must name a reward_model stage (the spec checks the kind)
     reward_model_references: ClassVar[tuple[str, ...]] = ("critic",)
@@ -319,17 +320,6 @@ class PPOStageConfig(RLCommon):
         if self.critic is not None:
             refs["critic"] = self.critic
         return refs
-
-    @model_validator(mode="after")
-    def _ppo_rules(self):
-        if self.generation.max_staleness > 0:
-            raise ValueError("generation.max_staleness applies to grpo: PPO draws each batch's rollouts from the "
-                             "generation server when the batch starts, by the weights of the update before "
-                             "(max_staleness 0); use algorithm grpo to draw ahead, or remove max_staleness")
-        if self.process_weight and self.environment is not None:
-            raise ValueError("process_weight places step scores on the completion's tokens; with `environment` the "
-                             "reward scores an episode's final answer, not its transcript: remove one of them")
-        return self
 
 
 RL_ALGORITHMS: dict[str, type[RLCommon]] = {"grpo": GRPOStageConfig, "ppo": PPOStageConfig}

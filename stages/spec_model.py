@@ -31,6 +31,22 @@ SEED_LIMIT = 2**32
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # a pipeline's name (its MLflow experiment)
 KEY_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"  # stage, dataset, reward names: no '.', which --set paths split on
 _WHY = "names become file names, MLflow metric keys and Prefect task names"
+# a Hugging Face repository id, `name` or `owner/name`: no "..", "--" or other "/" (huggingface_hub's rule)
+_HUB_PART = r"[A-Za-z0-9][A-Za-z0-9_]*([.-][A-Za-z0-9_]+)*"
+HUB_ID_PATTERN = rf"^{_HUB_PART}(/{_HUB_PART})?$"
+
+
+def revision_problem(revision: str) -> str | None:
+    """Why ``revision`` cannot be a hub revision (a commit, branch or tag), or None. A branch may hold ``/``
+    (``refs/pr/1``), but never a path step: the revision names a folder of the local cache."""
+    if not revision.strip() or revision != revision.strip():
+        return f"{revision!r} is not a commit, branch or tag (empty, or white space around it)"
+    parts = revision.split("/")
+    if any(part in ("", ".", "..") for part in parts) or "\\" in revision or any(c.isspace() or ord(c) < 32
+                                                                                  for c in revision):
+        return f"{revision!r} is not a commit, branch or tag: it holds a path step ('..', '.', an empty part, a " \
+               "backslash or white space), and a revision names a folder of the local cache"
+    return None
 
 
 def name_problem(name: Any, pattern: str = KEY_NAME_PATTERN) -> str | None:
@@ -117,3 +133,101 @@ class SpecModel(BaseModel):
         if problem:
             raise ValueError(problem)
         return value
+
+
+# ------------------------------------------------------------------ fields that apply only under a condition
+
+APPLIES_WHEN = "applies_when"  # the key of a field's ``json_schema_extra`` that holds its condition
+
+
+def applies_when(*alternatives: dict, why: str) -> dict:
+    """``Field(json_schema_extra=...)`` of a field that means something only under a condition of the entry
+    (stage, dataset or reward) it belongs to, declared once next to the field.
+
+    Each alternative maps a dotted path from the entry's root (``generation.mode``, ``lora``, ``fn``) to
+    what it must be: a value, a list of values, ``{"set": True/False}`` (is / is not None), ``{"not": [...]}``
+    or ``{"min": x}``; every path of one alternative must hold, and one alternative is enough.
+    flows/spec/validate.py ``not_applicable_issues`` refuses the field where it is set and none holds,
+    saying ``why``; the schema and the reference page show the condition.
+    """
+    return {APPLIES_WHEN: {"any_of": [dict(a) for a in alternatives], "why": why}}
+
+
+def field_condition(model_cls, name: str) -> dict | None:
+    """The ``applies_when`` condition declared on a model's field, or None."""
+    extra = model_cls.model_fields[name].json_schema_extra
+    return extra.get(APPLIES_WHEN) if isinstance(extra, dict) else None
+
+
+def _test_holds(value: Any, test: Any) -> bool:
+    if isinstance(test, dict):
+        if "set" in test:
+            return (value is not None) == test["set"]
+        if "not" in test:
+            return value not in test["not"]
+        if "min" in test:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= test["min"]
+        raise ValueError(f"unknown condition test {test!r}")
+    return value in test if isinstance(test, list) else value == test
+
+
+def _test_text(path: str, test: Any) -> str:
+    if isinstance(test, dict):
+        if "set" in test:
+            return f"{path} is set" if test["set"] else f"{path} is not set"
+        if "not" in test:
+            return f"{path} is not {' or '.join(map(str, test['not']))}"
+        return f"{path} is at least {test['min']}"
+    return f"{path} is {' or '.join(map(str, test)) if isinstance(test, list) else test}"
+
+
+def condition_text(condition: dict) -> str:
+    """``generation.mode is server and algorithm is grpo``: the condition as the reference and errors say it."""
+    return " or ".join(" and ".join(_test_text(p, t) for p, t in alternative.items())
+                       for alternative in condition["any_of"])
+
+
+MISSING = object()  # a path the entry has no field for (another stage kind's field)
+
+
+def read_path(root: Any, path: str) -> Any:
+    """The value at a dotted path from ``root`` (MISSING where a part is not a field)."""
+    value = root
+    for part in path.split("."):
+        if value is None:
+            return None
+        if not isinstance(value, BaseModel) or part not in type(value).model_fields:
+            return MISSING
+        value = getattr(value, part)
+    return value
+
+
+def _path_holds(root: Any, path: str, test: Any) -> bool:
+    value = read_path(root, path)
+    if value is MISSING:  # the entry has no such field: only "is not set" holds
+        return isinstance(test, dict) and test.get("set") is False
+    return _test_holds(value, test)
+
+
+def condition_holds(root: Any, condition: dict) -> bool:
+    return any(all(_path_holds(root, path, test) for path, test in alternative.items())
+               for alternative in condition["any_of"])
+
+
+def condition_paths(condition: dict) -> set[str]:
+    return {path for alternative in condition["any_of"] for path in alternative}
+
+
+def set_fields(model: BaseModel, prefix: tuple = ()):
+    """(path, value, condition) of every field set in ``model`` and its nested models, depth first."""
+    for name in sorted(model.model_fields_set, key=list(type(model).model_fields).index):
+        if name not in type(model).model_fields:
+            continue
+        value = getattr(model, name, None)
+        yield (*prefix, name), value, field_condition(type(model), name)
+        if isinstance(value, BaseModel):
+            yield from set_fields(value, (*prefix, name))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from set_fields(item, (*prefix, name, i))

@@ -291,10 +291,12 @@ CASES = [
          ["p.yaml:12: stages.grpo: generation mode server samples with vLLM in a server of its own; backend hf"]),
     Case("staleness_without_a_server",
          append(GRPO.replace("rewards: [correct]}", "rewards: [correct], generation: {max_staleness: 1}}")),
-         ["p.yaml:12: stages.grpo: generation.max_staleness applies to generation mode server"]),
+         ["p.yaml:12: stages.grpo.generation.max_staleness: set to 1, but this field applies only when generation.mode "
+          "is server and algorithm is grpo (here algorithm is grpo, generation.mode is colocated)"]),
     Case("merged_lora_weights_without_lora", append(GRPO.replace(
         "rewards: [correct]}", "rewards: [correct], generation: {mode: server, lora_weights: merged}}")),
-         ["p.yaml:12: stages.grpo: generation.lora_weights says how a LoRA policy's weights reach the server"]),
+         ["p.yaml:12: stages.grpo.generation.lora_weights: set to 'merged', but this field applies only when "
+          "generation.mode is server and lora is set (here generation.mode is server, lora is not set)"]),
     Case("staleness_with_dynamic_sampling", append(GRPO.replace(
         "rewards: [correct]}",
         "rewards: [correct], dynamic_sampling: {}, generation: {mode: server, max_staleness: 2}}")),
@@ -304,9 +306,11 @@ CASES = [
          ["p.yaml:12: stages.grpo.generation.max_staleness"]),
     Case("staleness_on_ppo", append(GRPO.replace("algorithm: grpo", "algorithm: ppo").replace(
         "rewards: [correct]}", "rewards: [correct], generation: {mode: server, max_staleness: 1}}")),
-         ["p.yaml:12: stages.grpo: generation.max_staleness applies to grpo: PPO draws each batch's rollouts"]),
+         ["p.yaml:12: stages.grpo.generation.max_staleness: set to 1, but this field applies only when generation.mode "
+          "is server and algorithm is grpo (here algorithm is ppo, ", "PPO and online_dpo draw each step's samples"]),
     Case("staleness_on_online_dpo", append(ONLINE_DPO.replace("]}", "], generation: {mode: server, max_staleness: 1}}")),
-         ["p.yaml:12: stages.odpo: generation.max_staleness applies to grpo: online_dpo draws each step's candidates"]),
+         ["p.yaml:12: stages.odpo.generation.max_staleness: set to 1, but this field applies only when generation.mode "
+          "is server and algorithm is grpo (here online_dpo has no algorithm, generation.mode is server)"]),
     Case("online_dpo_server_generation_with_backend_hf",
          append(ONLINE_DPO.replace("]}", "], backend: hf, generation: {mode: server}}")),
          ["p.yaml:12: stages.odpo: generation mode server samples with vLLM in a server of its own; backend hf"]),

@@ -181,7 +181,8 @@ def test_a_reward_models_stage_is_an_edge_of_the_graph_and_the_fingerprint(tmp_p
     (("sft: {kind: sft, data: train", "sft: {kind: sft, data: prefs"),
      "stages.sft.data", "stage kind sft reads conversations, not preference pairs"),
     (("verifier: {fn: exact_answer, weight: 0}", "verifier: {fn: exact_answer, stage: rm}"),
-     "rewards.verifier", "stage only apply to fn reward_model"),
+     "rewards.verifier.stage", "this field applies only when fn is reward_model or fn is judge (here fn is "
+     "exact_answer)"),
 ])
 def test_the_spec_refuses_misused_reward_models_and_preference_data(tmp_path, edit, where, message):
     from flows.spec.loading import SpecError, load_pipeline

@@ -180,10 +180,14 @@ def test_process_weight_is_ppos_and_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="process_weight only applies to algorithm ppo, not grpo .dense credit "
                                          "needs a critic"):
         rl_stage_config(algorithm="grpo", process_weight=0.5, **common)
-    with pytest.raises(ValueError, match="with `environment` the reward scores an episode's final answer"):
-        rl_stage_config(algorithm="ppo", process_weight=0.5, environment={"fn": "calculator"}, **common)
-    with pytest.raises(ValueError, match="terms only applies to generator arithmetic_chain"):
-        ArithmeticData(generator="arithmetic", role="train", n=4, terms=3)
+    from flows.spec.validate import not_applicable
+
+    [(where, message)] = not_applicable(rl_stage_config(algorithm="ppo", process_weight=0.5,
+                                                        environment={"fn": "calculator"}, **common))
+    assert where == ("process_weight",) and "with `environment` the reward scores an episode's final answer" in message
+    [(where, message)] = not_applicable(ArithmeticData(generator="arithmetic", role="train", n=4, terms=3))
+    assert where == ("terms",) and "applies only when generator is arithmetic_chain" in message
+    assert not_applicable(ArithmeticData(generator="arithmetic_chain", role="train", n=4, terms=3)) == []
 
 
 def test_ppo_with_process_rewards_trains_and_refuses_rewards_without_steps(tiny_checkpoint, ctx_factory, home):
@@ -260,8 +264,11 @@ def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(lab
     config = reward_model.RewardModelStageConfig(kind="reward_model", level="step", labels=None if rated else "flags",
                                                  data="train", max_steps=300, batch_size=16, lr=3e-3,
                                                  logging_steps=50, heldout_fraction=0.2)
-    with pytest.raises(ValueError, match="labels only applies to level step"):
-        reward_model.RewardModelStageConfig(kind="reward_model", labels="flags", data="train")
+    from flows.spec.validate import not_applicable
+
+    [(where, message)] = not_applicable(reward_model.RewardModelStageConfig(kind="reward_model", labels="flags",
+                                                                            data="train"))
+    assert where == ("labels",) and "applies only when level is step (here level is pair)" in message
     outputs = reward_model.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": data}, rewards=rewards),
                                ctx_factory("prm"))
     metrics = outputs["metrics"]

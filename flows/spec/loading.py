@@ -33,7 +33,7 @@ from flows.spec.schema import (  # the schema, re-exported: flows.spec.loading i
 from flows.spec.validate import semantic_issues
 from stages.registry import STAGE_KINDS
 from stages.rl_common import RL_ALGORITHMS
-from stages.spec_model import NAME_PATTERN, name_problem
+from stages.spec_model import HUB_ID_PATTERN, NAME_PATTERN, name_problem
 
 __all__ = ["BASE", "LoadedPipeline", "Pipeline", "SpecError", "SpecIssue", "did_you_mean", "load_pipeline"]
 
@@ -358,6 +358,9 @@ def _describe(error: dict, model_cls) -> str:
         return f"a stage needs `kind:` (one of {', '.join(sorted(STAGE_KINDS))})"
     if kind == "string_pattern_mismatch" and tuple(error["loc"]) == ("name",):
         return f"pipeline {name_problem(value, NAME_PATTERN)}"
+    if kind == "string_pattern_mismatch" and ctx.get("pattern") == HUB_ID_PATTERN:
+        return (f"{value!r} is not a Hugging Face repository id: `name` or `owner/name`, letters, digits, '_', '.' "
+                "and '-', with no '..' or '--' and no other '/'")
     if kind == "finite_number":
         return f"must be a finite number: NaN and infinity are refused (got {value!r})"
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}

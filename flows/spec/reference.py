@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from stages.spec_model import APPLIES_WHEN, condition_text
+
 SCHEMA_FILE = "docs/pipeline.schema.json"
 REFERENCE_FILE = "docs/pipeline-reference.md"
 SCHEMA_LINE = "# yaml-language-server: $schema=../docs/pipeline.schema.json"
@@ -74,7 +76,10 @@ def _model_section(name: str, model: dict) -> list[str]:
     lines += ["| field | type | default | description |", "|---|---|---|---|"]
     for field, prop in model.get("properties", {}).items():
         default = "required" if field in required else f"`{json.dumps(prop['default'])}`" if "default" in prop else ""
-        lines.append(f"| `{field}` | {_cell(_type(prop))} | {_cell(default)} | {_cell(prop.get('description', ''))} |")
+        description = prop.get("description", "")
+        if APPLIES_WHEN in prop:  # the field's declared condition (stages/spec_model.py applies_when)
+            description += f" *Applies only when {condition_text(prop[APPLIES_WHEN])}.*"
+        lines.append(f"| `{field}` | {_cell(_type(prop))} | {_cell(default)} | {_cell(description)} |")
     return [*lines, ""]
 
 

@@ -70,7 +70,16 @@ from stages.rewards.registry import (
 )
 from stages.rewards.schemas import RECORD_READERS, kwargs_issues, record_problem
 from stages.rewards.sandbox import ISOLATION_MODES
-from stages.spec_model import KEY_NAME_PATTERN, name_problem
+from stages.spec_model import (
+    KEY_NAME_PATTERN,
+    MISSING,
+    condition_holds,
+    condition_paths,
+    condition_text,
+    name_problem,
+    read_path,
+    set_fields,
+)
 
 
 # ------------------------------------------------------------------ semantic checks
@@ -87,14 +96,14 @@ def _partial(adapter: TypeAdapter, values: dict) -> dict:
     return good
 
 
-def _lenient_stages(raw_stages: dict) -> tuple[dict, set]:
-    """Every stage of a known kind, validated if it can be, else built without validation; and the names of those
-    that validated.
+def _lenient_stages(raw_stages: dict) -> tuple[dict, set, dict]:
+    """Every stage of a known kind, validated if it can be, else built without validation; the names of those
+    that validated; and per stage the fields that failed their own check.
 
     So a stage with a bad learning rate still has its references, datasets and rewards
     checked: the user sees all of a file's errors in one pass.
     """
-    adapter, stages, validated = TypeAdapter(StageSpec), {}, set()
+    adapter, stages, validated, failed = TypeAdapter(StageSpec), {}, set(), {}
     for name, value in raw_stages.items():
         try:
             stages[name] = adapter.validate_python(value)
@@ -103,15 +112,16 @@ def _lenient_stages(raw_stages: dict) -> tuple[dict, set]:
             kind = STAGE_KINDS.get(stage_kind(value))
             if kind is not None:
                 config_cls = kind.model_for(value)
-                stages[name] = config_cls.model_construct(**_valid_fields(config_cls, value))
-    return stages, validated
+                fields, failed[name] = _valid_fields(config_cls, value)
+                stages[name] = config_cls.model_construct(**fields)
+    return stages, validated, failed
 
 
-def _valid_fields(config_cls, value: dict) -> dict:
-    """The fields of ``value`` that validate on their own; a required one that does not is None (an
-    empty list or mapping for those types), which every reference and name check skips: no check
-    meets a value of the wrong type."""
-    fields = {}
+def _valid_fields(config_cls, value: dict) -> tuple[dict, set]:
+    """The fields of ``value`` that validate on their own, and the names of those that do not. A required one
+    that does not is None (an empty list or mapping for those types), which every reference and name check
+    skips: no check meets a value of the wrong type."""
+    fields, failed = {}, set()
     for name, info in config_cls.model_fields.items():
         if name in value:
             try:
@@ -119,11 +129,11 @@ def _valid_fields(config_cls, value: dict) -> dict:
                 fields[name] = TypeAdapter(annotation).validate_python(value[name])
                 continue
             except ValidationError:
-                pass
+                failed.add(name)
         if info.is_required():
             origin = typing.get_origin(unwrap_type(info.annotation)[0])
             fields[name] = [] if origin is list else {} if origin is dict else None
-    return fields
+    return fields, failed
 
 
 @dataclass
@@ -138,6 +148,7 @@ class _Draft:
     raw_checks: dict
     stages: dict  # stage name -> config (fields that failed validation left at their defaults)
     validated: set  # the stages whose config validated whole: a stage kind's own checks run on those alone
+    failed: dict  # stage name -> its fields that failed their own check (read by no later check)
     data: dict  # dataset name -> DataSpec, for those that validated
     rewards: dict  # reward name -> RewardSpec, for those that validated
     records: _DatasetRecords
@@ -148,9 +159,9 @@ class _Draft:
             return raw.get(key) if isinstance(raw.get(key), dict) else {}
 
         data = _partial(TypeAdapter(DataSpec), section("data"))
-        stages, validated = _lenient_stages(section("stages"))
+        stages, validated, failed = _lenient_stages(section("stages"))
         return cls(raw, base_dir, section("stages"), section("data"), section("rewards"), section("reward_checks"),
-                   stages, validated, data, _partial(TypeAdapter(RewardSpec), section("rewards")),
+                   stages, validated, failed, data, _partial(TypeAdapter(RewardSpec), section("rewards")),
                    _DatasetRecords(data, base_dir))
 
 
@@ -212,6 +223,51 @@ def _reference_issues(d: _Draft) -> Issues:
                                f"unknown reward {reward_name!r}{did_you_mean(reward_name, options)}; "
                                f"declare it under `rewards:` or use a built-in ({', '.join(BUILTIN_REWARDS)})"))
     return issues
+
+
+def not_applicable_issues(d: _Draft) -> Issues:
+    """Every field set where it does not apply, in stages, datasets and rewards (``not_applicable``)."""
+    entries = [("stages", name, config, d.failed.get(name, set())) for name, config in d.stages.items()]
+    entries += [("data", name, spec, set()) for name, spec in d.data.items()]
+    entries += [("rewards", name, spec, set()) for name, spec in d.rewards.items()]
+    return [((section, name, *path), message) for section, name, root, failed in entries
+            for path, message in not_applicable(root, failed)]
+
+
+def not_applicable(root, failed: set = frozenset()) -> list[tuple[tuple, str]]:
+    """(path from the entry, message) of each field set in an entry (a stage's, dataset's or reward's config)
+    whose declared ``applies_when`` condition (stages/spec_model.py) does not hold: the one check of every such
+    rule. A field in ``failed`` (it failed its own check) is neither checked nor read by another's condition."""
+    issues = []
+    for path, value, condition in set_fields(root):
+        if condition is None or path[0] in failed:
+            continue
+        if any(p.split(".")[0] in failed for p in condition_paths(condition)) or condition_holds(root, condition):
+            continue
+        issues.append((path, f"{_shown(value)}, but this field applies only when {condition_text(condition)} "
+                             f"(here {_actual(root, condition)}): {condition['why']}; remove it"))
+    return issues
+
+
+def _shown(value) -> str:
+    if hasattr(value, "model_dump"):
+        return "set"
+    text = repr(value)
+    return f"set to {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _actual(root, condition: dict) -> str:
+    """What the condition's paths are in this entry: ``generation.mode is colocated, lora is not set``."""
+    said = []
+    for path in sorted(condition_paths(condition)):
+        value = read_path(root, path)
+        if value is MISSING:
+            said.append(f"{getattr(root, 'kind', 'this entry')} has no {path}")
+        elif value is None:
+            said.append(f"{path} is not set")
+        else:
+            said.append(f"{path} is {'set' if hasattr(value, 'model_dump') else value}")
+    return ", ".join(said)
 
 
 def _stage_reference_issues(d: _Draft, name: str, config) -> Issues:
@@ -864,6 +920,7 @@ def _environment_issues(d: _Draft) -> Issues:
 
 COLLECTORS = (
     _name_issues,
+    not_applicable_issues,
     _reference_issues,
     _environment_issues,
     _reward_check_issues,

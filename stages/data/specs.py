@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from stages.spec_model import SpecModel
+from stages.spec_model import HUB_ID_PATTERN, SpecModel, applies_when, revision_problem
 
 Role = Literal["train", "probe", "heldout"]
 ROLE_HELP = (
@@ -52,7 +52,8 @@ class ArithmeticData(SpecModel):
         description="Share of demonstrations whose assistant answer is wrong (an imperfect "
         "demonstrator); the reference `answer` stays correct.",
     )
-    terms: int = Field(3, ge=2, le=12, description="generator arithmetic_chain: numbers in each chain.")
+    terms: int = Field(3, ge=2, le=12, json_schema_extra=applies_when(
+        {"generator": "arithmetic_chain"}, why="the other generators write one operation"), description="generator arithmetic_chain: numbers in each chain.")
 
     @model_validator(mode="after")
     def _operand_range(self):
@@ -60,8 +61,6 @@ class ArithmeticData(SpecModel):
             raise ValueError(
                 f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})"
             )
-        if "terms" in self.model_fields_set and self.generator != "arithmetic_chain":
-            raise ValueError(f"terms only applies to generator arithmetic_chain, not {self.generator}")
         return self
 
 
@@ -168,13 +167,13 @@ class HubData(SpecModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    hub: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$",
-                            description="Dataset id on the Hugging Face hub, e.g. `openai/gsm8k`.")
+    hub: str | None = Field(None, pattern=HUB_ID_PATTERN, max_length=96, description="Dataset id on the Hugging Face hub, e.g. `openai/gsm8k`.")
     folder: str | None = Field(None, description="Instead of `hub`: a local dataset folder (relative paths are "
                                "relative to the pipeline file); its files' content is its identity.")
     config: str | None = Field(None, description="The dataset's configuration (subset), e.g. `main` for GSM8K.")
     split: str = Field("train", description="The split to read.")
-    revision: str | None = Field(None, description="`hub`: a commit, branch or tag; default the cached `main`. "
+    revision: str | None = Field(None, max_length=256, json_schema_extra=applies_when(
+        {"hub": {"set": True}}, why="a folder is identified by its files' content"), description="`hub`: a commit, branch or tag; default the cached `main`. "
                                  "The resolved commit is part of the cache fingerprint and of the run's dataset "
                                  "record, so a new revision reruns what depends on it.")
     role: Role = Field(description=ROLE_HELP)
@@ -197,8 +196,8 @@ class HubData(SpecModel):
     def _one_source(self):
         if (self.hub is None) == (self.folder is None):
             raise ValueError("a Hugging Face dataset needs exactly one of `hub: ID` and `folder: DIR`")
-        if self.folder is not None and self.revision is not None:
-            raise ValueError("revision applies to `hub:` datasets; a folder is identified by its files' content")
+        if self.revision is not None and (problem := revision_problem(self.revision)):
+            raise ValueError(f"revision: {problem}")
         unknown = sorted(set(self.columns) - set(CANONICAL_COLUMNS))
         if unknown:
             raise ValueError(f"columns: {', '.join(unknown)} are not record fields; the fields are "

@@ -50,7 +50,7 @@ from typing import Annotated, Literal, Protocol
 
 from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 
-from stages.spec_model import SpecModel
+from stages.spec_model import SpecModel, applies_when
 
 BackendName = Literal["auto", "hf", "vllm"]
 SEED_STRIDE = 100_003  # draw d of a stage is seeded stage seed + d * SEED_STRIDE + prompt index
@@ -342,6 +342,12 @@ def merged_named_weights(model):
     return named
 
 
+# where a vLLM engine may run for the stage: its backend, its difficulty filter's, or a generation server
+_ON_VLLM = applies_when({"backend": ["auto", "vllm"]}, {"difficulty_filter.backend": ["auto", "vllm"]},
+                        {"generation.mode": "server"},
+                        why="backend hf generates with transformers, which runs no vLLM engine")
+
+
 class EngineSettings(SpecModel):
     """How the generation engine runs: what changes samples enters the evaluation identity."""
 
@@ -350,8 +356,8 @@ class EngineSettings(SpecModel):
         "natively (AMX-BF16, AVX-512 BF16), float32 on one that does not, the checkpoint's own on a GPU; for HF "
         "generate, the checkpoint's own. Samples in bfloat16 differ from float32; the resolved dtype is logged "
         "and part of an evaluation's settings hash.")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU: share of GPU memory it may take.")
-    kv_cache_gib: float = Field(1.0, gt=0, le=256, description="vLLM on a CPU: memory reserved for its KV cache (GiB).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, json_schema_extra=_ON_VLLM, description="vLLM on a GPU: share of GPU memory it may take.")
+    kv_cache_gib: float = Field(1.0, gt=0, le=256, json_schema_extra=_ON_VLLM, description="vLLM on a CPU: memory reserved for its KV cache (GiB).")
 
 
 def open_backend(name: str, checkpoint: Path, *, trust_remote_code: bool = False, prompt_batch_size: int = 32,

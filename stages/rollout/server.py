@@ -60,7 +60,7 @@ from pydantic import ConfigDict, Field
 from stages.rollout.generation import (EngineSettings, Sample, SamplingSettings, adapters_merged, resolve_dtype,
                                        context_length, merged_named_weights, prompt_token_ids, rollout_budget)
 from stages.rollout import server_routes
-from stages.spec_model import SpecModel
+from stages.spec_model import SpecModel, applies_when
 
 BASE_NAME = "policy"  # the served name of the checkpoint as loaded (version 0, and every full-weights version)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
@@ -78,14 +78,21 @@ class GenerationSettings(SpecModel):
         "in processes of its own and stops with it (stages/rollout/server.py); the policy's weights are pushed "
         "to it after every optimizer step (a LoRA adapter over HTTP, full weights by reload from disk).")
     max_staleness: int = Field(
-        0, ge=0, le=8,
+        0, ge=0, le=8, json_schema_extra=applies_when(
+            {"generation.mode": "server", "algorithm": "grpo"},
+            why="a colocated engine samples inside the training process, between its steps, and PPO and "
+                "online_dpo draw each step's samples when the step starts, by the weights of the update before"),
         description="server: how many optimizer steps older than the policy being trained a step's samples may "
         "be. 0 is synchronous (each step's rollouts drawn by the current weights); k lets generation of the next "
         "k steps' rollouts overlap training, each step's drawn by the weights of k steps before "
         "(stages/rollout/ahead.py); older ones are dropped, counted and drawn again. Either way the server takes "
         "each batch in whole, so a rerun draws the same samples.")
     lora_weights: Literal["adapter", "merged"] = Field(
-        "adapter", description="server, a policy trained with `lora`: how each version reaches the server. "
+        "adapter", json_schema_extra=applies_when(
+            {"generation.mode": "server", "lora": {"set": True}},
+            why="it says how a LoRA policy's weights reach a generation server (full fine-tuning pushes the whole "
+                "weights)"),
+        description="server, a policy trained with `lora`: how each version reaches the server. "
         "adapter: the adapter alone over HTTP; several versions are served side by side, and vLLM applies the "
         "adapter unmerged at every token. merged: the policy with its adapters folded in, reloaded in place "
         "from disk as in full fine-tuning; one version at a time (a push waits for batches drawn ahead by the "
@@ -94,30 +101,26 @@ class GenerationSettings(SpecModel):
         "3.1 s of rollouts a step against 11.5, the stage 1.30x as fast with 24-token completions; with 9-token "
         "ones its push ate the gain). A push writes the weights in the server's dtype: 1.0 s against 1.5 s for "
         "the float32 file, the same samples.")
-    startup_timeout_s: float = Field(600.0, gt=0, le=7200, allow_inf_nan=False,
+    startup_timeout_s: float = Field(600.0, gt=0, le=7200, allow_inf_nan=False, json_schema_extra=applies_when(
+                                     {"generation.mode": "server"}, why="a colocated engine starts no server"),
                                      description="server: seconds to wait for the server to answer /health.")
     server_cpus: int | None = Field(
-        None, ge=1, le=4096,
+        None, ge=1, le=4096, json_schema_extra=applies_when(
+            {"generation.mode": "server", "generation.max_staleness": {"min": 1}},
+            why="the cores are split between server and trainer only while generation overlaps training; "
+                "otherwise they take turns on every core"),
         description="server on a machine without a GPU, generating while the trainer trains (max_staleness > "
         "0): CPU cores given to the server, the trainer keeping the rest (default half, at least 1). Two "
         "processes each running a thread per core on the same cores slow each other several times over "
         "(measured with SmolLM2: 120 s GRPO steps instead of 53). With max_staleness 0 they take turns on every core.")
 
 
-def generation_rules(generation: GenerationSettings, backend: str, lora: bool) -> None:
-    """What every stage with a ``generation:`` field keeps, whatever its kind (a ValueError saying which)."""
-    if generation.mode == "colocated":
-        for field in ("max_staleness", "startup_timeout_s", "lora_weights"):
-            if field in generation.model_fields_set:
-                raise ValueError(f"generation.{field} applies to generation mode server: a colocated engine "
-                                 f"samples inside the training process, between its steps; set "
-                                 f"generation.mode: server or remove generation.{field}")
-    elif backend == "hf":
+def generation_rules(generation: GenerationSettings, backend: str) -> None:
+    """What every stage with a ``generation:`` field keeps, whatever its kind (a ValueError saying which); where
+    each field applies is declared with the field (``applies_when``)."""
+    if generation.mode == "server" and backend == "hf":
         raise ValueError("generation mode server samples with vLLM in a server of its own; backend hf samples "
                          "with the training model: remove one of them")
-    elif not lora and "lora_weights" in generation.model_fields_set:
-        raise ValueError("generation.lora_weights says how a LoRA policy's weights reach the server; this stage "
-                         "has no `lora` (full fine-tuning pushes the whole weights): remove generation.lora_weights")
 
 
 class ServerFailed(RuntimeError):
