@@ -66,7 +66,7 @@ class LmEvalSpec(SpecModel):
     backend: Literal["hf", "vllm"] = Field("hf", description="The harness's model backend: `hf` (transformers) "
                                            "or `vllm`.")
     batch_size: int = Field(8, ge=1, le=4096, json_schema_extra=applies_when(
-        {"lm_eval.backend": "hf"}, why="the vllm backend schedules its own batches"), description="Requests per forward batch (hf backend).")
+        {"lm_eval.backend": "hf"}, why="the vllm backend schedules its own batches"), description="Requests per forward batch.")
     gen_kwargs: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="Generation settings over each task's own, as lm-eval's `--gen_kwargs`: "
         "e.g. {max_gen_toks: 512}; part of the settings hash.")

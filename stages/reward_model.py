@@ -65,7 +65,7 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
         "(labels from `labels`), used as a reward that scores every step.")
     labels: str | None = Field(
         None, json_schema_extra=applies_when({"level": "step"}, why="a pair reward model learns from preference "
-                                             "pairs, not step labels"), description="level step: the process reward (a name under `rewards:`, e.g. a chain_steps verifier) "
+                                             "pairs, not step labels"), description="The process reward (a name under `rewards:`, e.g. a chain_steps verifier) "
         "whose step scores label the steps of `data`'s demonstrations (a step scoring at least 1 is right); "
         "leave it out when `data` is a step-rated file (`records: steps`), whose ratings are the labels.")
     model: str = Field("base", description="Stage whose checkpoint the reward model starts from, or `base`.")

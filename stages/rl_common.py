@@ -238,7 +238,7 @@ class GRPOStageConfig(RLCommon):
     cispo_cap: float = Field(
         5.0, gt=1.0, allow_inf_nan=False,
         json_schema_extra=applies_when({"loss": "cispo"}, why="the other losses clip the ratio by clip_epsilon"),
-        description="loss cispo: the absolute cap on each token's importance weight (TRL's epsilon_high for "
+        description="The absolute cap on each token's importance weight (TRL's epsilon_high for "
         "CISPO, not 1 + clip_epsilon); must be above 1, or on-policy tokens (ratio 1) would be clipped.")
     dynamic_sampling: DynamicSampling | None = Field(
         None, description="GRPO: drop zero-variance groups and refill the batch with fresh prompts (DAPO), within "

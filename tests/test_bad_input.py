@@ -119,8 +119,8 @@ CASES = [
          ["p.yaml:12: stages.grpo: group_size was renamed (did you mean sampling.attempts?); "
           "max_completion_tokens was renamed (did you mean sampling.max_tokens?)"]),
     Case("correction_without_a_sampler", append(GRPO.replace("]}", "], backend: hf, correction: {kind: token_tis}}")),
-         ["p.yaml:12: stages.grpo: correction weighs samples another sampler drew; with backend hf the rollouts "
-          "are drawn by the training model itself"]),
+         ["p.yaml:12: stages.grpo.correction: set, but this field applies only when backend is auto or vllm or "
+          "environment is set (here backend is hf, environment is not set)"]),
     Case("correction_cap_at_one", append(GRPO.replace("]}", "], correction: {cap: 1}}")),
          ["p.yaml:12: stages.grpo.correction.cap: must be > 1.0 (got 1)"]),
     Case("online_dpo_one_attempt", append(ONLINE_DPO.replace("]}", "], sampling: {attempts: 1}}")),

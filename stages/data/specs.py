@@ -53,7 +53,7 @@ class ArithmeticData(SpecModel):
         "demonstrator); the reference `answer` stays correct.",
     )
     terms: int = Field(3, ge=2, le=12, json_schema_extra=applies_when(
-        {"generator": "arithmetic_chain"}, why="the other generators write one operation"), description="generator arithmetic_chain: numbers in each chain.")
+        {"generator": "arithmetic_chain"}, why="the other generators write one operation"), description="Numbers in each chain.")
 
     @model_validator(mode="after")
     def _operand_range(self):
@@ -173,7 +173,7 @@ class HubData(SpecModel):
     config: str | None = Field(None, description="The dataset's configuration (subset), e.g. `main` for GSM8K.")
     split: str = Field("train", description="The split to read.")
     revision: str | None = Field(None, max_length=256, json_schema_extra=applies_when(
-        {"hub": {"set": True}}, why="a folder is identified by its files' content"), description="`hub`: a commit, branch or tag; default the cached `main`. "
+        {"hub": {"set": True}}, why="a folder is identified by its files' content"), description="A commit, branch or tag; default the cached `main`. "
                                  "The resolved commit is part of the cache fingerprint and of the run's dataset "
                                  "record, so a new revision reruns what depends on it.")
     role: Role = Field(description=ROLE_HELP)

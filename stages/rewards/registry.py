@@ -45,7 +45,7 @@ JUDGE_SCALE = re.compile(r"(-?\d+)-(-?\d+)")  # a judge's numeric scale, e.g. 1-
 
 _RM = {"fn": REWARD_MODEL_FN}
 _JUDGE = {"fn": JUDGE_FN}
-_JUDGE_WHY = "it says how a judge judges"
+_ONLY_JUDGE = applies_when(_JUDGE, why="it says how a judge judges")
 
 
 class RewardSpec(SpecModel):
@@ -57,45 +57,46 @@ class RewardSpec(SpecModel):
     weight: float = Field(1.0, description="Weight of this component in the combined reward (0: scored and "
                           "logged, never trained on, e.g. a verifier watched beside a learned reward).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function.")
-    stage: str | None = Field(None, json_schema_extra=applies_when(_RM, _JUDGE, why="it names the model that scores"),
-                              description="fn reward_model: the `reward_model` stage whose checkpoint scores; "
-                              "fn judge: the model that judges, `base` (the pipeline's model: tiny, path, GGUF or "
-                              "hub) or a stage whose checkpoint it is.")
+    stage: str | None = Field(
+        None, json_schema_extra=applies_when(_RM, _JUDGE, why="it names the model that scores"),
+        description="fn reward_model: the `reward_model` stage whose checkpoint scores; fn judge: the model that "
+        "judges, `base` (the pipeline's model: tiny, path, GGUF or hub) or a stage whose checkpoint it is.")
     normalize: Literal["none", "running", "group"] = Field(
-        "none", json_schema_extra=applies_when(_RM, why="it rescales a reward model's scores"), description="fn reward_model: `running` rescales scores by the running mean and std of every "
-        "score the stage has seen so far; `group` subtracts, per prompt, the mean score of that prompt's "
-        "completions in the batch (a reward model's scores are only comparable within a prompt).")
+        "none", json_schema_extra=applies_when(_RM, why="it rescales a reward model's scores"),
+        description="`running` rescales scores by the running mean and std of every score the stage has seen so "
+        "far; `group` subtracts, per prompt, the mean score of that prompt's completions in the batch (a reward "
+        "model's scores are only comparable within a prompt).")
     offset: float = Field(0.0, json_schema_extra=applies_when(_RM, why="it shifts a reward model's scores"),
-                          description="fn reward_model: a fixed offset subtracted from every score.")
-    batch_size: int = Field(64, ge=1, json_schema_extra=applies_when(
-        _RM, _JUDGE, why="the other rewards score in the reward worker, batched by the stage"), description="fn reward_model: completions scored per forward pass; fn judge: "
-                            "judge prompts per generate call (HF generate).")
-    model: ModelSpec | None = Field(None, json_schema_extra=applies_when(_JUDGE, why=_JUDGE_WHY),
-        description="fn judge, instead of `stage:`: a model of its own, "
-                                    "{gguf: {package, file}} or {gguf: FILE}, {hub: ID} or {path: DIR}, as the "
-                                    "pipeline's `model:` takes them.")
-    judge_fn: str | None = Field(None, json_schema_extra=applies_when(_JUDGE, why=_JUDGE_WHY),
-        description="fn judge, instead of `stage:`: a dotted path `pkg.mod:fn` to a "
-                                 "function `fn(conversations) -> replies` (one reply text per chat conversation), e.g. "
-                                 "a hosted model's client; cached by its name.")
-    rubric: str | None = Field(None, json_schema_extra=applies_when(_JUDGE, why=_JUDGE_WHY),
-        description="fn judge: the judge's user message, with `{completion}` and "
-                               "optionally `{prompt}` (the user turns) and `{answer}` (the reference answer).")
-    scale: str = Field("yes_no", json_schema_extra=applies_when(_JUDGE, why=_JUDGE_WHY),
-        description="fn judge: how the reply is read: `yes_no` (a reply starting with yes "
-                       "scores 1, no 0) or `LOW-HIGH` integers such as `1-10` (the first number n of the reply, "
-                       "scored (n - LOW) / (HIGH - LOW)). Any other reply is a judge error, counted, never a score.")
+                          description="A fixed offset subtracted from every score.")
+    batch_size: int = Field(
+        64, ge=1, json_schema_extra=applies_when(
+            _RM, _JUDGE, why="the other rewards score in the reward worker, batched by the stage"),
+        description="fn reward_model: completions scored per forward pass; fn judge: judge prompts per generate "
+        "call (HF generate).")
+    model: ModelSpec | None = Field(
+        None, json_schema_extra=_ONLY_JUDGE, description="Instead of `stage:`: a judge model of its own, "
+        "{gguf: {package, file}} or {gguf: FILE}, {hub: ID} or {path: DIR}, as the pipeline's `model:` takes them.")
+    judge_fn: str | None = Field(
+        None, json_schema_extra=_ONLY_JUDGE, description="Instead of `stage:`: a dotted path `pkg.mod:fn` to a "
+        "function `fn(conversations) -> replies` (one reply text per chat conversation), e.g. a hosted model's "
+        "client; cached by its name.")
+    rubric: str | None = Field(
+        None, json_schema_extra=_ONLY_JUDGE, description="The judge's user message, with `{completion}` and "
+        "optionally `{prompt}` (the user turns) and `{answer}` (the reference answer).")
+    scale: str = Field(
+        "yes_no", json_schema_extra=_ONLY_JUDGE, description="How the reply is read: `yes_no` (a reply starting "
+        "with yes scores 1, no 0) or `LOW-HIGH` integers such as `1-10` (the first number n of the reply, scored "
+        "(n - LOW) / (HIGH - LOW)). Any other reply is a judge error, counted, never a score.")
     sampling: JUDGE_SAMPLING = Field(
-        default_factory=lambda: SamplingSettings(**JUDGE_DEFAULTS),
-        json_schema_extra=applies_when(_JUDGE, why=_JUDGE_WHY), description="fn judge: the judge's sampling "
-        "settings, fixed and part of the reward's hash and of the reply cache's key: temperature 0 (greedy), "
-        "max_tokens 8 and attempts 1 (a judge's one reply) unless set.")
-    backend: Literal["auto", "hf", "vllm"] = Field("auto", json_schema_extra=applies_when(_JUDGE, why=_JUDGE_WHY),
-                                                   description="fn judge: generation backend of a model "
-                                                   "judge (auto: vLLM where it can serve the judge, else HF).")
-    audit_every: int = Field(10, ge=1, json_schema_extra=applies_when(_JUDGE, why=_JUDGE_WHY),
-        description="fn judge: a grpo stage audits the judge against its verifiers "
-                             "every this many reward batches (eval stages audit every evaluation).")
+        default_factory=lambda: SamplingSettings(**JUDGE_DEFAULTS), json_schema_extra=_ONLY_JUDGE,
+        description="The judge's sampling settings, fixed and part of the reward's hash and of the reply cache's "
+        "key: temperature 0 (greedy), max_tokens 8 and attempts 1 (a judge's one reply) unless set.")
+    backend: Literal["auto", "hf", "vllm"] = Field(
+        "auto", json_schema_extra=_ONLY_JUDGE, description="Generation backend of a model judge (auto: vLLM where "
+        "it can serve the judge, else HF).")
+    audit_every: int = Field(
+        10, ge=1, json_schema_extra=_ONLY_JUDGE, description="A grpo stage audits the judge against its verifiers "
+        "every this many reward batches (eval stages audit every evaluation).")
     max_seconds: float = Field(
         60.0, gt=0, le=86400, json_schema_extra=applies_when(
             {"fn": {"not": [*BOUND_ONLY_FNS, *SELF_BOUNDED_FNS]}},
@@ -105,8 +106,7 @@ class RewardSpec(SpecModel):
         "then on one completion when a call fails and its completions are retried one by one), counted from when "
         "the worker holds the reward (not its start or the import of the reward's module), in any thread: "
         "the reward runs in a worker process that is killed past the bound, and a completion that still passes "
-        "it is a reward error under the stage's reward_errors policy. Not for reward_model, judge and "
-        "environment rewards, which the stage runs itself, nor code_tests, which bounds each completion itself.")
+        "it is a reward error under the stage's reward_errors policy.")
 
     @model_validator(mode="after")
     def _reward_model_fields(self):

@@ -82,7 +82,7 @@ class GenerationSettings(SpecModel):
             {"generation.mode": "server", "algorithm": "grpo"},
             why="a colocated engine samples inside the training process, between its steps, and PPO and "
                 "online_dpo draw each step's samples when the step starts, by the weights of the update before"),
-        description="server: how many optimizer steps older than the policy being trained a step's samples may "
+        description="How many optimizer steps older than the policy being trained a step's samples may "
         "be. 0 is synchronous (each step's rollouts drawn by the current weights); k lets generation of the next "
         "k steps' rollouts overlap training, each step's drawn by the weights of k steps before "
         "(stages/rollout/ahead.py); older ones are dropped, counted and drawn again. Either way the server takes "
@@ -92,7 +92,7 @@ class GenerationSettings(SpecModel):
             {"generation.mode": "server", "lora": {"set": True}},
             why="it says how a LoRA policy's weights reach a generation server (full fine-tuning pushes the whole "
                 "weights)"),
-        description="server, a policy trained with `lora`: how each version reaches the server. "
+        description="How each version of a LoRA policy reaches the server. "
         "adapter: the adapter alone over HTTP; several versions are served side by side, and vLLM applies the "
         "adapter unmerged at every token. merged: the policy with its adapters folded in, reloaded in place "
         "from disk as in full fine-tuning; one version at a time (a push waits for batches drawn ahead by the "
@@ -103,14 +103,13 @@ class GenerationSettings(SpecModel):
         "the float32 file, the same samples.")
     startup_timeout_s: float = Field(600.0, gt=0, le=7200, allow_inf_nan=False, json_schema_extra=applies_when(
                                      {"generation.mode": "server"}, why="a colocated engine starts no server"),
-                                     description="server: seconds to wait for the server to answer /health.")
+                                     description="Seconds to wait for the server to answer /health.")
     server_cpus: int | None = Field(
         None, ge=1, le=4096, json_schema_extra=applies_when(
             {"generation.mode": "server", "generation.max_staleness": {"min": 1}},
             why="the cores are split between server and trainer only while generation overlaps training; "
                 "otherwise they take turns on every core"),
-        description="server on a machine without a GPU, generating while the trainer trains (max_staleness > "
-        "0): CPU cores given to the server, the trainer keeping the rest (default half, at least 1). Two "
+        description="On a machine without a GPU, generating while the trainer trains: CPU cores given to the server, the trainer keeping the rest (default half, at least 1). Two "
         "processes each running a thread per core on the same cores slow each other several times over "
         "(measured with SmolLM2: 120 s GRPO steps instead of 53). With max_staleness 0 they take turns on every core.")
 
