@@ -150,16 +150,7 @@ def _command(args) -> int:
         return EXIT_BAD_INPUT
 
     if args.command == "validate":
-        from flows.planning.graph import render_graph
-
-        from flows.spec.validate import unchecked_notes
-
-        console.print(f"{args.file}: valid pipeline {loaded.spec.name!r} with {len(loaded.spec.stages)} stages")
-        for note in unchecked_notes(loaded.spec):
-            console.print(f"  not checked here: {note}", highlight=False, markup=False)
-        console.print("stage graph (run order):")
-        console.print(render_graph(loaded.spec), highlight=False, markup=False)
-        return EXIT_OK
+        return _valid(loaded, args.file, console)
 
     if args.command == "deploy":
         return _deploy(loaded, args, console)
@@ -170,6 +161,19 @@ def _command(args) -> int:
         return check_rewards_command(loaded, args.reward, console)
 
     return _run(loaded, args)
+
+
+def _valid(loaded, file: str, console) -> int:
+    """``posttrain validate`` on a pipeline that validated: what this machine could not check, and the graph."""
+    from flows.planning.graph import render_graph
+    from flows.spec.validate import unchecked_notes
+
+    console.print(f"{file}: valid pipeline {loaded.spec.name!r} with {len(loaded.spec.stages)} stages")
+    for note in unchecked_notes(loaded.spec):
+        console.print(f"  not checked here: {note}", highlight=False, markup=False)
+    console.print("stage graph (run order):")
+    console.print(render_graph(loaded.spec), highlight=False, markup=False)
+    return EXIT_OK
 
 
 def _run(loaded, args) -> int:

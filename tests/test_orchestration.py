@@ -126,7 +126,7 @@ PACKAGE_IMPORTS = {
     "stages.rewards": ("stages.models", "stages.rollout", "stages.preference_math"),
     "flows.spec": ("flows.planning", "flows.execution.distributed"),
     "flows.planning": ("flows.spec", "flows.recording.tags"),
-    "flows.execution": ("flows",),
+    "flows.execution": ("flows.spec", "flows.planning", "flows.recording", "flows.servers", "flows.terminal"),
     "flows.recording": ("flows.terminal", "flows.servers.db_templates"),
     "flows.servers": ("flows.recording", "flows.spec.loading", "flows.execution.pipeline", "flows.cli"),
 }
