@@ -327,7 +327,7 @@ def run(config: BenchmarkConfig, inputs: StageInputs, ctx) -> dict:
     model_args = {"pretrained": str(inputs.model), "trust_remote_code": inputs.trust_remote_code}
     if spec.backend == "hf":
         model_args.update(dtype="float32", device="cpu" if not _cuda() else "cuda", batch_size=spec.batch_size)
-    seed = ctx.seed if config.seed is None else config.seed
+    seed = ctx.seed
     with ctx.progress(f"lm-eval on {', '.join(spec.tasks)}", len(spec.tasks)) as bar:
         results = lm_eval.simple_evaluate(
             model=spec.backend, model_args=model_args, tasks=list(spec.tasks),

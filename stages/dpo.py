@@ -82,7 +82,7 @@ def build_dpo_config(config: DPOStageConfig, output_dir: Path, seed: int):
 def run(config: DPOStageConfig, inputs: StageInputs, ctx) -> dict:
     from trl import DPOTrainer
 
-    args = build_dpo_config(config, ctx.resume_dir, ctx.seed if config.seed is None else config.seed)
+    args = build_dpo_config(config, ctx.resume_dir, ctx.seed)
     return train_on_preferences(pooling_pair_metrics(DPOTrainer, POOLED_METRICS), args, config, inputs, ctx)
 
 

@@ -381,7 +381,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     from stages.training.callbacks import StepMetrics, quiet_trainer, tracking_callback
     from stages.training.resume import train_resumably
 
-    seed = config.seed if config.seed is not None else ctx.seed
+    seed = ctx.seed
     check_devices(config.placement)  # before anything loads
     model, tokenizer, own_generation_config = _load_policy(inputs)
 

@@ -62,7 +62,7 @@ def build_kto_config(config: KTOStageConfig, output_dir, seed: int):
 def run(config: KTOStageConfig, inputs: StageInputs, ctx) -> dict:
     from trl import KTOTrainer
 
-    seed = ctx.seed if config.seed is None else config.seed
+    seed = ctx.seed
     args = build_kto_config(config, ctx.resume_dir, seed)
     return train_on_preferences(KTOTrainer, args, config, inputs, ctx, lambda records: unpaired(records, seed))
 

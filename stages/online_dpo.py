@@ -368,7 +368,7 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     from stages.rl_common import log_curves
     from stages.rollout.training import open_stage_engine
 
-    seed = config.seed if config.seed is not None else ctx.seed
+    seed = ctx.seed
     torch.manual_seed(seed)
     records = read_materialized(inputs.data)
     state = OnlineDPORun.load(config, inputs, seed, ctx)

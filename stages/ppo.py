@@ -587,7 +587,7 @@ class PPORun:
 
 def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     """Run PPO on ``inputs.policy`` against ``inputs.rewards``; save the policy."""
-    seed = config.seed if config.seed is not None else ctx.seed
+    seed = ctx.seed
     torch.manual_seed(seed)
     join_process_group()  # several processes: each samples and scores its shard (stages/training/data_parallel.py)
     run = PPORun.load(config, inputs, seed, ctx)

@@ -107,7 +107,7 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     from stages.training.resume import train_resumably
 
     to_dataset = to_dataset or trl_dataset
-    seed = ctx.seed if config.seed is None else config.seed
+    seed = ctx.seed
     records = read_materialized(inputs.data)
     check_preference_records(records, f"stage data {inputs.data}")
     train, heldout = split_heldout(records, config.heldout_fraction, seed)

@@ -119,7 +119,7 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
         tracking_callback
     from stages.training.resume import resumable_arguments, train_resumably
 
-    seed = ctx.seed if config.seed is None else config.seed
+    seed = ctx.seed
     tokenizer = AutoTokenizer.from_pretrained(inputs.model, trust_remote_code=inputs.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

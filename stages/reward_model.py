@@ -160,7 +160,7 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
     from stages.training.callbacks import quiet_trainer, tracking_callback
     from stages.training.resume import train_resumably
 
-    seed = ctx.seed if config.seed is None else config.seed
+    seed = ctx.seed
     records = read_materialized(inputs.data)
     check_preference_records(records, f"stage data {inputs.data}")
     train, heldout = split_heldout(records, config.heldout_fraction, seed)

@@ -84,7 +84,7 @@ def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
     from stages.training.callbacks import quiet_trainer, tracking_callback
     from stages.training.resume import train_resumably
 
-    seed = ctx.seed if config.seed is None else config.seed
+    seed = ctx.seed
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 when launched data-parallel (flows/execution/distributed.py)
     model, tokenizer = load_model_and_tokenizer(inputs.model,
                                                 trust_remote_code=inputs.trust_remote_code)

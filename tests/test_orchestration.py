@@ -152,6 +152,17 @@ def test_each_package_imports_only_what_its_docstring_names():
     assert not crossings, crossings
 
 
+def test_the_seed_is_resolved_by_the_planner_alone():
+    """A stage's seed is its own, else the pipeline's, decided once (``Pipeline.seed_for``, carried by the job
+    into ``ctx.seed``): no stage module reads ``config.seed`` to decide it again."""
+    import ast
+
+    readers = sorted(name for name, tree in _modules().items() if name.startswith("stages") for node in ast.walk(tree)
+                     if isinstance(node, ast.Attribute) and node.attr == "seed" and isinstance(node.value, ast.Name)
+                     and node.value.id == "config")
+    assert not readers, readers
+
+
 def test_iterate_is_called_by_the_planner_alone():
     """``iterate:`` is not threaded through the core: flows/planning/graph.py is the one module that imports
     flows/planning/iterate.py (job.py names its ``RoundStep`` for typing only); spec, execution and recording
