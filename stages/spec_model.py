@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_INT = 2**31 - 1
 MAX_FLOAT = 1e9
@@ -34,6 +34,12 @@ _WHY = "names become file names, MLflow metric keys and Prefect task names"
 # a Hugging Face repository id, `name` or `owner/name`: no "..", "--" or other "/" (huggingface_hub's rule)
 _HUB_PART = r"[A-Za-z0-9][A-Za-z0-9_]*([.-][A-Za-z0-9_]+)*"
 HUB_ID_PATTERN = rf"^{_HUB_PART}(/{_HUB_PART})?$"
+
+
+def _revision(revision: str) -> str:
+    if problem := revision_problem(revision):
+        raise ValueError(problem)
+    return revision
 
 
 def revision_problem(revision: str) -> str | None:
@@ -59,6 +65,10 @@ def name_problem(name: Any, pattern: str = KEY_NAME_PATTERN) -> str | None:
         return f"{shown!r} is not a valid name: 1-64 letters, digits, '_'{dots} and '-', starting with a letter " \
                f"or digit ({_WHY})"
     return None
+
+
+# a hub revision (a commit, branch or tag) as a field's type: checked by ``revision_problem``
+HubRevision = Annotated[str, AfterValidator(_revision), Field(max_length=256)]
 
 
 def _number_problem(value: Any, seed: bool) -> str | None:

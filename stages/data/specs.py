@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from stages.spec_model import HUB_ID_PATTERN, SpecModel, applies_when, revision_problem
+from stages.spec_model import HUB_ID_PATTERN, HubRevision, SpecModel, applies_when
 
 Role = Literal["train", "probe", "heldout"]
 ROLE_HELP = (
@@ -172,7 +172,7 @@ class HubData(SpecModel):
                                "relative to the pipeline file); its files' content is its identity.")
     config: str | None = Field(None, description="The dataset's configuration (subset), e.g. `main` for GSM8K.")
     split: str = Field("train", description="The split to read.")
-    revision: str | None = Field(None, max_length=256, json_schema_extra=applies_when(
+    revision: HubRevision | None = Field(None, json_schema_extra=applies_when(
         {"hub": {"set": True}}, why="a folder is identified by its files' content"), description="A commit, branch or tag; default the cached `main`. "
                                  "The resolved commit is part of the cache fingerprint and of the run's dataset "
                                  "record, so a new revision reruns what depends on it.")
@@ -191,13 +191,6 @@ class HubData(SpecModel):
         "conversations", description="`conversations` (prompt + completion, or messages) or `preferences` "
         "(prompt / chosen / rejected as strings or message lists, UltraFeedback's shape; HH-RLHF's "
         "\\n\\nHuman: / \\n\\nAssistant: transcripts are split into the shared prompt and the two replies).")
-
-    @field_validator("revision")
-    @classmethod
-    def _revision(cls, revision: str | None) -> str | None:
-        if revision is not None and (problem := revision_problem(revision)):
-            raise ValueError(problem)
-        return revision
 
     @model_validator(mode="after")
     def _one_source(self):

@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from stages.models.pretrained import set_padding_side
-from stages.spec_model import HUB_ID_PATTERN, SpecModel, revision_problem
+from stages.spec_model import HUB_ID_PATTERN, HubRevision, SpecModel
 
 # The assistant's end-of-turn token is inside {% generation %} so assistant-only loss
 # teaches the model to stop (TRL checks for exactly this). Tools passed as `tools=` are
@@ -97,16 +97,8 @@ class HubModelSpec(SpecModel):
 
     hub: str = Field(pattern=HUB_ID_PATTERN, max_length=96,
                      description="Hub id, e.g. `HuggingFaceTB/SmolLM2-135M-Instruct`.")
-    revision: str | None = Field(None, max_length=256,
-                                 description="Branch, tag or commit; default the repository's main.")
+    revision: HubRevision | None = Field(None, description="Branch, tag or commit; default the repository's main.")
     trust_remote_code: bool = Field(False, description="As for `path`: run the checkpoint's own code.")
-
-    @field_validator("revision")
-    @classmethod
-    def _revision(cls, revision: str | None) -> str | None:
-        if revision is not None and (problem := revision_problem(revision)):
-            raise ValueError(problem)
-        return revision
 
 
 _SOURCES = {"init": TinyModelSpec, "path": PathModelSpec, "gguf": GGUFModelSpec, "hub": HubModelSpec}
