@@ -160,7 +160,7 @@ def unwrap_type(tp):
             if arg is type(None):
                 continue
             members[tag or getattr(arg, "__name__", str(arg))] = arg
-        if len(members) == 1:
-            return next(iter(members.values())), None
+        if len(members) == 1:  # ``X | None``; X may be a union itself (an optional ModelSpec): unwrap it too
+            return unwrap_type(next(iter(members.values())))
         return tp, members
     return tp, None
