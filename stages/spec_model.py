@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, ClassVar
+import types
+import typing
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -117,6 +119,34 @@ def value_problem(value: Any, seed: bool = False, depth: int = 0) -> str | None:
     return None
 
 
+def _alternatives(annotation) -> list:
+    """A field's type as its alternatives: Annotated and unions unwrapped (``int | None`` -> [int, NoneType])."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _alternatives(args[0])
+    if origin in (Union, types.UnionType):
+        return [alternative for arg in args for alternative in _alternatives(arg)]
+    return [annotation]
+
+
+def boolean_for_number(value: Any, annotation) -> bool:
+    """Whether ``value`` is (or a list of it holds) a boolean where ``annotation`` takes a number but no boolean:
+    pydantic's lax mode reads ``true`` as 1, so ``max_steps: true`` would train one step."""
+    alternatives = _alternatives(annotation)
+    if isinstance(value, bool):
+        scalars = set()
+        for alternative in alternatives:
+            if typing.get_origin(alternative) is Literal:
+                scalars |= {type(v) for v in typing.get_args(alternative)}
+            else:
+                scalars.add(alternative if isinstance(alternative, type) else object)  # Any, list[...]: object
+        return bool(scalars & {int, float}) and not scalars & {bool, object}
+    if isinstance(value, list):
+        items = [typing.get_args(a)[0] for a in alternatives if typing.get_origin(a) is list and typing.get_args(a)]
+        return len(items) == 1 and any(boolean_for_number(item, items[0]) for item in value)
+    return False
+
+
 class SpecModel(BaseModel):
     """Every pipeline config model: unknown keys refused, every number finite and bounded."""
 
@@ -132,6 +162,16 @@ class SpecModel(BaseModel):
             if old:
                 raise ValueError("; ".join(f"{key} was renamed (did you mean {cls.renamed[key]}?)" for key in old))
         return data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo):
+        if not isinstance(value, (bool, list)):  # the rest cannot hold a boolean read as a number
+            return value
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and boolean_for_number(value, field.annotation):
+            raise ValueError(f"must be a number, not a boolean (got {value!r})")
+        return value
 
     @field_validator("*", mode="after")
     @classmethod
