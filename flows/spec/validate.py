@@ -191,6 +191,12 @@ def _name_issues(d: _Draft) -> Issues:
     return issues
 
 
+def _section_failed(d: _Draft, key: str) -> bool:
+    """Whether the pipeline gives section ``key`` (data, rewards, reward_checks) as something other than a mapping:
+    reported at its place, and read by no later check as if it declared nothing."""
+    return key in d.raw and not isinstance(d.raw[key], dict)
+
+
 def _reference_issues(d: _Draft) -> Issues:
     """Each stage's references to stages, datasets and rewards name something that exists and fits."""
     issues = []
@@ -204,7 +210,7 @@ def _reference_issues(d: _Draft) -> Issues:
             issues += [(("stages", name, *where.split(".")), why)
                        for where, why in config.here_problems(d.base_dir, runs_here)]
         for data_name in config.dataset_names():
-            if not isinstance(data_name, str):
+            if not isinstance(data_name, str) or _section_failed(d, "data"):
                 continue
             where = ("stages", name, "data")
             if data_name not in d.raw_data:
@@ -215,6 +221,8 @@ def _reference_issues(d: _Draft) -> Issues:
                 issues.append((where, f"dataset {data_name!r} has role heldout and cannot feed training stage "
                                       f"{name!r} (leakage guard: heldout data is only ever evaluated)"))
         for i, reward_name in enumerate(config.reward_names()):
+            if _section_failed(d, "rewards"):
+                break
             if isinstance(reward_name, str) and reward_name not in d.raw_rewards and reward_name not in BUILTIN_REWARDS:
                 options = [*d.raw_rewards, *BUILTIN_REWARDS]
                 where = ("stages", name, "labels") if getattr(config, "labels", None) == reward_name \
@@ -302,11 +310,14 @@ def _stage_reference_issues(d: _Draft, name: str, config) -> Issues:
 def _reward_check_issues(d: _Draft) -> Issues:
     issues = []
     for reward_name in d.raw_checks:
+        if _section_failed(d, "rewards"):
+            break
         if reward_name not in d.raw_rewards and reward_name not in BUILTIN_REWARDS:
             issues.append((("reward_checks", reward_name), f"unknown reward {reward_name!r}"
                            f"{did_you_mean(reward_name, [*d.raw_rewards, *BUILTIN_REWARDS])}"))
     for name, config in d.stages.items():
-        if getattr(config, "check_rewards", False) is True:
+        if getattr(config, "check_rewards", False) is True and not (
+                _section_failed(d, "reward_checks") or "environment" in d.failed.get(name, ())):
             names = [r for r in config.reward_names() if isinstance(r, str)]
             environment = getattr(config, "environment", None)
             if not any(r in d.raw_checks for r in names) and not (environment and environment.checks):
@@ -804,7 +815,7 @@ def _shared_prompts(held: ReasoningGymData, other: ReasoningGymData) -> int:
 
 
 def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dict, raw_stages: dict,
-                         raw_rewards: dict, raw_checks: dict) -> list[tuple[tuple, str]]:
+                         raw_rewards: dict, raw_checks: dict, failed: dict) -> list[tuple[tuple, str]]:
     """Reward models are scorers, not policies; preference pairs are not conversations.
 
     A reference that must name a reward_model stage (eval's ``reward_model``, PPO's
@@ -830,6 +841,8 @@ def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dic
                 issues.append((("stages", name, field_name),
                                f"stage {target!r} is a reward model (a scorer, not a policy); it cannot be used as "
                                f"{field_name}"))
+        if "level" in failed.get(name, ()):
+            continue  # what it learns, and so what it reads, is unknown: the level is reported at its place
         if getattr(config, "level", None) == "step" and not config.labels and config.data in data:
             spec = data[config.data]
             if getattr(spec, "records", None) != "steps":
@@ -865,7 +878,7 @@ def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dic
     return issues
 
 
-def _vllm_issues(stages: dict, raw: dict, base_dir: Path) -> list[tuple[tuple, str]]:
+def _vllm_issues(stages: dict, raw: dict, base_dir: Path, failed: dict) -> list[tuple[tuple, str]]:
     """A stage that must generate with vLLM and runs in this process needs a vLLM here that can serve the
     pipeline's model: installed, of this machine's kind (GPU or CPU build), taking the model's attention head
     size (vLLM's CPU kernels take only some), and on a GPU a declared bfloat16 the GPU computes.
@@ -874,9 +887,14 @@ def _vllm_issues(stages: dict, raw: dict, base_dir: Path) -> list[tuple[tuple, s
     machine need not. ``backend: auto`` never needs it. vLLM is looked at (which imports torch, ~1 s) only
     when some stage here declares ``backend: vllm`` or ``generation.mode: server``.
     """
+    try:  # where the stages run is unknown if the default resources failed (reported at their place)
+        if raw.get("resources") is not None:
+            Resources.model_validate(raw["resources"])
+    except ValidationError:
+        return []
     pooled_default = isinstance(raw.get("resources"), dict) and raw["resources"].get("pool")
     in_process = [name for name, config in stages.items()
-                  if _needs_vllm(config)
+                  if _needs_vllm(config) and "resources" not in failed.get(name, ())
                   and not ((own.pool if isinstance(own := getattr(config, "resources", None), Resources)
                             else pooled_default))]
     if not in_process:
@@ -1012,7 +1030,7 @@ def _environment_issues(d: _Draft) -> Issues:
             if not isinstance(reward_name, str) or fn_of(reward_name) != ENVIRONMENT_FN:
                 continue
             where = ("stages", name, "rewards", i)
-            if spec is None:
+            if spec is None and "environment" not in d.failed.get(name, ()):
                 issues.append((where, f"reward {reward_name!r} is an environment's own score of an episode; stage "
                                f"{name!r} declares no `environment:`"))
             elif cls is not None and not has_own_score(cls):
@@ -1034,11 +1052,11 @@ COLLECTORS = (
     lambda d: _leakage_issues(d.data, d.records),
     lambda d: _sandbox_issues(d.stages, d.rewards, d.raw_rewards, d.raw_checks, d.raw),
     lambda d: _model_issues(d.raw.get("model"), d.base_dir, d.stages),
-    lambda d: _reward_model_issues(d.stages, d.rewards, d.data, d.raw_stages, d.raw_rewards, d.raw_checks),
+    lambda d: _reward_model_issues(d.stages, d.rewards, d.data, d.raw_stages, d.raw_rewards, d.raw_checks, d.failed),
     lambda d: _reasoning_gym_issues(d.stages, d.rewards, d.data, d.raw_rewards, d.raw_checks),
     _resource_issues,
     _placement_issues,
-    lambda d: _vllm_issues(d.stages, d.raw, d.base_dir),
+    lambda d: _vllm_issues(d.stages, d.raw, d.base_dir, d.failed),
     _reward_level_issues,
     _graph_issues,
 )
