@@ -116,29 +116,31 @@ def _holds(model: dict, doc) -> bool:
     return True
 
 
-def locate_models(doc: dict, top: dict, found: dict, path=(), node=None) -> None:
-    """The YAML path of the first instance of each schema model (``$defs`` entry) in ``doc``, into ``found``."""
+def locate_models(doc: dict, top: dict, found: dict, path=(), node=None, within="") -> None:
+    """The YAML path of the first instance of each schema model (``$defs`` entry) in ``doc`` in each place it
+    is used (``within``: the model and field holding it, e.g. sampling in an eval stage and in a judge reward), into
+    ``found`` keyed by (model, within)."""
     defs = top["$defs"]
     if node is None:
         for key, value in doc.items():
             if key in top["properties"]:
-                locate_models(value, top, found, (key,), top["properties"][key])
+                locate_models(value, top, found, (key,), top["properties"][key], f"Pipeline.{key}")
         return
     if (name := _ref(node)) is not None:
         if _holds(defs[name], doc):
-            found.setdefault(name, path)
+            found.setdefault((name, within), path)
             for key, value in doc.items():
-                locate_models(value, top, found, path + (key,), defs[name]["properties"][key])
+                locate_models(value, top, found, path + (key,), defs[name]["properties"][key], f"{name}.{key}")
         return
     for key in ("anyOf", "oneOf"):
         for member in node.get(key, []):
-            locate_models(doc, top, found, path, member)
+            locate_models(doc, top, found, path, member, within)
     if isinstance(doc, dict) and isinstance(node.get("additionalProperties"), dict):
         for key, value in doc.items():
-            locate_models(value, top, found, path + (key,), node["additionalProperties"])
+            locate_models(value, top, found, path + (key,), node["additionalProperties"], within)
     if isinstance(doc, list) and isinstance(node.get("items"), dict):
         for i, value in enumerate(doc):
-            locate_models(value, top, found, path + (i,), node["items"])
+            locate_models(value, top, found, path + (i,), node["items"], within)
 
 
 # ---------------------------------------------------------------- bad values from a field's schema
@@ -277,21 +279,25 @@ def unshared(doc):
     return json.loads(json.dumps(doc))
 
 
-def field_cases(top: dict, bases: dict[str, dict]) -> list[tuple[str, str, tuple, str, dict]]:
-    """(field id, base pipeline, YAML path of the field's model, field name, its schema) for every field of every
-    model in the schema (the pipeline's own keys first); a model no base holds fails the test."""
-    where: dict[str, tuple[str, tuple]] = {}
+def field_cases(top: dict, bases: dict[str, dict]) -> list[tuple[str, str, tuple, str, dict, bool]]:
+    """(field id, base pipeline, YAML path of the field's model, field name, its schema, whether the model was met
+    in another place first) for every field of every model in the schema, in every place a base uses the model (the
+    pipeline's own keys first); a model no base holds fails the test."""
+    where: dict[tuple, tuple[str, tuple]] = {}
     for name, doc in bases.items():
-        found: dict[str, tuple] = {}
+        found: dict[tuple, tuple] = {}
         locate_models(doc, top, found)
-        for model, path in found.items():
-            where.setdefault(model, (name, path))
-    missing = sorted(set(top["$defs"]) - set(where))
+        for place, path in found.items():
+            where.setdefault(place, (name, path))
+    missing = sorted(set(top["$defs"]) - {model for model, _ in where})
     assert not missing, f"no base pipeline holds these blocks: add one that does: {missing}"
-    cases = [(f"Pipeline.{field}", "quickstart", (), field, node) for field, node in top["properties"].items()]
-    for model, (base, path) in sorted(where.items()):
+    cases = [(f"Pipeline.{field}", "quickstart", (), field, node, False) for field, node in top["properties"].items()]
+    seen = set()
+    for (model, within), (base, path) in sorted(where.items()):
         for field, node in top["$defs"][model]["properties"].items():
-            cases.append((f"{model}.{field}", base, path, field, node))
+            cases.append((f"{model}.{field}" + (f" (in {within})" if model in seen else ""), base, path, field, node,
+                          model in seen))
+        seen.add(model)
     return cases
 
 
@@ -401,14 +407,14 @@ def test_every_field_of_every_block_refuses_what_its_schema_refuses(checked, rec
     top = schema()
     cases = field_cases(top, bases)
     started = time.perf_counter()
-    fields, models = 0, set()
+    fields, elsewhere, models = 0, 0, set()
 
-    def draw_each(case_id: str, base: str, path: tuple, node: dict, kinds: list) -> None:
+    def draw_each(case_id: str, base: str, path: tuple, node: dict, kinds: list, pick_one: bool = False) -> None:
         @seed(zlib.crc32(case_id.encode()))  # fixed, and its own per field: fields are not all given one value
         @settings(max_examples=EXAMPLES, database=None, deadline=None, suppress_health_check=list(HealthCheck))
         @given(st.data())
         def one(data):
-            for kind, strategy, below in kinds:
+            for kind, strategy, below in [data.draw(st.sampled_from(kinds))] if pick_one else kinds:
                 value = data.draw(strategy, label=kind)
                 doc = copy.deepcopy(bases[base])
                 parent, key = _at(doc, path[:-1]), path[-1]
@@ -416,9 +422,13 @@ def test_every_field_of_every_block_refuses_what_its_schema_refuses(checked, rec
                 validator.check(case_id, doc, path + below, kind, value, discriminator="const" in node)
         one()
 
-    for case_id, base, path, field, node in cases:
+    for case_id, base, path, field, node, again in cases:
         kinds = bad_values(node, top["$defs"])
         assert kinds, f"{case_id}: no bad value drawn from its schema {node}"
+        if again:  # the model's fields had every kind of bad value in its first place: here one, of any kind
+            draw_each(case_id, base, path + (field,), node, kinds, pick_one=True)
+            elsewhere += 1
+            continue
         draw_each(case_id, base, path + (field,), node, kinds)
         fields += 1
         model = case_id.split(".")[0]
@@ -429,14 +439,15 @@ def test_every_field_of_every_block_refuses_what_its_schema_refuses(checked, rec
 
     elapsed = time.perf_counter() - started
     counts = validator.counts
-    print(f"\nschema-driven bad input: {fields} fields of {len(models)} models, {counts['values']} values "
-          f"({dict(counts)}), {elapsed:.1f} s")
+    print(f"\nschema-driven bad input: {fields} fields of {len(models)} models, and {elsewhere} again where a model "
+          f"is used in another place; {counts['values']} values ({dict(counts)}), {elapsed:.1f} s")
     record_property("fields", fields)
     record_property("values", counts["values"])
     assert not validator.failures, f"{len(validator.failures)} bad values not refused cleanly:\n" + \
         "\n".join(validator.failures)
     expected = len(top["properties"]) + sum(len(m.get("properties", {})) for m in top["$defs"].values())
     assert fields == expected > 300 and len(models) == len(top["$defs"]) + 1, (fields, expected, len(models))
+    assert elsewhere > 0, "no model met in a second place (sampling in an eval stage and in a judge reward ...)"
     assert counts["values"] >= fields * EXAMPLES and counts["unknown_key"] >= len(models) * EXAMPLES, counts
     for kind in ("type", "range", "nonfinite", "enum", "pattern", "too_long", "empty", "item", "entry"):
         assert counts[kind] > 0, (kind, counts)
