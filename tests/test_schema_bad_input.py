@@ -13,14 +13,15 @@ iterate ...), draws values the schema refuses, with Hypothesis, one kind at a ti
 - an empty list where ``minItems`` >= 1 (an empty mapping where ``minProperties`` >= 1), a wrong or empty item;
 - a string off its enum or pattern, or past its ``maxLength``.
 
-Each value goes into one field of a pipeline that validates (a shipped one holding that block, else the small
-ones built here), and ``posttrain validate`` must refuse it (exit 2) with an error at that field's YAML path,
-no traceback, and nothing written, neither beside the file nor in POSTTRAIN_HOME nor in the Hugging Face cache.
-In-process it is ``load_pipeline`` (what the command runs: a SpecError is exit 2, any other exception a
-crash); a few bad fields go through the real ``posttrain validate`` in a process of its own. Fields are enumerated from the schema, so every field is covered every run, not by
-chance; Hypothesis draws the values, ``EXAMPLES`` per kind of bad value and
-field (each field seeded with its own name: the same values every run, different ones per field). The test
-asserts how many fields and values it covered and prints both.
+Each value goes into one field of a pipeline that validates (a shipped one holding that block, else the two
+built here), and ``posttrain validate`` must refuse it (exit 2) with an error at that field's YAML path and at no
+other (an error elsewhere is a later check reading the field that failed), no traceback, and nothing written:
+neither beside the file nor in POSTTRAIN_HOME nor in the Hugging Face cache. In-process it is ``load_pipeline``
+(what the command runs: a SpecError is exit 2, any other exception a crash); a few bad fields go through the
+real ``posttrain validate`` in a process of its own. Fields are enumerated from the schema (each model in every
+place a base uses it), so every field is covered every run, not by chance; Hypothesis draws the values,
+``EXAMPLES`` per kind of bad value and field, each field seeded with its own name (the same values every run,
+different ones per field). The test asserts how many fields and values it covered and prints both.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import zlib
