@@ -133,7 +133,9 @@ class RLCommon(ExecutionLimits, Resumable):
         "the budget of one turn.")
     alerts: AlertSettings = Field(default_factory=AlertSettings, description="When the stage says it is learning "
                                   "nothing and why (stages/training/alerts.py): all rewards 0, a reward that cannot parse "
-                                  "the replies, or replies cut by the token budget, for `after_steps` steps in a row.")
+                                  "the replies, or replies cut by the token budget, for `after_steps` steps in a row; "
+                                  "and reward hacking: a learned reward (reward model, PRM, judge) rising while a "
+                                  "verifiable reward of the stage falls, `hacking_windows` windows in a row.")
     difficulty_filter: DifficultyFilter | None = Field(
         None, description="Before training, sample `attempts` completions of each prompt from the starting "
         "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "
@@ -299,6 +301,14 @@ class PPOStageConfig(RLCommon):
         "and the reward's completion score at the last token only (1 - this) of its weight; GAE carries step "
         "scores back. 0: every reward at the last token (outcome only). Not with `environment` (an episode's "
         "answer is scored, not its transcript).")
+    step_credit: Literal["sum", "mean", "min", "centred"] = Field(
+        "min", description="PPO with process_weight: what each step of a process reward earns at its last token. "
+        "sum: its score, so a completion earns the sum of its step scores (more steps, more reward, when a "
+        "learned scorer likes most steps); mean: its score over the completion's number of steps (the "
+        "completion earns its mean step score); min: the drop of the running minimum (the completion earns "
+        "its worst step's score, the first step its score and a later one only what it takes away); centred: "
+        "its score minus the batch's mean step score (a step of average quality earns 0). The choice is "
+        "discussed in docs/pipeline-guide.md.")
 
     # references that must name a reward_model stage (the spec checks the kind)
     reward_model_references: ClassVar[tuple[str, ...]] = ("critic",)
@@ -329,6 +339,9 @@ class PPOStageConfig(RLCommon):
         if self.process_weight and self.environment is not None:
             raise ValueError("process_weight places step scores on the completion's tokens; with `environment` the "
                              "reward scores an episode's final answer, not its transcript: remove one of them")
+        if "step_credit" in self.model_fields_set and not self.process_weight:
+            raise ValueError(f"step_credit ({self.step_credit}) only applies with process_weight > 0 (step scores "
+                             "placed at their steps); set process_weight, or remove step_credit")
         return self
 
 
@@ -338,7 +351,9 @@ WHY_NOT_ELSEWHERE = {
     "process_weight": "dense credit needs a critic: GRPO's advantage is one number per completion, its reward "
                       "centred in its prompt's group, and TRL's trainer has no value function to carry a step's "
                       "score back to the tokens before it; in a grpo stage a process reward counts as its "
-                      "completion score (e.g. chain_steps: the share of steps right), or use algorithm ppo"}
+                      "completion score (e.g. chain_steps: the share of steps right), or use algorithm ppo",
+    "step_credit": "it says what each step earns at its last token under process_weight, PPO's dense credit; "
+                   "GRPO gives a completion one advantage: use algorithm ppo"}
 
 
 def _algorithm(value) -> str | None:
