@@ -9,12 +9,14 @@ labels come from a verifier, not from annotators; or a step-rated file in PRM800
 not (PRM800K's neutral 0 counted with the wrong, as a strict grader would). Each demonstration is read as the model will read
 a completion it scores (stages/rewards/reward_model.py ``step_model_inputs``: the prompt through
 the chat template, then the completion's own tokens), and the cross-entropy is taken only at each
-step's last token (stages/rewards/steps.py ``step_token_indices``); every other token is ignored.
+step's last token (stages/rewards/steps.py ``step_token_indices``); every other token is ignored. With
+``step_class_weights: balanced`` each class weighs the inverse of its share of the training steps.
 
 A seeded ``heldout_fraction`` of the demonstrations is never trained on: before and after training
 the stage reports ``heldout_step_accuracy`` (a step predicted right when P(right) > 0.5), beside
-``heldout_right_step_share`` (what always answering "right" scores), and
-``heldout_first_wrong_step_detection``: among held-out demonstrations with a wrong step, the share
+``heldout_majority_accuracy`` (what always answering the commoner label scores) and
+``heldout_right_step_share``; ``heldout_wrong_step_recall`` and ``heldout_wrong_step_precision`` (of the
+steps it says are wrong, the share that are); and ``heldout_first_wrong_step_detection``: among held-out demonstrations with a wrong step, the share
 whose first step predicted wrong is the first wrong one.
 
 As a reward (``{fn: reward_model, stage: prm, kwargs: {split, delimiter}}``) it scores each step of
@@ -84,10 +86,13 @@ def step_labels(config, inputs: StageInputs, records: list[dict], completions: l
 
 
 def heldout_metrics(model, tokenizer, examples: list[dict]) -> dict[str, float]:
-    """Step accuracy, the share of right steps, and the first-wrong-step detection rate on ``examples``."""
+    """On ``examples``: step accuracy beside the majority baseline (always answering the commoner label), the
+    share of right steps, precision and recall on wrong steps (the ones a PRM exists to catch), and the
+    first-wrong-step detection rate."""
     import torch
 
     correct = total = right_steps = detected = with_wrong = 0
+    flagged = flagged_wrong = 0  # steps predicted wrong, and of those the truly wrong
     model.eval()
     for example in examples:
         ids = torch.tensor([example["input_ids"]])
@@ -99,12 +104,47 @@ def heldout_metrics(model, tokenizer, examples: list[dict]) -> dict[str, float]:
         correct += sum(p == t for p, t in zip(predicted, truth))
         total += len(truth)
         right_steps += sum(truth)
+        flagged += predicted.count(0)
+        flagged_wrong += sum(p == 0 and t == 0 for p, t in zip(predicted, truth))
         if 0 in truth:
             with_wrong += 1
             detected += (0 in predicted and predicted.index(0) == truth.index(0))
-    return {"heldout_step_accuracy": correct / max(total, 1), "heldout_right_step_share": right_steps / max(total, 1),
+    share = right_steps / max(total, 1)
+    wrong_steps = total - right_steps
+    return {"heldout_step_accuracy": correct / max(total, 1), "heldout_right_step_share": share,
+            "heldout_majority_accuracy": max(share, 1 - share) if total else 0.0,
+            "heldout_wrong_step_recall": flagged_wrong / wrong_steps if wrong_steps else 0.0,
+            "heldout_wrong_step_precision": flagged_wrong / flagged if flagged else 0.0,
             "heldout_first_wrong_step_detection": detected / with_wrong if with_wrong else 0.0,
             "heldout_steps": float(total)}
+
+
+def class_weights(config, train: list[dict]) -> list[float] | None:
+    """(wrong, right) weights of the cross-entropy: with ``step_class_weights: balanced`` each label weighs
+    total / (2 x its count) over the training steps, so both classes weigh the same in all; else None."""
+    if config.step_class_weights == "none":
+        return None
+    right = sum(sum(e["step_labels"]) for e in train)
+    total = sum(len(e["step_labels"]) for e in train)
+    wrong = total - right
+    if not right or not wrong:
+        raise ValueError(f"step_class_weights balanced needs right and wrong steps among the training "
+                         f"demonstrations; they hold {right} right and {wrong} wrong")
+    return [total / (2 * wrong), total / (2 * right)]
+
+
+def weighted_token_loss(weights: list[float]):
+    """A Trainer ``compute_loss_func``: the token classifier's cross-entropy with per-class weights, averaged
+    over the labelled tokens by their weights (torch's weighted mean)."""
+    import torch
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+        weight = torch.tensor(weights, dtype=logits.dtype, device=logits.device)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 weight=weight, ignore_index=-100)
+
+    return loss
 
 
 def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
@@ -136,14 +176,17 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
                              logging_steps=config.logging_steps, report_to="none", seed=seed, data_seed=seed,
                              dataloader_num_workers=0, remove_unused_columns=False, **device_arguments())
     dataset = Dataset.from_list([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in train])
+    weights = class_weights(config, train)
     trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      compute_loss_func=weighted_token_loss(weights) if weights else None,
                       data_collator=DataCollatorForTokenClassification(tokenizer),
                       callbacks=[tracking_callback(ctx, metric_renamer({"loss": "loss", "grad_norm": "grad_norm",
                                                                         "learning_rate": "lr"}),
                                                    f"step reward model: {config.max_steps} steps")])
     quiet_trainer(trainer)
     ctx.log_params({"demonstrations": len(examples), "train_demonstrations": len(train),
-                    "heldout_demonstrations": len(heldout), "resolved_seed": seed})
+                    "heldout_demonstrations": len(heldout), "resolved_seed": seed,
+                    "class_weights": "none" if weights is None else f"wrong {weights[0]:.3f}, right {weights[1]:.3f}"})
 
     metrics: dict[str, float] = {}
     if heldout:

@@ -63,6 +63,10 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
         None, description="level step: the process reward (a name under `rewards:`, e.g. a chain_steps verifier) "
         "whose step scores label the steps of `data`'s demonstrations (a step scoring at least 1 is right); "
         "leave it out when `data` is a step-rated file (`records: steps`), whose ratings are the labels.")
+    step_class_weights: Literal["none", "balanced"] = Field(
+        "none", description="level step: how right and wrong steps weigh in the cross-entropy. balanced: each "
+        "class weighs the inverse of its share of the training steps, so the rarer wrong steps count as much "
+        "in all as the right ones; none: every step weighs the same.")
     model: str = Field("base", description="Stage whose checkpoint the reward model starts from, or `base`.")
     data: str = Field(description="Preference pairs (name under `data:`), or with level step conversations whose "
                       "last assistant turn is split into steps; must not be `heldout`.")
@@ -97,6 +101,8 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
                                  "apply to level pair only")
         elif self.labels is not None:
             raise ValueError("labels only applies to level step (a process reward model)")
+        elif self.step_class_weights != "none":
+            raise ValueError("step_class_weights only applies to level step (a process reward model)")
         return self
 
     def references(self) -> dict[str, str]:

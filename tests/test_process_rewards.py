@@ -119,7 +119,7 @@ def test_step_scores_land_on_each_steps_last_token(tiny_checkpoint):
                   ComponentScores("steps", 2.0, steps.scores, steps.parsed, steps=steps.steps)]
     scored = ScoredBatch(components, [1.0 + 2.0 * steps.scores[0], 2.0 * steps.scores[1]])
 
-    placed = placed_scores(rollout, scored, tokenizer, process_weight=0.75)
+    placed = placed_scores(rollout, scored, tokenizer, process_weight=0.75, step_credit="sum")
     for row, text in enumerate(texts):
         ids = samples[row].token_ids
         ends = {len(tokenizer.decode(ids[:i + 1])): i for i in range(len(ids))}
@@ -134,8 +134,34 @@ def test_step_scores_land_on_each_steps_last_token(tiny_checkpoint):
     dense = [scored.total[row] + 0.75 * 2.0 * (sum(s.score for s in steps.steps[row]) - steps.scores[row])
              for row in range(2)]
     assert torch.allclose(placed.sum(-1), torch.tensor(dense))
+    # step_credit min: the completion earns its worst step's score from the process share, wherever it falls
+    worst = [scored.total[row] + 0.75 * 2.0 * (min(s.score for s in steps.steps[row]) - steps.scores[row])
+             for row in range(2)]
+    assert torch.allclose(placed_scores(rollout, scored, tokenizer, 0.75, "min").sum(-1), torch.tensor(worst))
     # process_weight 0 and no process reward: everything at the last token
     assert torch.allclose(placed_scores(rollout, scored, tokenizer, 0.0).sum(-1), torch.tensor(scored.total))
+
+
+@pytest.mark.parametrize("rule, credits", [
+    ("sum", [1.0, 0.0, 1.0]), ("mean", [1 / 3, 0.0, 1 / 3]), ("min", [1.0, -1.0, 0.0]), ("centred", [0.4, -0.6, 0.4])])
+def test_step_credit_rules_by_hand(rule, credits):
+    """Steps scored right, wrong, right (the batch's mean step score 0.6 for centred)."""
+    from stages.ppo import step_credits
+
+    assert step_credits([1.0, 0.0, 1.0], rule, centre=0.6) == pytest.approx(credits)
+
+
+@pytest.mark.parametrize("rule, paid_two, paid_four", [
+    ("sum", 1.8, 3.6), ("mean", 0.9, 0.9), ("min", 0.9, 0.9), ("centred", 0.0, 0.0)])
+def test_only_sum_pays_a_scorer_that_likes_every_step_for_more_steps(rule, paid_two, paid_four):
+    """A learned scorer that gives every step 0.9: summed, four steps earn twice what two do; the other rules
+    pay a completion the same however many steps it writes (centred: the batch's mean step score is 0.9)."""
+    from stages.ppo import step_credits
+
+    assert sum(step_credits([0.9] * 2, rule, centre=0.9)) == pytest.approx(paid_two)
+    assert sum(step_credits([0.9] * 4, rule, centre=0.9)) == pytest.approx(paid_four)
+    # min: a wrong step takes away what the right ones before it earned, a later right one gives nothing back
+    assert sum(step_credits([0.9, 0.1, 0.9], "min")) == pytest.approx(0.1)
 
 
 def test_gae_over_dense_rewards_equals_a_reference_computation():
@@ -180,6 +206,13 @@ def test_process_weight_is_ppos_and_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="process_weight only applies to algorithm ppo, not grpo .dense credit "
                                          "needs a critic"):
         rl_stage_config(algorithm="grpo", process_weight=0.5, **common)
+    assert rl_stage_config(algorithm="ppo", process_weight=0.5, **common).step_credit == "min"
+    with pytest.raises(ValueError, match=r"step_credit \(mean\) only applies with process_weight > 0"):
+        rl_stage_config(algorithm="ppo", step_credit="mean", **common)
+    with pytest.raises(ValueError, match="step_credit"):
+        rl_stage_config(algorithm="ppo", process_weight=0.5, step_credit="product", **common)
+    with pytest.raises(ValueError, match="step_credit only applies to algorithm ppo"):
+        rl_stage_config(algorithm="grpo", step_credit="min", **common)
     with pytest.raises(ValueError, match="with `environment` the reward scores an episode's final answer"):
         rl_stage_config(algorithm="ppo", process_weight=0.5, environment={"fn": "calculator"}, **common)
     with pytest.raises(ValueError, match="terms only applies to generator arithmetic_chain"):
@@ -269,6 +302,9 @@ def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(lab
     assert metrics["heldout_right_step_share"] < 0.8
     assert metrics["heldout_step_accuracy"] > 0.95 > metrics["initial_heldout_step_accuracy"]
     assert metrics["heldout_first_wrong_step_detection"] > 0.9
+    assert metrics["heldout_majority_accuracy"] == pytest.approx(max(metrics["heldout_right_step_share"],
+                                                                     1 - metrics["heldout_right_step_share"]))
+    assert metrics["heldout_wrong_step_recall"] > 0.9 and metrics["heldout_wrong_step_precision"] > 0.9
 
     checkpoint = Path(outputs["checkpoint"])
     assert is_step_scorer(checkpoint)
@@ -280,6 +316,35 @@ def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(lab
     assert [[round(s.score) for s in steps] for steps in scored.steps] == [[1, 0, 1], [1, 1, 0], []]
     assert scored.scores[0] == pytest.approx(sum(s.score for s in scored.steps[0]) / 3)
     assert scored.parsed == [True, True, False] and scored.scores[2] == 0.0
+
+
+def test_balanced_step_classes_weigh_each_class_by_the_inverse_of_its_share():
+    """Three right steps and one wrong: balanced weights (wrong 2.0, right 2/3), and the loss is torch's weighted
+    mean over the labelled tokens, computed here by hand."""
+    import math
+
+    from stages import reward_model
+    from stages.process_reward_model import class_weights, weighted_token_loss
+
+    fields = dict(kind="reward_model", level="step", labels="flags", data="train")
+    balanced = reward_model.RewardModelStageConfig(step_class_weights="balanced", **fields)
+    train = [{"step_labels": [1, 1, 0]}, {"step_labels": [1]}]
+    assert class_weights(balanced, train) == pytest.approx([2.0, 2 / 3])
+    assert class_weights(reward_model.RewardModelStageConfig(**fields), train) is None
+    with pytest.raises(ValueError, match="needs right and wrong steps .* hold 2 right and 0 wrong"):
+        class_weights(balanced, [{"step_labels": [1, 1]}])
+    with pytest.raises(ValueError, match="step_class_weights only applies to level step"):
+        reward_model.RewardModelStageConfig(kind="reward_model", data="train", step_class_weights="balanced")
+
+    logits = torch.tensor([[[0.0, 1.0], [2.0, 0.0], [0.0, 0.0]]])  # three tokens, the last not labelled
+    labels = torch.tensor([[1, 1, -100]])
+    loss = weighted_token_loss([2.0, 0.5])({"logits": logits}, labels)
+    p_right = [math.exp(1) / (1 + math.exp(1)), 1 / (1 + math.exp(2))]
+    expected = (0.5 * -math.log(p_right[0]) + 0.5 * -math.log(p_right[1])) / (0.5 + 0.5)
+    assert float(loss) == pytest.approx(expected)
+    labels = torch.tensor([[0, 1, -100]])
+    expected = (2.0 * -math.log(1 - p_right[0]) + 0.5 * -math.log(p_right[1])) / 2.5
+    assert float(weighted_token_loss([2.0, 0.5])({"logits": logits}, labels)) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("record, message", [
