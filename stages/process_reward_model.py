@@ -10,7 +10,10 @@ not (PRM800K's neutral 0 counted with the wrong, as a strict grader would). Each
 a completion it scores (stages/rewards/reward_model.py ``step_model_inputs``: the prompt through
 the chat template, then the completion's own tokens), and the cross-entropy is taken only at each
 step's last token (stages/rewards/steps.py ``step_token_indices``); every other token is ignored. With
-``step_class_weights: balanced`` each class weighs the inverse of its share of the training steps.
+``step_class_weights: balanced`` each class weighs the inverse of its share of the training steps. With
+``counterfactual_steps: K`` each training demonstration also gives K copies with one step's last number
+moved by 1, relabelled by ``labels`` (``counterfactual_records``): pairs that differ only in a step's result,
+so the model must read the result against its operands to tell them apart.
 
 A seeded ``heldout_fraction`` of the demonstrations is never trained on: before and after training
 the stage reports ``heldout_step_accuracy`` (a step predicted right when P(right) > 0.5), beside
@@ -26,25 +29,30 @@ which PPO's ``process_weight`` places at each step's last token.
 
 from __future__ import annotations
 
+import random
+import re
 import time
 
 from stages.context import StageInputs
 from stages.data.sources import read_materialized
 
 
-def step_examples(config, inputs: StageInputs, tokenizer) -> list[dict]:
+def step_examples(config, inputs: StageInputs, tokenizer, records: list[dict] | None = None) -> list[dict]:
     """One example per demonstration whose labelling reward found steps: input ids (prompt, completion) and
-    labels (1 right, 0 wrong at each step's last token; -100 elsewhere), with the step labels kept apart."""
+    labels (1 right, 0 wrong at each step's last token; -100 elsewhere), with the step labels kept apart, the
+    record and its steps' spans. ``records``: these demonstrations instead of the stage data's."""
     from stages.rewards.reward_model import step_model_inputs
     from stages.rewards.steps import step_token_indices
 
-    records = [r for r in read_materialized(inputs.data) if r["messages"][-1]["role"] == "assistant"]
+    if records is None:
+        records = [r for r in read_materialized(inputs.data) if r["messages"][-1]["role"] == "assistant"]
     if not records:
         raise ValueError(f"stage data {inputs.data} holds no conversation that ends in an assistant turn to label")
     prompts = [r["messages"][:-1] for r in records]
     completions = [r["messages"][-1]["content"] for r in records]
     examples = []
-    for prompt, completion, steps in zip(prompts, completions, step_labels(config, inputs, records, completions)):
+    for record, prompt, completion, steps in zip(records, prompts, completions,
+                                                 step_labels(config, inputs, records, completions)):
         prompt_ids, completion_ids = step_model_inputs(tokenizer, prompt, completion)
         if not steps or not completion_ids:
             continue
@@ -56,11 +64,35 @@ def step_examples(config, inputs: StageInputs, tokenizer) -> list[dict]:
                 labels[len(prompt_ids) + token] = int(step.score >= 1.0)
                 kept.append(int(step.score >= 1.0))
         if kept:
-            examples.append({"input_ids": ids, "labels": labels, "step_labels": kept})
+            examples.append({"input_ids": ids, "labels": labels, "step_labels": kept, "record": record,
+                             "spans": [(step.start, step.end) for step in steps]})
     if not examples:
         raise ValueError(f"no demonstration of stage data {inputs.data} has a step within max_length "
                          f"{config.max_length} tokens")
     return examples
+
+
+TRAILING_NUMBER = re.compile(r"(-?\d+)$")
+
+
+def counterfactual_records(examples: list[dict], copies: int, seed: int) -> list[dict]:
+    """For each example, ``copies`` demonstrations that differ from it in one step: that step's last number
+    moved by 1 up or down (a step ending in no number is left alone; a number never goes below 0 unless it
+    was). The step and the ones after it are relabelled by the stage's labelling reward, never assumed wrong."""
+    rng = random.Random(seed)
+    made = []
+    for example in examples:
+        text = example["record"]["messages"][-1]["content"]
+        numbered = [(a, b) for a, b in example["spans"] if TRAILING_NUMBER.search(text[a:b])]
+        for _ in range(copies if numbered else 0):
+            start, end = rng.choice(numbered)
+            found = TRAILING_NUMBER.search(text[start:end])
+            number = int(found[1])
+            moved = number + 1 if number == 0 else number + rng.choice((-1, 1))
+            changed = text[:start + found.start(1)] + str(moved) + text[end:]
+            messages = [*example["record"]["messages"][:-1], {"role": "assistant", "content": changed}]
+            made.append({**example["record"], "messages": messages})
+    return made
 
 
 def step_labels(config, inputs: StageInputs, records: list[dict], completions: list[str]) -> list[list]:
@@ -165,6 +197,9 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     examples = step_examples(config, inputs, tokenizer)
     train, heldout = split_heldout(examples, config.heldout_fraction, seed)
+    made = counterfactual_records(train, config.counterfactual_steps, seed) if config.counterfactual_steps else []
+    counterfactuals = step_examples(config, inputs, tokenizer, made) if made else []
+    train = train + counterfactuals  # the held-out demonstrations stay as the data has them
     torch.manual_seed(seed)  # the new head
     model = AutoModelForTokenClassification.from_pretrained(inputs.model, num_labels=2,
                                                             trust_remote_code=inputs.trust_remote_code)
@@ -186,6 +221,9 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
     quiet_trainer(trainer)
     ctx.log_params({"demonstrations": len(examples), "train_demonstrations": len(train),
                     "heldout_demonstrations": len(heldout), "resolved_seed": seed,
+                    "counterfactual_demonstrations": len(counterfactuals),
+                    "train_wrong_step_share": 1 - sum(sum(e["step_labels"]) for e in train) / max(
+                        sum(len(e["step_labels"]) for e in train), 1),
                     "class_weights": "none" if weights is None else f"wrong {weights[0]:.3f}, right {weights[1]:.3f}"})
 
     metrics: dict[str, float] = {}

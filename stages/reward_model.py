@@ -67,6 +67,10 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
         "none", description="level step: how right and wrong steps weigh in the cross-entropy. balanced: each "
         "class weighs the inverse of its share of the training steps, so the rarer wrong steps count as much "
         "in all as the right ones; none: every step weighs the same.")
+    counterfactual_steps: int = Field(
+        0, ge=0, le=8, description="level step with `labels`: per training demonstration, this many copies with one "
+        "step's last number moved by 1 up or down, every step relabelled by `labels` (harder labels: a right step "
+        "and its wrong twin differ only in the result). Held-out demonstrations are never copied.")
     model: str = Field("base", description="Stage whose checkpoint the reward model starts from, or `base`.")
     data: str = Field(description="Preference pairs (name under `data:`), or with level step conversations whose "
                       "last assistant turn is split into steps; must not be `heldout`.")
@@ -96,11 +100,16 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
     @model_validator(mode="after")
     def _level_fields(self):
         if self.level == "step":
+            if self.counterfactual_steps and self.labels is None:
+                raise ValueError("counterfactual_steps relabels its copies with the `labels` reward; a step-rated "
+                                 "file has no reward to label them: set labels, or remove counterfactual_steps")
             if self.lora is not None or self.center_rewards_coefficient is not None:
                 raise ValueError("level step trains the whole token classifier: lora and center_rewards_coefficient "
                                  "apply to level pair only")
         elif self.labels is not None:
             raise ValueError("labels only applies to level step (a process reward model)")
+        elif self.counterfactual_steps:
+            raise ValueError("counterfactual_steps only applies to level step (a process reward model)")
         elif self.step_class_weights != "none":
             raise ValueError("step_class_weights only applies to level step (a process reward model)")
         return self

@@ -347,6 +347,43 @@ def test_balanced_step_classes_weigh_each_class_by_the_inverse_of_its_share():
     assert float(weighted_token_loss([2.0, 0.5])({"logits": logits}, labels)) == pytest.approx(expected)
 
 
+def test_counterfactual_steps_move_one_result_and_are_relabelled_by_the_verifier(tiny_checkpoint, home, tmp_path):
+    """Each copy differs from its demonstration in one step's last number, by 1; chain_steps relabels every step
+    of it: the moved step is wrong and so is the one that no longer continues from it, whatever the original."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from stages import reward_model
+    from stages.context import StageInputs
+    from stages.process_reward_model import counterfactual_records, step_examples
+
+    path = tmp_path / "demos.jsonl"
+    demos = ["2+3=5, 5-1=4", "2+3=6, 5-1=4"]  # right; a slip the next step ignores
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "Compute 2+3-1"},
+                                                     {"role": "assistant", "content": d}]}) + "\n" for d in demos))
+    config = reward_model.RewardModelStageConfig(kind="reward_model", level="step", labels="steps", data="train",
+                                                 counterfactual_steps=3)
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"data": path}, rewards={"steps": RewardSpec(fn="chain_steps")})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    examples = step_examples(config, inputs, tokenizer)
+    assert [e["step_labels"] for e in examples] == [[1, 1], [0, 0]]
+    made = counterfactual_records(examples, 3, seed=0)
+    assert len(made) == 6
+    texts = [r["messages"][-1]["content"] for r in made]
+    for text, original in zip(texts, [demos[0]] * 3 + [demos[1]] * 3):
+        changed = [(a, b) for a, b in zip(text.split(", "), original.split(", ")) if a != b]
+        assert len(changed) == 1 and abs(int(changed[0][0].split("=")[1]) - int(changed[0][1].split("=")[1])) == 1
+    relabelled = step_examples(config, inputs, tokenizer, made)
+    for text, example in zip(texts, relabelled):
+        prompt = [{"role": "user", "content": "Compute 2+3-1"}]
+        assert example["step_labels"] == [round(s.score) for s in chain_steps([text], [prompt]).steps[0]]
+    # the right demonstration's copies: a moved first result breaks both steps, a moved second one the second only
+    assert {tuple(e["step_labels"]) for e in relabelled[:3]} <= {(0, 0), (1, 0)}
+    with pytest.raises(ValueError, match="counterfactual_steps relabels its copies with the `labels` reward"):
+        reward_model.RewardModelStageConfig(kind="reward_model", level="step", data="train", counterfactual_steps=1)
+
+
 @pytest.mark.parametrize("record, message", [
     ({"prompt": "p", "steps": ["a", "b"], "ratings": [1]}, "`ratings` must hold one of -1, 0, 1 per step (2 steps)"),
     ({"prompt": "p", "steps": ["a", "b\nc"], "ratings": [1, 1]}, "step 1 holds a line break"),
