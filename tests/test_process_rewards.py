@@ -235,6 +235,8 @@ def test_ppo_with_process_rewards_trains_and_refuses_rewards_without_steps(tiny_
                         StageInputs(policy=tiny_checkpoint, datasets={"train": data}, rewards=rewards),
                         ctx_factory("ppo-process"))
     assert outputs["metrics"]["steps"] == 2.0 and "reward/steps/mean" in outputs["metrics"]
+    # what the process reward paid under the default step_credit min: each completion its worst step, at most 1
+    assert 0.0 <= outputs["metrics"]["reward/steps/credited"] <= 1.0
     with pytest.raises(RuntimeError, match="none of the stage's rewards .correct. scored steps"):
         train_ppo(rl_stage_config(rewards=["correct"], **fields),
                   StageInputs(policy=tiny_checkpoint, datasets={"train": data}, rewards={"correct": rewards["correct"]}),
