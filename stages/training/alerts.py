@@ -45,10 +45,10 @@ class AlertSettings(SpecModel):
                                  "this share of the completions (the model does not write the format it reads).")
     truncated_frac: float = Field(0.9, gt=0.0, le=1.0, description="Alert when at least this share of the "
                                   "completions hit the token budget (`sampling.max_tokens`).")
-    hacking_window: int = Field(10, ge=1, le=100000, description="Steps averaged into one window by the reward "
+    hacking_window: int = Field(5, ge=1, le=100000, description="Steps averaged into one window by the reward "
                                 "hacking watch (a learned reward trained on beside a verifiable check of the same "
                                 "samples).")
-    hacking_windows: int = Field(3, ge=1, le=1000, description="Alert of reward hacking when the learned reward's "
+    hacking_windows: int = Field(2, ge=1, le=1000, description="Alert of reward hacking when the learned reward's "
                                  "window mean rose while the check's fell this many windows in a row (the alert "
                                  "comes at step hacking_window x (hacking_windows + 1) at the earliest).")
 
