@@ -75,8 +75,9 @@ STUDIES = [
         Row(("dpo.yaml", "`eval_dpo` with `--set stages.dpo.loss=ipo`"), (("eval_dpo", "pass_at_1"),)),),
         overrides=("stages.dpo.loss=ipo",)),
     Study("process", "process.yaml", (
-        Row(("process.yaml", "`prm` held-out step accuracy / share of right steps"),
-            (("prm", "heldout_step_accuracy"), ("prm", "heldout_right_step_share"))),
+        Row(("process.yaml", "`prm` held-out step accuracy / majority baseline / wrong steps' recall / precision"),
+            (("prm", "heldout_step_accuracy"), ("prm", "heldout_majority_accuracy"), ("prm", "heldout_wrong_step_recall"),
+             ("prm", "heldout_wrong_step_precision"))),
         Row(("process.yaml", "`eval_sft` pass@1 / right answers through a wrong step"),
             (("eval_sft", "pass_at_1"), ("eval_sft", "steps/steps/correct_with_wrong_step_frac"))),
         Row(("process.yaml", "`eval_ppo_outcome` (final answer only)"),

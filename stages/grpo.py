@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages.training.alerts import SilentFailureWatch
+from stages.training.alerts import SilentFailureWatch, hacking_pairs
 from stages.context import StageInputs
 from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.generation import neutral_generation_config
@@ -409,7 +409,8 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     sampled_elsewhere = backend in ("vllm", "vllm_server") or config.correction is not None
     _attach(trainer, config, step_metrics, correction if sampled_elsewhere else None, rollouts)
     history: list[dict] = []
-    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens)
+    watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens,
+                               hacking_pairs({name: (spec.fn, spec.weight) for name, spec in rewards.items()}))
     trainer.add_callback(tracking_callback(ctx, rename_metrics, f"grpo: {config.max_steps} steps",
                                            _step_logger(config, trainer, history, watch, ctx), step_metrics))
     quiet_trainer(trainer)

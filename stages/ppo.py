@@ -83,7 +83,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stages.training.alerts import SilentFailureWatch
+from stages.training.alerts import SilentFailureWatch, hacking_pairs
 from stages.context import StageInputs
 from stages.data.sources import prompt_batches, prompt_messages, read_materialized
 from stages.training.data_parallel import (
@@ -322,26 +322,74 @@ def last_actions(mask_B_T: torch.Tensor) -> torch.Tensor:
     return mask_B_T.shape[1] - 1 - mask_B_T.flip(-1).argmax(-1)
 
 
-def placed_scores(rollout: Rollout, scored: ScoredBatch, tokenizer, process_weight: float) -> torch.Tensor:
+def step_credits(scores: list[float], rule: str, centre: float = 0.0) -> list[float]:
+    """What each step of one completion earns at its last token, by ``rule`` (``step_credit``): ``sum`` its
+    score; ``mean`` its score over the number of steps (the completion earns its mean step score); ``min`` the
+    drop of the running minimum (the first step its score, a later one min(so far, its score) - min(so far):
+    the completion earns its worst step, and a step can only take away); ``centred`` its score minus
+    ``centre`` (the batch's mean step score: a step of average quality earns 0)."""
+    if rule == "sum":
+        return list(scores)
+    if rule == "mean":
+        return [score / len(scores) for score in scores]
+    if rule == "centred":
+        return [score - centre for score in scores]
+    if rule == "min":
+        credits, running = [], None
+        for score in scores:
+            credits.append(score if running is None else min(running, score) - running)
+            running = score if running is None else min(running, score)
+        return credits
+    raise ValueError(f"step_credit {rule!r}: expected sum, mean, min or centred")
+
+
+def process_credits(scored: ScoredBatch, process_weight: float, step_credit: str) -> dict[str, list[list[float]]]:
+    """For each process reward (one that scored steps): per completion, each step's credit (``step_credits``)
+    times ``process_weight``, before the reward's weight."""
+    credits = {}
+    for component in (c for c in scored.components if c.steps is not None):
+        every = [step.score for steps in component.steps for step in steps]
+        centre = sum(every) / len(every) if every else 0.0  # the batch's mean step score (step_credit centred)
+        credits[component.name] = [[process_weight * credit for credit in
+                                     step_credits([step.score for step in steps], step_credit, centre)]
+                                    for steps in component.steps]
+    return credits
+
+
+def placed_scores(rollout: Rollout, scored: ScoredBatch, tokenizer, process_weight: float,
+                  step_credit: str = "sum") -> torch.Tensor:
     """B x T: each completion's reward on its tokens. A process reward (one that scored the completion's
-    steps, stages/rewards/steps.py) puts ``process_weight`` x its weight x each step's score at the step's
-    last token, and (1 - ``process_weight``) x its weight x its completion score at the last action; every
-    other reward's weighted score goes to the last action. A step's last token is the first whose decoded
-    prefix reaches the step's last character."""
+    steps, stages/rewards/steps.py) puts ``process_weight`` x its weight x each step's credit (``step_credits``
+    by ``step_credit``) at the step's last token, and (1 - ``process_weight``) x its weight x its completion
+    score at the last action; every other reward's weighted score goes to the last action. A step's last token
+    is the first whose decoded prefix reaches the step's last character."""
     mask = rollout.mask_B_T
     placed = torch.zeros(mask.shape, dtype=torch.float32)
     last = last_actions(mask).tolist()
-    process = [c for c in scored.components if c.steps is not None] if process_weight else []
+    credits = process_credits(scored, process_weight, step_credit) if process_weight else {}
+    process = [c for c in scored.components if c.name in credits]
     for row, sample in enumerate(rollout.samples):
         outcome = scored.total[row]
         for component in process:
             outcome -= process_weight * component.weight * component.scores[row]
             steps = component.steps[row]
             tokens = step_token_indices(tokenizer, sample.token_ids, [step.end for step in steps])
-            for step, token in zip(steps, tokens):
-                placed[row, min(token, last[row])] += process_weight * component.weight * step.score
+            for credit, token in zip(credits[component.name][row], tokens):
+                placed[row, min(token, last[row])] += component.weight * credit
         placed[row, last[row]] += outcome
     return placed
+
+
+def credited_means(scored: ScoredBatch, process_weight: float, step_credit: str) -> dict[str, float]:
+    """``reward/<name>/credited``: for each process reward, the mean over completions of what it pays a
+    completion before its weight (its step credits plus (1 - ``process_weight``) x its completion score): what
+    the policy is paid, where ``reward/<name>/mean`` is the completion score. The reward hacking watch reads it."""
+    metrics = {}
+    for name, rows in process_credits(scored, process_weight, step_credit).items():
+        component = next(c for c in scored.components if c.name == name)
+        paid = [sum(row) + (1 - process_weight) * score for row, score in zip(rows, component.scores)]
+        metrics[f"reward/{name}/credited"] = sum(paid) / max(len(paid), 1)
+    return metrics
 
 
 def whiten_over_processes(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -536,7 +584,8 @@ class PPORun:
             raise RuntimeError(f"process_weight is {config.process_weight} but none of the stage's rewards "
                                f"({', '.join(self.scorer.specs)}) scored steps: use a process reward (e.g. "
                                "chain_steps) or remove process_weight")
-        scores = (placed_scores(rollout, scored, self.tokenizer, config.process_weight) if config.process_weight
+        scores = (placed_scores(rollout, scored, self.tokenizer, config.process_weight, config.step_credit)
+                  if config.process_weight
                   else torch.tensor(scored.total))
         targets = compute_targets(self.policy, self.reference, self.critic, rollout, scores, beta, config)
         # the sampler's recorded log-probs against the trainer's (stages/rl_math.py sampler_correction)
@@ -548,6 +597,7 @@ class PPORun:
         metrics = {**rollout_metrics(rollout, scored, targets, config.sampling.attempts), **update,
                    **reward_model_correlations(scored, self.scorer.specs),
                    **(episode_metrics(episodes, config.environment) if episodes is not None else {}),
+                   **(credited_means(scored, config.process_weight, config.step_credit) if config.process_weight else {}),
                    **correction, "kl_beta": beta, "reward/errors": float(self.scorer.errors)}
         self.kl_control.update(metrics["kl/sequence"], n_steps=len(texts) * world_size())
         return metrics, sample_rows(rollout, prompts, answers, scored)
@@ -611,7 +661,8 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
                       skip=lambda done: [next(batches) for _ in range(done)])
     try:
         history, resumed = train_loop(ctx, "ppo", config, lambda step: run.step(step, next(batches), generator), state,
-                                      SilentFailureWatch(config.alerts, config.sampling.max_tokens))
+                                      SilentFailureWatch(config.alerts, config.sampling.max_tokens, hacking_pairs(
+                                          {name: (spec.fn, spec.weight) for name, spec in inputs.rewards.items()})))
     finally:
         close_engine(run.engine, ctx)
 

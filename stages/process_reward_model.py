@@ -9,12 +9,17 @@ labels come from a verifier, not from annotators; or a step-rated file in PRM800
 not (PRM800K's neutral 0 counted with the wrong, as a strict grader would). Each demonstration is read as the model will read
 a completion it scores (stages/rewards/reward_model.py ``step_model_inputs``: the prompt through
 the chat template, then the completion's own tokens), and the cross-entropy is taken only at each
-step's last token (stages/rewards/steps.py ``step_token_indices``); every other token is ignored.
+step's last token (stages/rewards/steps.py ``step_token_indices``); every other token is ignored. With
+``step_class_weights: balanced`` each class weighs the inverse of its share of the training steps. With
+``counterfactual_steps: K`` each training demonstration also gives K copies with one step's last number
+moved by 1, relabelled by ``labels`` (``counterfactual_records``): pairs that differ only in a step's result,
+so the model must read the result against its operands to tell them apart.
 
 A seeded ``heldout_fraction`` of the demonstrations is never trained on: before and after training
 the stage reports ``heldout_step_accuracy`` (a step predicted right when P(right) > 0.5), beside
-``heldout_right_step_share`` (what always answering "right" scores), and
-``heldout_first_wrong_step_detection``: among held-out demonstrations with a wrong step, the share
+``heldout_majority_accuracy`` (what always answering the commoner label scores) and
+``heldout_right_step_share``; ``heldout_wrong_step_recall`` and ``heldout_wrong_step_precision`` (of the
+steps it says are wrong, the share that are); and ``heldout_first_wrong_step_detection``: among held-out demonstrations with a wrong step, the share
 whose first step predicted wrong is the first wrong one.
 
 As a reward (``{fn: reward_model, stage: prm, kwargs: {split, delimiter}}``) it scores each step of
@@ -24,25 +29,30 @@ which PPO's ``process_weight`` places at each step's last token.
 
 from __future__ import annotations
 
+import random
+import re
 import time
 
 from stages.context import StageInputs
 from stages.data.sources import read_materialized
 
 
-def step_examples(config, inputs: StageInputs, tokenizer) -> list[dict]:
+def step_examples(config, inputs: StageInputs, tokenizer, records: list[dict] | None = None) -> list[dict]:
     """One example per demonstration whose labelling reward found steps: input ids (prompt, completion) and
-    labels (1 right, 0 wrong at each step's last token; -100 elsewhere), with the step labels kept apart."""
+    labels (1 right, 0 wrong at each step's last token; -100 elsewhere), with the step labels kept apart, the
+    record and its steps' spans. ``records``: these demonstrations instead of the stage data's."""
     from stages.rewards.reward_model import step_model_inputs
     from stages.rewards.steps import step_token_indices
 
-    records = [r for r in read_materialized(inputs.data) if r["messages"][-1]["role"] == "assistant"]
+    if records is None:
+        records = [r for r in read_materialized(inputs.data) if r["messages"][-1]["role"] == "assistant"]
     if not records:
         raise ValueError(f"stage data {inputs.data} holds no conversation that ends in an assistant turn to label")
     prompts = [r["messages"][:-1] for r in records]
     completions = [r["messages"][-1]["content"] for r in records]
     examples = []
-    for prompt, completion, steps in zip(prompts, completions, step_labels(config, inputs, records, completions)):
+    for record, prompt, completion, steps in zip(records, prompts, completions,
+                                                 step_labels(config, inputs, records, completions)):
         prompt_ids, completion_ids = step_model_inputs(tokenizer, prompt, completion)
         if not steps or not completion_ids:
             continue
@@ -54,11 +64,35 @@ def step_examples(config, inputs: StageInputs, tokenizer) -> list[dict]:
                 labels[len(prompt_ids) + token] = int(step.score >= 1.0)
                 kept.append(int(step.score >= 1.0))
         if kept:
-            examples.append({"input_ids": ids, "labels": labels, "step_labels": kept})
+            examples.append({"input_ids": ids, "labels": labels, "step_labels": kept, "record": record,
+                             "spans": [(step.start, step.end) for step in steps]})
     if not examples:
         raise ValueError(f"no demonstration of stage data {inputs.data} has a step within max_length "
                          f"{config.max_length} tokens")
     return examples
+
+
+TRAILING_NUMBER = re.compile(r"(-?\d+)$")
+
+
+def counterfactual_records(examples: list[dict], copies: int, seed: int) -> list[dict]:
+    """For each example, ``copies`` demonstrations that differ from it in one step: that step's last number
+    moved by 1 up or down (a step ending in no number is left alone; a number never goes below 0 unless it
+    was). The step and the ones after it are relabelled by the stage's labelling reward, never assumed wrong."""
+    rng = random.Random(seed)
+    made = []
+    for example in examples:
+        text = example["record"]["messages"][-1]["content"]
+        numbered = [(a, b) for a, b in example["spans"] if TRAILING_NUMBER.search(text[a:b])]
+        for _ in range(copies if numbered else 0):
+            start, end = rng.choice(numbered)
+            found = TRAILING_NUMBER.search(text[start:end])
+            number = int(found[1])
+            moved = number + 1 if number == 0 else number + rng.choice((-1, 1))
+            changed = text[:start + found.start(1)] + str(moved) + text[end:]
+            messages = [*example["record"]["messages"][:-1], {"role": "assistant", "content": changed}]
+            made.append({**example["record"], "messages": messages})
+    return made
 
 
 def step_labels(config, inputs: StageInputs, records: list[dict], completions: list[str]) -> list[list]:
@@ -84,10 +118,13 @@ def step_labels(config, inputs: StageInputs, records: list[dict], completions: l
 
 
 def heldout_metrics(model, tokenizer, examples: list[dict]) -> dict[str, float]:
-    """Step accuracy, the share of right steps, and the first-wrong-step detection rate on ``examples``."""
+    """On ``examples``: step accuracy beside the majority baseline (always answering the commoner label), the
+    share of right steps, precision and recall on wrong steps (the ones a PRM exists to catch), and the
+    first-wrong-step detection rate."""
     import torch
 
     correct = total = right_steps = detected = with_wrong = 0
+    flagged = flagged_wrong = 0  # steps predicted wrong, and of those the truly wrong
     model.eval()
     for example in examples:
         ids = torch.tensor([example["input_ids"]])
@@ -99,12 +136,47 @@ def heldout_metrics(model, tokenizer, examples: list[dict]) -> dict[str, float]:
         correct += sum(p == t for p, t in zip(predicted, truth))
         total += len(truth)
         right_steps += sum(truth)
+        flagged += predicted.count(0)
+        flagged_wrong += sum(p == 0 and t == 0 for p, t in zip(predicted, truth))
         if 0 in truth:
             with_wrong += 1
             detected += (0 in predicted and predicted.index(0) == truth.index(0))
-    return {"heldout_step_accuracy": correct / max(total, 1), "heldout_right_step_share": right_steps / max(total, 1),
+    share = right_steps / max(total, 1)
+    wrong_steps = total - right_steps
+    return {"heldout_step_accuracy": correct / max(total, 1), "heldout_right_step_share": share,
+            "heldout_majority_accuracy": max(share, 1 - share) if total else 0.0,
+            "heldout_wrong_step_recall": flagged_wrong / wrong_steps if wrong_steps else 0.0,
+            "heldout_wrong_step_precision": flagged_wrong / flagged if flagged else 0.0,
             "heldout_first_wrong_step_detection": detected / with_wrong if with_wrong else 0.0,
             "heldout_steps": float(total)}
+
+
+def class_weights(config, train: list[dict]) -> list[float] | None:
+    """(wrong, right) weights of the cross-entropy: with ``step_class_weights: balanced`` each label weighs
+    total / (2 x its count) over the training steps, so both classes weigh the same in all; else None."""
+    if config.step_class_weights == "none":
+        return None
+    right = sum(sum(e["step_labels"]) for e in train)
+    total = sum(len(e["step_labels"]) for e in train)
+    wrong = total - right
+    if not right or not wrong:
+        raise ValueError(f"step_class_weights balanced needs right and wrong steps among the training "
+                         f"demonstrations; they hold {right} right and {wrong} wrong")
+    return [total / (2 * wrong), total / (2 * right)]
+
+
+def weighted_token_loss(weights: list[float]):
+    """A Trainer ``compute_loss_func``: the token classifier's cross-entropy with per-class weights, averaged
+    over the labelled tokens by their weights (torch's weighted mean)."""
+    import torch
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+        weight = torch.tensor(weights, dtype=logits.dtype, device=logits.device)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 weight=weight, ignore_index=-100)
+
+    return loss
 
 
 def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
@@ -125,6 +197,9 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     examples = step_examples(config, inputs, tokenizer)
     train, heldout = split_heldout(examples, config.heldout_fraction, seed)
+    made = counterfactual_records(train, config.counterfactual_steps, seed) if config.counterfactual_steps else []
+    counterfactuals = step_examples(config, inputs, tokenizer, made) if made else []
+    train = train + counterfactuals  # the held-out demonstrations stay as the data has them
     torch.manual_seed(seed)  # the new head
     model = AutoModelForTokenClassification.from_pretrained(inputs.model, num_labels=2,
                                                             trust_remote_code=inputs.trust_remote_code)
@@ -136,14 +211,20 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
                              logging_steps=config.logging_steps, report_to="none", seed=seed, data_seed=seed,
                              dataloader_num_workers=0, remove_unused_columns=False, **device_arguments())
     dataset = Dataset.from_list([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in train])
+    weights = class_weights(config, train)
     trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      compute_loss_func=weighted_token_loss(weights) if weights else None,
                       data_collator=DataCollatorForTokenClassification(tokenizer),
                       callbacks=[tracking_callback(ctx, metric_renamer({"loss": "loss", "grad_norm": "grad_norm",
                                                                         "learning_rate": "lr"}),
                                                    f"step reward model: {config.max_steps} steps")])
     quiet_trainer(trainer)
     ctx.log_params({"demonstrations": len(examples), "train_demonstrations": len(train),
-                    "heldout_demonstrations": len(heldout), "resolved_seed": seed})
+                    "heldout_demonstrations": len(heldout), "resolved_seed": seed,
+                    "counterfactual_demonstrations": len(counterfactuals),
+                    "train_wrong_step_share": 1 - sum(sum(e["step_labels"]) for e in train) / max(
+                        sum(len(e["step_labels"]) for e in train), 1),
+                    "class_weights": "none" if weights is None else f"wrong {weights[0]:.3f}, right {weights[1]:.3f}"})
 
     metrics: dict[str, float] = {}
     if heldout:

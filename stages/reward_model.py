@@ -50,6 +50,7 @@ from stages.training.callbacks import metric_renamer, pooling_pair_metrics, sche
 
 
 _WHOLE_CLASSIFIER = "level step trains the whole token classifier"
+_STEP_ONLY = "a pair reward model learns from preference pairs, not steps"
 
 
 class RewardModelStageConfig(ExecutionLimits, Resumable):
@@ -68,6 +69,17 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
                                              "pairs, not step labels"), description="The process reward (a name under `rewards:`, e.g. a chain_steps verifier) "
         "whose step scores label the steps of `data`'s demonstrations (a step scoring at least 1 is right); "
         "leave it out when `data` is a step-rated file (`records: steps`), whose ratings are the labels.")
+    step_class_weights: Literal["none", "balanced"] = Field(
+        "none", json_schema_extra=applies_when({"level": "step"}, why=_STEP_ONLY), description="How right and wrong steps weigh in the cross-entropy. balanced: each "
+        "class weighs the inverse of its share of the training steps, so the rarer wrong steps count as much "
+        "in all as the right ones; none: every step weighs the same.")
+    counterfactual_steps: int = Field(
+        0, ge=0, le=8, json_schema_extra=applies_when(
+            {"level": "step", "labels": {"set": True}},
+            why="its copies are relabelled by the `labels` reward (a step-rated file has none to relabel them)"),
+        description="Per training demonstration, this many copies with one "
+        "step's last number moved by 1 up or down, every step relabelled by `labels` (harder labels: a right step "
+        "and its wrong twin differ only in the result). Held-out demonstrations are never copied.")
     model: str = Field("base", description="Stage whose checkpoint the reward model starts from, or `base`.")
     data: str = Field(description="Preference pairs (name under `data:`), or with level step conversations whose "
                       "last assistant turn is split into steps; must not be `heldout`.")

@@ -138,7 +138,9 @@ class RLCommon(ExecutionLimits, Resumable):
         "the budget of one turn.")
     alerts: AlertSettings = Field(default_factory=AlertSettings, description="When the stage says it is learning "
                                   "nothing and why (stages/training/alerts.py): all rewards 0, a reward that cannot parse "
-                                  "the replies, or replies cut by the token budget, for `after_steps` steps in a row.")
+                                  "the replies, or replies cut by the token budget, for `after_steps` steps in a row; "
+                                  "and reward hacking: a learned reward (reward model, PRM, judge) rising while a "
+                                  "verifiable reward of the stage falls, `hacking_windows` windows in a row.")
     difficulty_filter: DifficultyFilter | None = Field(
         None, description="Before training, sample `attempts` completions of each prompt from the starting "
         "policy and keep only prompts whose pass rate under the verifier is strictly between `min_pass` and "
@@ -300,6 +302,16 @@ class PPOStageConfig(RLCommon):
         "chain_steps): each step's score, times the reward's weight and this, is placed at the step's last token, "
         "and the reward's completion score at the last token only (1 - this) of its weight; GAE carries step "
         "scores back. 0: every reward at the last token (outcome only).")
+    step_credit: Literal["sum", "mean", "min", "centred"] = Field(
+        "min", json_schema_extra=applies_when(
+            {"process_weight": {"not": [0]}}, why="step scores are placed at their steps only with process_weight"),
+        description="What each step of a process reward earns at its last token. "
+        "sum: its score, so a completion earns the sum of its step scores (more steps, more reward, when a "
+        "learned scorer likes most steps); mean: its score over the completion's number of steps (the "
+        "completion earns its mean step score); min: the drop of the running minimum (the completion earns "
+        "its worst step's score, the first step its score and a later one only what it takes away); centred: "
+        "its score minus the batch's mean step score (a step of average quality earns 0). The choice is "
+        "discussed in docs/pipeline-guide.md.")
 
     # references that must name a reward_model stage (the spec checks the kind)
     reward_model_references: ClassVar[tuple[str, ...]] = ("critic",)
@@ -328,7 +340,9 @@ WHY_NOT_ELSEWHERE = {
     "process_weight": "dense credit needs a critic: GRPO's advantage is one number per completion, its reward "
                       "centred in its prompt's group, and TRL's trainer has no value function to carry a step's "
                       "score back to the tokens before it; in a grpo stage a process reward counts as its "
-                      "completion score (e.g. chain_steps: the share of steps right), or use algorithm ppo"}
+                      "completion score (e.g. chain_steps: the share of steps right), or use algorithm ppo",
+    "step_credit": "it says what each step earns at its last token under process_weight, PPO's dense credit; "
+                   "GRPO gives a completion one advantage: use algorithm ppo"}
 
 
 def _algorithm(value) -> str | None:

@@ -138,3 +138,103 @@ def test_the_summary_lists_an_alert_and_the_fingerprint_ignores_the_thresholds(h
                                                       "stages.grpo.check_rewards=false"])
     upstream = {"sft": "run-a"}
     assert fingerprint(relaxed, "grpo", upstream) == fingerprint(loaded, "grpo", upstream)
+
+
+# ---------------------------------------------------------------- reward hacking: a learned reward against a check
+
+CHAIN_PROMPT = [{"role": "user", "content": "Compute 2+3-1"}]
+
+
+def pays_every_step(completions, **_):
+    """A learned process reward that pays length: every step looks right to it (P(right) 0.9), as a PRM that
+    has learnt little more than "steps are usually right"."""
+    from stages.rewards.registry import RewardOutput
+    from stages.rewards.steps import StepScore, split_steps
+
+    steps = [[StepScore(a, b, 0.9) for a, b in split_steps(text)] for text in completions]
+    return RewardOutput([0.9 if s else 0.0 for s in steps], [bool(s) for s in steps], steps=steps)
+
+
+def drifting_policy(step: int) -> list[str]:
+    """What a policy paid for steps writes at ``step``: the right chain, then one step more every 5 steps (each
+    extra step also moves the answer, so the verifier's check falls)."""
+    extra = (step - 1) // 5
+    tail = "".join(f", {4 + i}+1={5 + i}" for i in range(extra))
+    return ["2+3=5, 5-1=4" + tail, "2+3=5, 5-1=4" + tail, "2+3=6, 6-1=5" + tail, "2+3=5, 5-1=4" + tail]
+
+
+def step_metrics(completions: list[str], learned_fn, step_credit: str) -> dict[str, float]:
+    """The metrics a PPO step logs for these completions: the learned process reward ``prm`` (its credited
+    pay under ``step_credit``, process_weight 1) and the verifier's step check ``steps``."""
+    from stages.ppo import credited_means
+    from stages.rewards.registry import ComponentScores, ScoredBatch
+    from stages.rewards.steps import chain_steps
+
+    learned, check = learned_fn(completions, prompts=[CHAIN_PROMPT] * 4), chain_steps(completions, [CHAIN_PROMPT] * 4)
+    components = [ComponentScores("prm", 1.0, learned.scores, learned.parsed, steps=learned.steps),
+                  ComponentScores("steps", 0.0, check.scores, check.parsed, steps=check.steps)]
+    scored = ScoredBatch(components, learned.scores)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"reward/mean": mean(learned.scores), "reward/prm/mean": mean(learned.scores),
+            "reward/steps/mean": mean(check.scores), **credited_means(scored, 1.0, step_credit)}
+
+
+def honest_prm(completions, prompts, **_):
+    """A learned process reward that agrees with the verifier (chain_steps' own step scores)."""
+    from stages.rewards.steps import chain_steps
+
+    return chain_steps(completions, prompts)
+
+
+def test_hacking_pairs_are_each_learned_reward_trained_on_beside_each_check():
+    from stages.training.alerts import hacking_pairs
+
+    assert hacking_pairs({"correct": ("exact_answer", 1.0), "prm": ("reward_model", 1.0), "judge": ("judge", 0.5),
+                          "rm_off": ("reward_model", 0.0), "steps": ("chain_steps", 0.0)}) == [
+        ("prm", "correct"), ("prm", "steps"), ("judge", "correct"), ("judge", "steps")]
+    assert hacking_pairs({"correct": ("exact_answer", 1.0), "steps": ("chain_steps", 1.0)}) == []
+
+
+def test_a_length_paying_learned_reward_is_named_as_hacking_within_the_windows(ctx_factory):
+    """A PRM that pays every step, under PPO's summed step credit, pays the drifting policy more each window
+    while the verifier's check falls: the alert comes at step hacking_window x (hacking_windows + 1) = 20, in
+    the run's tag and the summary's list, and not before."""
+    from stages.training.alerts import SilentFailureWatch
+
+    ctx = ctx_factory("alert-hacking")
+    watch = SilentFailureWatch(AlertSettings(hacking_window=5, hacking_windows=3), 24, [("prm", "steps")])
+    for step in range(1, 20):
+        watch.report(ctx, step, step_metrics(drifting_policy(step), pays_every_step, "sum"))
+        assert watch.messages == [], step
+    watch.report(ctx, 20, step_metrics(drifting_policy(20), pays_every_step, "sum"))
+    tag = ctx.recorded_run().data.tags[ALERT]
+    assert tag.startswith("step 20: reward hacking? the learned reward 'prm' rose (1.800 -> 4.500) while the check "
+                          "'steps' fell (0.875 -> 0.350), 3 windows of 5 steps in a row")
+    assert ctx.alerts == tag.splitlines() == watch.messages
+    watch.report(ctx, 25, step_metrics(drifting_policy(25), pays_every_step, "sum"))
+    assert len(watch.messages) == 1  # once
+
+
+@pytest.mark.parametrize("learned_fn, step_credit", [(honest_prm, "sum"), (pays_every_step, "min")])
+def test_no_hacking_alert_where_the_learned_reward_does_not_rise_as_the_check_falls(learned_fn, step_credit):
+    """The same drifting policy: a learned reward that agrees with the verifier falls with it; the length-paying
+    one under step_credit min pays the worst step, which extra steps cannot raise. Neither alerts in 40 steps."""
+    from stages.training.alerts import SilentFailureWatch
+
+    watch = SilentFailureWatch(AlertSettings(hacking_window=5, hacking_windows=3), 24, [("prm", "steps")])
+    for step in range(1, 41):
+        assert watch.observe(step_metrics(drifting_policy(step), learned_fn, step_credit), step) == [], step
+
+
+def test_the_hacking_watch_resumes_where_it_stopped():
+    from stages.training.alerts import SilentFailureWatch
+
+    settings = AlertSettings(hacking_window=5, hacking_windows=3)
+    first = SilentFailureWatch(settings, 24, [("prm", "steps")])
+    for step in range(1, 13):
+        first.observe(step_metrics(drifting_policy(step), pays_every_step, "sum"), step)
+    resumed = SilentFailureWatch(settings, 24, [("prm", "steps")])
+    resumed.restore(first.state())
+    alerts = [resumed.observe(step_metrics(drifting_policy(step), pays_every_step, "sum"), step)
+              for step in range(13, 21)]
+    assert alerts[-1] and alerts[-1][0].startswith("step 20: reward hacking?") and not any(alerts[:-1])

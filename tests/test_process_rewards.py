@@ -119,7 +119,7 @@ def test_step_scores_land_on_each_steps_last_token(tiny_checkpoint):
                   ComponentScores("steps", 2.0, steps.scores, steps.parsed, steps=steps.steps)]
     scored = ScoredBatch(components, [1.0 + 2.0 * steps.scores[0], 2.0 * steps.scores[1]])
 
-    placed = placed_scores(rollout, scored, tokenizer, process_weight=0.75)
+    placed = placed_scores(rollout, scored, tokenizer, process_weight=0.75, step_credit="sum")
     for row, text in enumerate(texts):
         ids = samples[row].token_ids
         ends = {len(tokenizer.decode(ids[:i + 1])): i for i in range(len(ids))}
@@ -134,8 +134,34 @@ def test_step_scores_land_on_each_steps_last_token(tiny_checkpoint):
     dense = [scored.total[row] + 0.75 * 2.0 * (sum(s.score for s in steps.steps[row]) - steps.scores[row])
              for row in range(2)]
     assert torch.allclose(placed.sum(-1), torch.tensor(dense))
+    # step_credit min: the completion earns its worst step's score from the process share, wherever it falls
+    worst = [scored.total[row] + 0.75 * 2.0 * (min(s.score for s in steps.steps[row]) - steps.scores[row])
+             for row in range(2)]
+    assert torch.allclose(placed_scores(rollout, scored, tokenizer, 0.75, "min").sum(-1), torch.tensor(worst))
     # process_weight 0 and no process reward: everything at the last token
     assert torch.allclose(placed_scores(rollout, scored, tokenizer, 0.0).sum(-1), torch.tensor(scored.total))
+
+
+@pytest.mark.parametrize("rule, credits", [
+    ("sum", [1.0, 0.0, 1.0]), ("mean", [1 / 3, 0.0, 1 / 3]), ("min", [1.0, -1.0, 0.0]), ("centred", [0.4, -0.6, 0.4])])
+def test_step_credit_rules_by_hand(rule, credits):
+    """Steps scored right, wrong, right (the batch's mean step score 0.6 for centred)."""
+    from stages.ppo import step_credits
+
+    assert step_credits([1.0, 0.0, 1.0], rule, centre=0.6) == pytest.approx(credits)
+
+
+@pytest.mark.parametrize("rule, paid_two, paid_four", [
+    ("sum", 1.8, 3.6), ("mean", 0.9, 0.9), ("min", 0.9, 0.9), ("centred", 0.0, 0.0)])
+def test_only_sum_pays_a_scorer_that_likes_every_step_for_more_steps(rule, paid_two, paid_four):
+    """A learned scorer that gives every step 0.9: summed, four steps earn twice what two do; the other rules
+    pay a completion the same however many steps it writes (centred: the batch's mean step score is 0.9)."""
+    from stages.ppo import step_credits
+
+    assert sum(step_credits([0.9] * 2, rule, centre=0.9)) == pytest.approx(paid_two)
+    assert sum(step_credits([0.9] * 4, rule, centre=0.9)) == pytest.approx(paid_four)
+    # min: a wrong step takes away what the right ones before it earned, a later right one gives nothing back
+    assert sum(step_credits([0.9, 0.1, 0.9], "min")) == pytest.approx(0.1)
 
 
 def test_gae_over_dense_rewards_equals_a_reference_computation():
@@ -182,6 +208,13 @@ def test_process_weight_is_ppos_and_refused_where_it_cannot_apply():
         rl_stage_config(algorithm="grpo", process_weight=0.5, **common)
     from flows.spec.validate import not_applicable
 
+    assert rl_stage_config(algorithm="ppo", process_weight=0.5, **common).step_credit == "min"
+    [(where, message)] = not_applicable(rl_stage_config(algorithm="ppo", step_credit="mean", **common))
+    assert where == ("step_credit",) and "applies only when process_weight is not 0" in message
+    with pytest.raises(ValueError, match="step_credit"):
+        rl_stage_config(algorithm="ppo", process_weight=0.5, step_credit="product", **common)
+    with pytest.raises(ValueError, match="step_credit only applies to algorithm ppo"):
+        rl_stage_config(algorithm="grpo", step_credit="min", **common)
     [(where, message)] = not_applicable(rl_stage_config(algorithm="ppo", process_weight=0.5,
                                                         environment={"fn": "calculator"}, **common))
     assert where == ("process_weight",) and "with `environment` the reward scores an episode's final answer" in message
@@ -206,6 +239,8 @@ def test_ppo_with_process_rewards_trains_and_refuses_rewards_without_steps(tiny_
                         StageInputs(policy=tiny_checkpoint, datasets={"train": data}, rewards=rewards),
                         ctx_factory("ppo-process"))
     assert outputs["metrics"]["steps"] == 2.0 and "reward/steps/mean" in outputs["metrics"]
+    # what the process reward paid under the default step_credit min: each completion its worst step, at most 1
+    assert 0.0 <= outputs["metrics"]["reward/steps/credited"] <= 1.0
     with pytest.raises(RuntimeError, match="none of the stage's rewards .correct. scored steps"):
         train_ppo(rl_stage_config(rewards=["correct"], **fields),
                   StageInputs(policy=tiny_checkpoint, datasets={"train": data}, rewards={"correct": rewards["correct"]}),
@@ -276,6 +311,9 @@ def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(lab
     assert metrics["heldout_right_step_share"] < 0.8
     assert metrics["heldout_step_accuracy"] > 0.95 > metrics["initial_heldout_step_accuracy"]
     assert metrics["heldout_first_wrong_step_detection"] > 0.9
+    assert metrics["heldout_majority_accuracy"] == pytest.approx(max(metrics["heldout_right_step_share"],
+                                                                     1 - metrics["heldout_right_step_share"]))
+    assert metrics["heldout_wrong_step_recall"] > 0.9 and metrics["heldout_wrong_step_precision"] > 0.9
 
     checkpoint = Path(outputs["checkpoint"])
     assert is_step_scorer(checkpoint)
@@ -287,6 +325,78 @@ def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(lab
     assert [[round(s.score) for s in steps] for steps in scored.steps] == [[1, 0, 1], [1, 1, 0], []]
     assert scored.scores[0] == pytest.approx(sum(s.score for s in scored.steps[0]) / 3)
     assert scored.parsed == [True, True, False] and scored.scores[2] == 0.0
+
+
+def test_balanced_step_classes_weigh_each_class_by_the_inverse_of_its_share():
+    """Three right steps and one wrong: balanced weights (wrong 2.0, right 2/3), and the loss is torch's weighted
+    mean over the labelled tokens, computed here by hand."""
+    import math
+
+    from stages import reward_model
+    from stages.process_reward_model import class_weights, weighted_token_loss
+
+    fields = dict(kind="reward_model", level="step", labels="flags", data="train")
+    balanced = reward_model.RewardModelStageConfig(step_class_weights="balanced", **fields)
+    train = [{"step_labels": [1, 1, 0]}, {"step_labels": [1]}]
+    assert class_weights(balanced, train) == pytest.approx([2.0, 2 / 3])
+    assert class_weights(reward_model.RewardModelStageConfig(**fields), train) is None
+    with pytest.raises(ValueError, match="needs right and wrong steps .* hold 2 right and 0 wrong"):
+        class_weights(balanced, [{"step_labels": [1, 1]}])
+    from flows.spec.validate import not_applicable
+
+    [(where, message)] = not_applicable(reward_model.RewardModelStageConfig(kind="reward_model", data="train",
+                                                                            step_class_weights="balanced"))
+    assert where == ("step_class_weights",) and "applies only when level is step (here level is pair)" in message
+
+    logits = torch.tensor([[[0.0, 1.0], [2.0, 0.0], [0.0, 0.0]]])  # three tokens, the last not labelled
+    labels = torch.tensor([[1, 1, -100]])
+    loss = weighted_token_loss([2.0, 0.5])({"logits": logits}, labels)
+    p_right = [math.exp(1) / (1 + math.exp(1)), 1 / (1 + math.exp(2))]
+    expected = (0.5 * -math.log(p_right[0]) + 0.5 * -math.log(p_right[1])) / (0.5 + 0.5)
+    assert float(loss) == pytest.approx(expected)
+    labels = torch.tensor([[0, 1, -100]])
+    expected = (2.0 * -math.log(1 - p_right[0]) + 0.5 * -math.log(p_right[1])) / 2.5
+    assert float(weighted_token_loss([2.0, 0.5])({"logits": logits}, labels)) == pytest.approx(expected)
+
+
+def test_counterfactual_steps_move_one_result_and_are_relabelled_by_the_verifier(tiny_checkpoint, home, tmp_path):
+    """Each copy differs from its demonstration in one step's last number, by 1; chain_steps relabels every step
+    of it: the moved step is wrong and so is the one that no longer continues from it, whatever the original."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from stages import reward_model
+    from stages.context import StageInputs
+    from stages.process_reward_model import counterfactual_records, step_examples
+
+    path = tmp_path / "demos.jsonl"
+    demos = ["2+3=5, 5-1=4", "2+3=6, 5-1=4"]  # right; a slip the next step ignores
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "Compute 2+3-1"},
+                                                     {"role": "assistant", "content": d}]}) + "\n" for d in demos))
+    config = reward_model.RewardModelStageConfig(kind="reward_model", level="step", labels="steps", data="train",
+                                                 counterfactual_steps=3)
+    inputs = StageInputs(model=tiny_checkpoint, datasets={"data": path}, rewards={"steps": RewardSpec(fn="chain_steps")})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    examples = step_examples(config, inputs, tokenizer)
+    assert [e["step_labels"] for e in examples] == [[1, 1], [0, 0]]
+    made = counterfactual_records(examples, 3, seed=0)
+    assert len(made) == 6
+    texts = [r["messages"][-1]["content"] for r in made]
+    for text, original in zip(texts, [demos[0]] * 3 + [demos[1]] * 3):
+        changed = [(a, b) for a, b in zip(text.split(", "), original.split(", ")) if a != b]
+        assert len(changed) == 1 and abs(int(changed[0][0].split("=")[1]) - int(changed[0][1].split("=")[1])) == 1
+    relabelled = step_examples(config, inputs, tokenizer, made)
+    for text, example in zip(texts, relabelled):
+        prompt = [{"role": "user", "content": "Compute 2+3-1"}]
+        assert example["step_labels"] == [round(s.score) for s in chain_steps([text], [prompt]).steps[0]]
+    # the right demonstration's copies: a moved first result breaks both steps, a moved second one the second only
+    assert {tuple(e["step_labels"]) for e in relabelled[:3]} <= {(0, 0), (1, 0)}
+    from flows.spec.validate import not_applicable
+
+    [(where, message)] = not_applicable(reward_model.RewardModelStageConfig(kind="reward_model", level="step",
+                                                                            data="train", counterfactual_steps=1))
+    assert where == ("counterfactual_steps",) and "relabelled by the `labels` reward" in message
 
 
 @pytest.mark.parametrize("record, message", [

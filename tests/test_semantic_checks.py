@@ -34,13 +34,15 @@ def test_a_stage_that_needs_step_scores_refuses_rewards_that_score_only_the_end(
     process = PIPELINES / "process.yaml"
     assert validate(capsys, process)[0] == 0  # ppo_process: process_weight with chain_steps; prm labelled by it
     # PPO's process credit with the final answer alone: nothing to place at the steps' tokens
-    refused(capsys, process, "stages.ppo_outcome.process_weight", "none of the stage's rewards (correct) scores "
-            "steps", "stages.ppo_outcome.process_weight=0.5")
+    refused(capsys, process, "stages.ppo_outcome.process_weight", "none of the rewards the stage trains on "
+            "(correct) scores steps", "stages.ppo_outcome.process_weight=0.5")
     # a step reward model labelled by an outcome reward: its training would find no step scores
     refused(capsys, process, "stages.prm.labels", "reward 'correct' scores a completion's end, not its steps",
             "stages.prm.labels=correct")
     # a reward model of level pair scores the end: no process credit either
-    refused(capsys, process, "stages.ppo_prm.process_weight", "none of the stage's rewards (correct, prm_steps)",
+    # (its verifier's step checks at weight 0 are watched beside it, never paid)
+    refused(capsys, process, "stages.ppo_prm.process_weight", "none of the rewards the stage trains on (correct, "
+            "prm_steps)",
             "stages.prm.level=pair", "stages.prm.labels=null", "data.prefs={generator: arithmetic_preferences, "
             "n: 50, role: train}", "stages.prm.data=prefs")
 

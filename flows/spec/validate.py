@@ -260,7 +260,7 @@ def not_applicable(root, failed: set = frozenset()) -> list[tuple[tuple, str]]:
     rule. A field in ``failed`` (it failed its own check) is neither checked nor read by another's condition."""
     issues = []
     for path, value, condition in set_fields(root):
-        if condition is None or path[0] in failed:
+        if condition is None or value is None or path[0] in failed:  # null: the field left out, as its default
             continue
         if any(p.split(".")[0] in failed for p in condition_paths(condition)) or condition_holds(root, condition):
             continue
@@ -964,6 +964,14 @@ def _reward_level(d: _Draft, reward_name) -> str | None:
     return "outcome" if spec.fn in BUILTIN_REWARDS else None
 
 
+def _weight(d: _Draft, reward_name) -> float | None:
+    """A reward's weight in the stage's sum (a built-in's is 1), None where its declaration failed."""
+    if reward_name not in d.raw_rewards:
+        return 1.0
+    spec = d.rewards.get(reward_name)
+    return spec.weight if spec is not None else None
+
+
 def _head(d: _Draft, stage) -> str | None:
     """What a reward_model stage's head scores: ``step`` (level step, a token classifier) or ``outcome``."""
     config = d.stages.get(stage) if isinstance(stage, str) else None
@@ -981,12 +989,12 @@ def _reward_level_issues(d: _Draft) -> Issues:
     for name, config in d.stages.items():
         failed = d.failed.get(name, set())
         if getattr(config, "process_weight", 0) and not failed & {"process_weight", "rewards"}:
-            levels = [_reward_level(d, r) for r in config.rewards]
-            if levels and all(level == "outcome" for level in levels):
+            paid = [r for r in config.rewards if _weight(d, r) != 0]  # a weight-0 reward is watched, never paid
+            if all(_reward_level(d, r) == "outcome" for r in paid):
                 issues.append((("stages", name, "process_weight"), f"process_weight {config.process_weight} places "
-                               f"process rewards' step scores, but none of the stage's rewards ({', '.join(config.rewards)}) "
-                               f"scores steps: add one (e.g. {STEP_BUILTINS[0]}, or fn reward_model of a level step "
-                               "stage), or remove process_weight"))
+                               "process rewards' step scores, but none of the rewards the stage trains on "
+                               f"({', '.join(paid) or 'none of weight other than 0'}) scores steps: add one (e.g. "
+                               f"{STEP_BUILTINS[0]}, or fn reward_model of a level step stage), or remove process_weight"))
         labels = getattr(config, "labels", None) if config.kind == "reward_model" else None
         if labels and "labels" not in failed and _reward_level(d, labels) == "outcome":
             issues.append((("stages", name, "labels"), f"reward {labels!r} scores a completion's end, not its steps: "

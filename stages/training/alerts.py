@@ -12,6 +12,15 @@ step's logged metrics to a ``SilentFailureWatch``; when one of these holds for
 - the verifier: every reward equal to 0 (``reward/mean`` 0 and no group whose rewards differ),
   so there is no signal to learn from.
 
+A stage that trains on a learned reward (``fn: reward_model``, a PRM among them, or ``fn: judge``)
+beside a verifiable check of the same samples (any other reward of the stage, weight 0 included) is
+also watched for reward hacking (``RewardHackingWatch``): the steps are cut into windows of
+``alerts.hacking_window`` steps, and when the learned reward's window mean rose while the check's
+fell, window after window, ``alerts.hacking_windows`` times in a row, the stage alerts, naming both
+rewards and their first and last window means. Both are already logged at every step
+(``reward/<name>/mean``; for a process reward under PPO's step credit, what it pays the policy,
+``reward/<name>/credited``, is the learned side).
+
 An alert is the stage run's MLflow tag ``posttrain.alert`` (every alert so far, one per
 line), a warning line above the stage's live line, and a line under ``posttrain run``'s
 summary. It never stops the stage: the user decides.
@@ -36,17 +45,88 @@ class AlertSettings(SpecModel):
                                  "this share of the completions (the model does not write the format it reads).")
     truncated_frac: float = Field(0.9, gt=0.0, le=1.0, description="Alert when at least this share of the "
                                   "completions hit the token budget (`sampling.max_tokens`).")
+    hacking_window: int = Field(5, ge=1, le=100000, description="Steps averaged into one window by the reward "
+                                "hacking watch (a learned reward trained on beside a verifiable check of the same "
+                                "samples).")
+    hacking_windows: int = Field(2, ge=1, le=1000, description="Alert of reward hacking when the learned reward's "
+                                 "window mean rose while the check's fell this many windows in a row (the alert "
+                                 "comes at step hacking_window x (hacking_windows + 1) at the earliest).")
 
 
 def _percent(share: float) -> str:
     return f"{100 * share:.0f}%"
 
 
-class SilentFailureWatch:
-    """Per step, the conditions that make a step teach nothing; an alert when one persists."""
+LEARNED_FNS = ("reward_model", "judge")  # reward fns that score with a model, not a check
 
-    def __init__(self, settings: AlertSettings, max_tokens: int):
+
+def hacking_pairs(rewards: dict[str, tuple[str, float]]) -> list[tuple[str, str]]:
+    """(learned, check) pairs to watch among a stage's rewards (name -> (fn, weight)): every learned reward
+    trained on (weight not 0) with every verifiable reward beside it."""
+    learned = [name for name, (fn, weight) in rewards.items() if fn in LEARNED_FNS and weight != 0]
+    checks = [name for name, (fn, _) in rewards.items() if fn not in LEARNED_FNS]
+    return [(a, b) for a in learned for b in checks]
+
+
+class RewardHackingWatch:
+    """Window means of each learned reward and its check; a message when the learned one rose while the check
+    fell ``hacking_windows`` windows in a row."""
+
+    def __init__(self, settings: AlertSettings, pairs: list[tuple[str, str]]):
+        self.settings, self.pairs = settings, pairs
+        self.current: dict[str, list[float]] = {}  # reward -> this window's step means so far
+        self.windows: dict[str, list[float]] = {}  # reward -> each finished window's mean
+        self.streaks: dict[str, int] = {}  # "learned|check" -> windows in a row the learned rose, the check fell
+
+    def observe(self, metrics: dict[str, float]) -> dict[str, str]:
+        """cause -> message for every pair whose streak reached ``hacking_windows`` at this step."""
+        learned = {name for name, _ in self.pairs}
+        names = sorted(learned | {check for _, check in self.pairs})
+        for name in names:  # the learned side: what a process reward pays under PPO's step credit, else its mean
+            value = metrics.get(f"reward/{name}/mean")
+            if name in learned:
+                value = metrics.get(f"reward/{name}/credited", value)
+            if value is not None:
+                self.current.setdefault(name, []).append(value)
+        if not names or len(self.current.get(names[0], [])) < self.settings.hacking_window:
+            return {}
+        for name in names:
+            values = self.current.pop(name, [])
+            if values:
+                self.windows.setdefault(name, []).append(sum(values) / len(values))
+        found, n = {}, self.settings.hacking_windows
+        for learned, check in self.pairs:
+            a, b = self.windows.get(learned, []), self.windows.get(check, [])
+            if len(a) < 2 or len(b) < 2:
+                continue
+            key = f"{learned}|{check}"
+            self.streaks[key] = self.streaks.get(key, 0) + 1 if a[-1] > a[-2] and b[-1] < b[-2] else 0
+            if self.streaks[key] >= n:
+                found[f"hacking:{key}"] = (
+                    f"reward hacking? the learned reward {learned!r} rose ({a[-n - 1]:.3f} -> {a[-1]:.3f}) while the "
+                    f"check {check!r} fell ({b[-n - 1]:.3f} -> {b[-1]:.3f}), {n} windows of "
+                    f"{self.settings.hacking_window} steps in a row: the policy is paid for something the check does "
+                    "not reward. Look at the samples/ tables for what the learned reward pays (length, more steps, a "
+                    "phrase); with a process reward try step_credit min; retrain or constrain the learned reward, or "
+                    "raise kl_beta")
+        return found
+
+    def state(self) -> dict:
+        return {"current": self.current, "windows": self.windows, "streaks": self.streaks}
+
+    def restore(self, saved: dict) -> None:
+        self.current = {k: list(v) for k, v in saved.get("current", {}).items()}
+        self.windows = {k: list(v) for k, v in saved.get("windows", {}).items()}
+        self.streaks = dict(saved.get("streaks", {}))
+
+
+class SilentFailureWatch:
+    """Per step, the conditions that make a step teach nothing, and reward hacking where a learned reward is
+    watched by a check (``hacking_pairs``); an alert when one persists."""
+
+    def __init__(self, settings: AlertSettings, max_tokens: int, hacking: list[tuple[str, str]] = ()):
         self.settings, self.max_tokens = settings, max_tokens
+        self.hacking = RewardHackingWatch(settings, list(hacking))
         self.streaks: dict[str, int] = {}
         self.raised: list[str] = []  # causes already reported
         self.messages: list[str] = []
@@ -81,6 +161,9 @@ class SilentFailureWatch:
         found = self.conditions(metrics)
         self.streaks = {cause: self.streaks.get(cause, 0) + 1 for cause in found}
         due = [cause for cause in found if self.streaks[cause] >= self.settings.after_steps and cause not in self.raised]
+        hacking = {cause: message for cause, message in self.hacking.observe(metrics).items() if cause not in self.raised}
+        found.update(hacking)
+        due += list(hacking)
         self.raised += due
         new = [f"step {step}: {found[cause]}" for cause in due]
         self.messages += new
@@ -88,10 +171,12 @@ class SilentFailureWatch:
 
     def state(self) -> dict:
         """What a resumed stage needs to keep watching where it stopped (stages/training/resume.py)."""
-        return {"streaks": self.streaks, "raised": self.raised, "messages": self.messages}
+        return {"streaks": self.streaks, "raised": self.raised, "messages": self.messages,
+                "hacking": self.hacking.state()}
 
     def restore(self, saved: dict) -> None:
         self.streaks, self.raised, self.messages = dict(saved["streaks"]), list(saved["raised"]), list(saved["messages"])
+        self.hacking.restore(saved.get("hacking", {}))
 
     def report(self, ctx, step: int, metrics: dict[str, float]) -> None:
         """``observe``, and tell ``ctx`` of new alerts: the run's ``posttrain.alert`` tag holds every alert so
