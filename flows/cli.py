@@ -66,7 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--settings", metavar="HASH", help="rank only the checkpoints evaluated under this "
                          "settings hash (or a prefix of it)")
     compare.add_argument("--promote", action="store_true",
-                         help="set the registered model alias `champion` on the best checkpoint")
+                         help="set the registered model alias `champion` on the best checkpoint, unless its lead "
+                         "over the current champion is within noise (its 95%% interval holds 0): then exit 1")
+    compare.add_argument("--force", action="store_true",
+                         help="with --promote: promote a lead within noise anyway (recorded on the compare run "
+                         "and the model version)")
     compare.add_argument("--output", metavar="PNG", help="where to save the chart "
                          "(default $POSTTRAIN_HOME/compare/EXPERIMENT/compare-METRIC.png)")
     return parser
