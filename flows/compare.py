@@ -340,8 +340,11 @@ def print_group(group: Group, metric: str, console, champion: str | None) -> lis
     shown = [c for c in rows[0] if c != "settings" and not (
         c in ("seed", "variant", "round") and all(row[c] in ("-", NO_VARIANT) for row in rows))]
     for column in shown:
+        # scores and intervals keep their width; names and ids give way on a narrow terminal
         table.add_column(column, no_wrap=True, justify="right" if column not in (
-            "stage", "variant", "version", "eval run") else "left")
+            "stage", "variant", "version", "eval run") else "left",
+            min_width={"vs #1 (95%)": 24}.get(column, 13 if column.startswith("pass_at_") or column == metric
+                                              else None))
     for row in rows:
         cells = [_fmt(row[c]) if isinstance(row[c], float) or row[c] is None else str(row[c]) for c in shown]
         cells[shown.index("eval run")] = cells[shown.index("eval run")][:12]  # compare.json keeps the whole id
