@@ -93,7 +93,8 @@ class Row:
         return self.metrics.get(metric, float("-inf"))
 
     def se(self, metric: str) -> float | None:
-        return self.metrics.get(f"se/{metric}")
+        """The eval stage's SE over prompts, or the harness's own for a benchmark (``<metric>_stderr``)."""
+        return self.metrics.get(f"se/{metric}", self.metrics.get(f"{metric}_stderr"))
 
     @property
     def variant_key(self) -> tuple[str, str]:
@@ -249,13 +250,13 @@ def difference(client, a: Row, b: Row, metric: str) -> Estimate | None:
 def variants_of(client, group: Group, metric: str) -> list[Variant]:
     """The group's rows by (eval stage, variant), over seeds, best mean first; each with its difference
     from the best: a t interval over the seeds both ran, or for one shared seed the paired prompt interval."""
-    by_key: dict[tuple[str, str], list[Row]] = {}
-    for row in group.rows:
+    by_key: dict[tuple[str, str], dict[str, Row]] = {}
+    for row in sorted(group.rows, key=lambda r: r.started):  # a seed evaluated again (a rerun): the newest
         if metric in row.metrics:
-            by_key.setdefault(row.variant_key, []).append(row)
+            by_key.setdefault(row.variant_key, {})[row.seed] = row
     variants = []
-    for (eval_stage, variant), rows in by_key.items():
-        rows = sorted(rows, key=lambda r: (len(r.seed), r.seed))
+    for (eval_stage, variant), by_seed in by_key.items():
+        rows = sorted(by_seed.values(), key=lambda r: (len(r.seed), r.seed))
         variants.append(Variant(eval_stage, variant, rows, seed_estimate([r.value(metric) for r in rows])))
     variants.sort(key=lambda v: v.estimate.mean, reverse=True)
     best = variants[0] if variants else None
