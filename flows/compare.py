@@ -228,8 +228,8 @@ def per_prompt_scores(client, row: Row) -> dict | None:
         except Exception:  # evaluated before eval stages logged it, or a benchmark stage
             row.per_prompt = {}
             return None
-        columns = table["columns"]
-        row.per_prompt = {r[columns.index("prompt")]: dict(zip(columns, r)) for r in table["data"]}
+        columns = table["columns"]  # keyed by position and question: a dataset may hold a question twice
+        row.per_prompt = {(i, r[columns.index("prompt")]): dict(zip(columns, r)) for i, r in enumerate(table["data"])}
     return row.per_prompt or None
 
 
@@ -240,7 +240,8 @@ def difference(client, a: Row, b: Row, metric: str) -> Estimate | None:
     if scores_a and scores_b and set(scores_a) == set(scores_b) and all(
             metric in r for r in (*scores_a.values(), *scores_b.values())):
         keys = sorted(scores_a)
-        return paired_difference([scores_a[k][metric] for k in keys], [scores_b[k][metric] for k in keys])
+        return paired_difference([scores_a[k][metric] for k in keys], [scores_b[k][metric] for k in keys],
+                                 [question for _, question in keys])
     if a.se(metric) is None or b.se(metric) is None:
         return None
     mean, se = b.value(metric) - a.value(metric), unpaired_se(a.se(metric), b.se(metric))
@@ -324,7 +325,8 @@ def table_rows(group: Group, metric: str) -> list[dict]:
 
 def variant_rows(group: Group, metric: str) -> list[dict]:
     return [{"eval": v.eval_stage, "variant": v.variant, "n": v.estimate.n,
-             f"{metric} mean ± SE over seeds": f"{v.estimate.mean:.3f} ± {v.estimate.se:.3f}",
+             f"{metric} mean ± SE over seeds": f"{v.estimate.mean:.3f} ± {v.estimate.se:.3f}" if v.estimate.n > 1
+             else f"{v.estimate.mean:.3f} (1 seed)",
              "per seed": " ".join(f"{r.seed}:{r.value(metric):.3f}" for r in v.rows),
              "vs best (95%)": "-" if i == 0 else difference_text(v.vs_best) + (
                  f" ({v.vs_best.method})" if v.vs_best else "")}

@@ -5,7 +5,8 @@ token budget and seed. Reported: unbiased pass@k (Chen et al. 2021, eq. 1) for k
 powers of two and k = attempts; the mean combined reward; the format-error rate (the
 verifier could not parse an answer at all, kept apart from "wrong"); the truncation rate
 (hit the budget); the mean completion length. Beside each pass@k and the mean reward, its
-standard error over prompts (``se/pass_at_1``, ...: attempts clustered by prompt,
+standard error over prompts (``se/pass_at_1``, ...: attempts clustered by prompt, a question
+the dataset holds twice clustered as one,
 ``stages/intervals.py``), and the per-prompt scores as the table ``per_prompt.json``, so
 ``posttrain compare`` can pair two evaluations prompt by prompt. The settings are logged beside the scores
 and hashed into the tag ``posttrain.eval_settings``: scores are comparable only within one
@@ -36,7 +37,7 @@ from pydantic import (
 )
 
 from stages.context import ExecutionLimits, StageInputs, StageKind
-from stages.intervals import mean_and_se
+from stages.intervals import clustered_mean_and_se
 from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.environments import EnvironmentSpec
 from stages.rollout.generation import BackendName, EngineSettings, SamplingSettings, open_backend
@@ -367,7 +368,7 @@ def per_prompt_scores(prompts: list, records: list[dict], correct: list[bool], r
     rows = []
     for i, (messages, record) in enumerate(zip(prompts, records)):
         c = sum(correct[i * k : (i + 1) * k])
-        row = {"prompt": prompt_key(messages, record.get("answer")), "correct": c, "attempts": k}
+        row = {"index": i, "prompt": prompt_key(messages, record.get("answer")), "correct": c, "attempts": k}
         row.update({f"pass_at_{kk}": pass_at_k(k, c, kk) for kk in (ks or pass_k_values(k))})
         row["reward_mean"] = sum(rewards[i * k : (i + 1) * k]) / k
         rows.append(row)
@@ -375,9 +376,11 @@ def per_prompt_scores(prompts: list, records: list[dict], correct: list[bool], r
 
 
 def standard_errors(per_prompt: list[dict]) -> dict[str, float]:
-    """``se/<score>`` for each pass@k and the mean reward: the SE over prompts (attempts clustered by prompt)."""
+    """``se/<score>`` for each pass@k and the mean reward: the SE over prompts (attempts clustered by prompt, and
+    a question the dataset holds several times clustered as one)."""
     names = [name for name in per_prompt[0] if name.startswith("pass_at_") or name == "reward_mean"]
-    return {f"se/{name}": mean_and_se([row[name] for row in per_prompt])[1] for name in names}
+    questions = [row["prompt"] for row in per_prompt]
+    return {f"se/{name}": clustered_mean_and_se([row[name] for row in per_prompt], questions)[1] for name in names}
 
 
 def select_best_of_n(selector: Path, prompts: list, texts: list[str], correct: list[bool], k: int,

@@ -67,19 +67,45 @@ def mean_and_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(variance / n)
 
 
-def prompt_estimate(per_prompt: list[float]) -> Estimate:
-    """A score's mean over prompts with its SE clustered by prompt and a 95% z interval."""
-    mean, se = mean_and_se(per_prompt)
+def clustered_mean_and_se(values: list[float], clusters: list | None = None) -> tuple[float, float]:
+    """Mean and its cluster-robust SE: residuals summed within each cluster (a dataset that holds one
+    question several times clusters by question), Var = C/(C-1) * sum_c (sum_i in c r_i)^2 / n^2. With every
+    value its own cluster this is the plain SE of ``mean_and_se``."""
+    if clusters is None:
+        return mean_and_se(values)
+    if len(clusters) != len(values):
+        raise ValueError(f"{len(values)} values but {len(clusters)} cluster labels")
+    mean = math.fsum(values) / len(values)
+    sums: dict = {}
+    for value, cluster in zip(values, clusters):
+        sums[cluster] = sums.get(cluster, 0.0) + value - mean
+    c = len(sums)
+    if c < 2:
+        return mean, 0.0
+    return mean, math.sqrt(c / (c - 1) * math.fsum(r * r for r in sums.values())) / len(values)
+
+
+def _prompts(n: int, clusters: list | None) -> str:
+    distinct = len(set(clusters)) if clusters is not None else n
+    return f"{n} prompts" + (f" ({distinct} distinct)" if distinct != n else "")
+
+
+def prompt_estimate(per_prompt: list[float], clusters: list | None = None) -> Estimate:
+    """A score's mean over prompts with its SE clustered by prompt (and by question, given ``clusters``: one
+    label per prompt) and a 95% z interval."""
+    mean, se = clustered_mean_and_se(per_prompt, clusters)
     return Estimate(mean, se, len(per_prompt), mean - Z_95 * se, mean + Z_95 * se,
-                    f"z over {len(per_prompt)} prompts")
+                    f"z over {_prompts(len(per_prompt), clusters)}")
 
 
-def paired_difference(a: list[float], b: list[float]) -> Estimate:
-    """b - a on the same prompts, in the same order: the mean per-prompt difference and its 95% z interval."""
+def paired_difference(a: list[float], b: list[float], clusters: list | None = None) -> Estimate:
+    """b - a on the same prompts, in the same order: the mean per-prompt difference and its 95% z interval
+    (clustered as ``prompt_estimate``)."""
     if len(a) != len(b):
         raise ValueError(f"a paired difference needs the same prompts: {len(a)} against {len(b)}")
-    mean, se = mean_and_se([y - x for x, y in zip(a, b)])
-    return Estimate(mean, se, len(a), mean - Z_95 * se, mean + Z_95 * se, f"paired z over {len(a)} prompts")
+    mean, se = clustered_mean_and_se([y - x for x, y in zip(a, b)], clusters)
+    return Estimate(mean, se, len(a), mean - Z_95 * se, mean + Z_95 * se,
+                    f"paired z over {_prompts(len(a), clusters)}")
 
 
 def t_quantile_975(df: int) -> float:

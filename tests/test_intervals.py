@@ -17,6 +17,8 @@ import pytest
 from stages.eval import pass_at_k, per_prompt_scores, standard_errors
 from stages.intervals import (
     Z_95,
+    clustered_mean_and_se,
+    mean_and_se,
     minimum_detectable_difference,
     paired_difference,
     prompt_estimate,
@@ -46,11 +48,22 @@ def test_hand_computed_values():
     assert minimum_detectable_difference(0.01) == pytest.approx(0.028, abs=1e-3)
 
 
+def test_a_question_held_twice_is_one_cluster():
+    # residuals per question: a +1, b -1; Var = 2/1 * (1 + 1) / 4^2: SE 0.5, not the 0.289 of four independent prompts
+    assert clustered_mean_and_se([1.0, 1.0, 0.0, 0.0], ["a", "a", "b", "b"]) == (0.5, pytest.approx(0.5))
+    assert mean_and_se([1.0, 1.0, 0.0, 0.0])[1] == pytest.approx(math.sqrt(1 / 12))
+    values = [0.1, 0.7, 0.4, 0.9, 0.3]  # every prompt its own question: the plain SE
+    assert clustered_mean_and_se(values, list(range(5)))[1] == pytest.approx(mean_and_se(values)[1])
+    assert paired_difference([0.0] * 4, [1.0, 1.0, 0.0, 0.0], ["a", "a", "b", "b"]).method == \
+        "paired z over 4 prompts (2 distinct)"
+
+
 def test_eval_standard_errors_cluster_attempts_by_prompt():
     # two prompts: one always solved, one never: pass@1 per prompt 1 and 0
     rows = per_prompt_scores([[{"role": "user", "content": "1+1"}], [{"role": "user", "content": "2+2"}]],
                              [{"answer": "2"}, {"answer": "4"}], [True] * 4 + [False] * 4, [1.0] * 4 + [0.0] * 4, 4)
     assert [r["pass_at_1"] for r in rows] == [1.0, 0.0] and rows[0]["prompt"] != rows[1]["prompt"]
+    assert [r["index"] for r in rows] == [0, 1]
     se = standard_errors(rows)
     assert se["se/pass_at_1"] == pytest.approx(0.5)  # sd 0.707 over sqrt(2) prompts, not over 8 attempts
     assert se["se/pass_at_4"] == pytest.approx(0.5) and se["se/reward_mean"] == pytest.approx(0.5)
