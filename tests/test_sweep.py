@@ -82,7 +82,7 @@ def test_a_sweep_runs_a_shared_stage_once_tags_its_runs_and_resumes(home, prefec
     assert {"eval_tuned"} <= set(table["data"][i][table["columns"].index("eval")] for i in range(len(table["data"])))
     # mean ± SE per eval stage and variant, the paired gain over the eval upstream with its interval
     assert "eval_tuned [stages.tuned.lr=0.005]: pass_at_1 " in out and " ± " in out
-    assert "gain eval_tuned [stages.tuned.lr=0.005] - eval_first: +" in out and "(paired z over 8 prompts)" in out, out
+    assert "gain eval_tuned [stages.tuned.lr=0.005] - eval_first: +" in out and "(paired z over 8 prompts" in out, out
 
     # the same sweep again (what an interrupted sweep's rerun does): every stage is a cache hit
     assert run_cli("sweep", str(path)) == 0
