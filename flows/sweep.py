@@ -275,7 +275,11 @@ def _run(args, console, base, variants, loaded) -> int:
     finally:
         if status != "FINISHED":
             client.set_terminated(run_id, status)
-    return _report(args, console, client, experiment_id, base, variants, reports, run_id, started, home)
+    try:
+        return _report(args, console, client, experiment_id, base, variants, reports, run_id, started, home)
+    except BaseException:  # the summary broke: the sweep's run says so instead of staying RUNNING
+        client.set_terminated(run_id, "FAILED")
+        raise
 
 
 def _report(args, console, client, experiment_id, base, variants, reports, run_id, started, home) -> int:
