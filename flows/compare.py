@@ -346,8 +346,7 @@ def print_group(group: Group, metric: str, console, champion: str | None) -> lis
         # scores and intervals keep their width; names and ids give way on a narrow terminal
         table.add_column(column, no_wrap=True, justify="right" if column not in (
             "stage", "variant", "version", "eval run") else "left",
-            min_width={"vs #1 (95%)": 24}.get(column, 13 if column.startswith("pass_at_") or column == metric
-                                              else None))
+            min_width=_min_width(column, rows, metric))
     for row in rows:
         cells = [_fmt(row[c]) if isinstance(row[c], float) or row[c] is None else str(row[c]) for c in shown]
         cells[shown.index("eval run")] = cells[shown.index("eval run")][:12]  # compare.json keeps the whole id
@@ -400,6 +399,13 @@ def save_chart(groups: list[Group], metric: str, path: Path, title: str) -> Path
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def _min_width(column: str, rows: list[dict], metric: str) -> int | None:
+    """What a column keeps on a narrow terminal: scores, intervals, stage and variant in full."""
+    if column in ("stage", "variant", "vs #1 (95%)"):
+        return min(max(len(str(row[column])) for row in rows), 40)
+    return 13 if column.startswith("pass_at_") or column == metric else None
 
 
 def _variant_panel(ax, group: Group, metric: str) -> None:
@@ -463,7 +469,10 @@ def compare_command(args, console) -> int:
 
     def say(message: str, style: str | None = None) -> None:
         lines.append(message)
-        console.print(f"[{style}]{message}[/{style}]" if style else message, highlight=False)
+        from rich.markup import escape  # a variant's "[...]" is text, not markup
+
+        console.print(f"[{style}]{escape(message)}[/{style}]" if style else message, highlight=False,
+                      markup=bool(style))
 
     shown_rows = sum(len(g.rows) for g in groups)
     say(f"experiment {experiment_name}: {shown_rows} evaluated checkpoint(s) in {len(groups)} settings group(s)"
@@ -481,9 +490,9 @@ def compare_command(args, console) -> int:
             detectable, how = group.detectable
             say(f"settings {group.settings}: the smallest difference in {args.metric} this evaluation detects at "
                 f"80% power is {detectable:.3f} ({how}); to detect less, evaluate on more prompts")
-        noisy = [r.stage for r in group.rows[1:] if r.vs_leader is not None and r.vs_leader.within_noise]
+        noisy = [_who(r) for r in group.rows[1:] if r.vs_leader is not None and r.vs_leader.within_noise]
         if noisy:
-            say(f"settings {group.settings}: within noise of #1 {group.rows[0].stage} (95% interval of the "
+            say(f"settings {group.settings}: within noise of #1 {_who(group.rows[0])} (95% interval of the "
                 f"difference holds 0): {', '.join(noisy)}", "yellow")
     default_chart = posttrain_home() / "compare" / experiment_name / f"compare-{args.metric}.png"
     chart = Path(args.output) if args.output else default_chart
@@ -494,6 +503,12 @@ def compare_command(args, console) -> int:
                             forced)
     console.print(f"logged to MLflow run {run_id} (experiment {experiment.experiment_id})")
     return code
+
+
+def _who(row: Row) -> str:
+    """A row in words: its stage, and its seed and variant where it has them."""
+    return row.stage + (f" seed {row.seed}" if row.seed != "-" else "") + (
+        f" [{row.variant}]" if row.variant != NO_VARIANT else "")
 
 
 def _select(args, experiment_name: str):
