@@ -14,7 +14,8 @@ order a run goes through them:
 - ``servers``: what a run starts and keeps for the next one: posttrain's Prefect API server, the
   shipped database templates, start-up without garbage collection, the warm process, the UI.
 At the top: the command line (``cli``), what it prints (``terminal``), and the commands that are
-not a run (``checks``: check-reward; ``compare``).
+not a run (``checks``: check-reward; ``compare``), and ``sweep``, which runs many (seeds and a grid
+of overrides, as one flow).
 """
 
 __version__ = "0.1.0"

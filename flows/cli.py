@@ -40,6 +40,17 @@ def _parser() -> argparse.ArgumentParser:
     with_overrides(run)
     _run_arguments(run)
 
+    sweep = commands.add_parser(
+        "sweep", help="run the pipeline over seeds and a grid of overrides as one flow (shared stages run once); "
+        "print mean ± SE over seeds and the paired gains' 95%% intervals")
+    with_overrides(sweep)
+    sweep.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                       help="the seeds each variant runs with (default: the file's sweep.seeds, else its seed)")
+    sweep.add_argument("--grid", action="append", default=[], metavar="PATH=V1,V2",
+                       help="an override path and its values, e.g. --grid stages.grpo.kl_beta=0.05,0.1 (repeatable; "
+                       "adds to or replaces the file's sweep.grid)")
+    sweep.add_argument("--metric", default="pass_at_1", help="eval metric the summary reports (default pass_at_1)")
+
     deploy = commands.add_parser(
         "deploy", help="register the pipeline as a Prefect deployment on a work pool, optionally on a schedule")
     with_overrides(deploy)
@@ -66,7 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--settings", metavar="HASH", help="rank only the checkpoints evaluated under this "
                          "settings hash (or a prefix of it)")
     compare.add_argument("--promote", action="store_true",
-                         help="set the registered model alias `champion` on the best checkpoint")
+                         help="set the registered model alias `champion` on the best checkpoint, unless its lead "
+                         "over the current champion is within noise (its 95%% interval holds 0): then exit 1")
+    compare.add_argument("--force", action="store_true",
+                         help="with --promote: promote a lead within noise anyway (recorded on the compare run "
+                         "and the model version)")
     compare.add_argument("--output", metavar="PNG", help="where to save the chart "
                          "(default $POSTTRAIN_HOME/compare/EXPERIMENT/compare-METRIC.png)")
     return parser
@@ -132,6 +147,14 @@ def _command(args) -> int:
 
         ensure_home(home)
         return compare_command(args, console)
+
+    if args.command == "sweep":
+        if (problem := home_problem(home)) is not None:
+            print(f"posttrain sweep: {problem}; nothing was run", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        from flows.sweep import sweep_command
+
+        return sweep_command(args, console)
 
     from flows.spec.loading import SpecError, SpecIssue, load_pipeline
 

@@ -8,9 +8,20 @@ about one at temperature 0.2 and 32 tokens. With several groups every group is s
 ranked on its own, the output says why, and ``--promote`` refuses until ``--settings``
 picks one.
 
-The table is printed and, with a bar chart (PNG), logged to an MLflow run tagged
-``posttrain.role=compare`` in the experiment. ``--promote`` points the registered model
-alias ``champion`` (``flows/recording/model_registry.py``) at the best registered checkpoint of the group.
+Every score carries its standard error over prompts (``se/<metric>``, logged by the eval
+stage) and every row its difference from the leader with a 95% interval, paired prompt by
+prompt where both evaluations logged their per-prompt scores (``stages/intervals.py``);
+a difference whose interval holds 0 is marked within noise. Checkpoints of one eval stage
+and variant (``posttrain.variant``, set by ``posttrain sweep``) are grouped across seeds:
+mean, SE over seeds, n, the per-seed figures, and each variant's difference from the best
+(a t interval over the seeds both ran). Each group states the smallest difference its
+prompt count detects at 80% power.
+
+The table is printed and, with a bar chart (PNG) with 95% error bars, logged to an MLflow run
+tagged ``posttrain.role=compare`` in the experiment. ``--promote`` points the registered model
+alias ``champion`` (``flows/recording/model_registry.py``) at the best registered checkpoint of
+the group, unless its lead over the current champion is within noise (exit 1; ``--force``
+promotes anyway and the compare run and the model version record that it was forced).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from pathlib import Path
 from flows.recording.home import posttrain_home
 from flows.recording.model_registry import CHAMPION, champion_version, ensure_registered, link_eval, promote
 from flows.recording.tags import (
+    TAG_COMPARE_FORCED,
     TAG_COMPARE_METRIC,
     TAG_COMPARE_PROMOTED,
     TAG_COMPARE_SETTINGS,
@@ -32,12 +44,24 @@ from flows.recording.tags import (
     TAG_MODEL_VERSION,
     TAG_ROLE,
     TAG_ROUND,
+    TAG_SEED,
     TAG_STAGE,
     TAG_UPSTREAM,
+    TAG_VARIANT,
+)
+from stages.intervals import (
+    Estimate,
+    minimum_detectable_difference,
+    paired_difference,
+    seed_estimate,
+    unpaired_se,
+    Z_95,
 )
 from stages.registry import STAGE_KINDS
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+PER_PROMPT_TABLE = "per_prompt.json"  # = stages.eval.PER_PROMPT_TABLE
+NO_VARIANT = "-"
 SHOWN_METRICS = ("reward_mean", "format_error_rate")
 WHY_NOT_RANKED_TOGETHER = (
     "checkpoints evaluated under different settings are not ranked against each other: a different "
@@ -60,9 +84,36 @@ class Row:
     started: int
     version: str | None = None  # "NAME/VERSION" of its registered model version
     rank: int = 0
+    seed: str = "-"
+    variant: str = NO_VARIANT  # the sweep's overrides that reach this checkpoint, "-" outside a sweep
+    vs_leader: Estimate | None = None  # this row minus the group's first (None for the first)
+    per_prompt: dict | None = field(default=None, repr=False)  # prompt key -> row of per_prompt.json
 
     def value(self, metric: str) -> float:
         return self.metrics.get(metric, float("-inf"))
+
+    def se(self, metric: str) -> float | None:
+        """The eval stage's SE over prompts, or the harness's own for a benchmark (``<metric>_stderr``)."""
+        return self.metrics.get(f"se/{metric}", self.metrics.get(f"{metric}_stderr"))
+
+    @property
+    def variant_key(self) -> tuple[str, str]:
+        return (self.eval_stage, self.variant)
+
+
+@dataclass
+class Variant:
+    """One eval stage of one variant across seeds: the unit ``posttrain compare`` aggregates."""
+
+    eval_stage: str
+    variant: str
+    rows: list[Row]  # one per seed, by seed
+    estimate: Estimate | None = None  # the metric over seeds
+    vs_best: Estimate | None = None  # this variant minus the best one (None for the best)
+
+    @property
+    def label(self) -> str:
+        return self.eval_stage if self.variant == NO_VARIANT else f"{self.eval_stage} [{self.variant}]"
 
 
 @dataclass
@@ -70,6 +121,8 @@ class Group:
     settings: str
     settings_text: str
     rows: list[Row] = field(default_factory=list)
+    variants: list[Variant] = field(default_factory=list)
+    detectable: tuple[float, str] | None = None  # (difference detectable at 80% power, from what)
 
     def widest_k(self) -> str | None:
         ks = [int(k.rsplit("_", 1)[1]) for r in self.rows for k in r.metrics
@@ -112,12 +165,13 @@ def evaluated_checkpoints(client, experiment_id: str, register_missing: bool = T
             continue
         stage = params.get("model", "base")
         checkpoint_run_id = json.loads(tags.get(TAG_UPSTREAM, "{}")).get(stage)
-        key = (checkpoint_run_id or f"base:{run.data.tags.get('posttrain.stage')}", settings)
+        key = (checkpoint_run_id or f"base:{run.data.tags.get('posttrain.stage')}:{tags.get(TAG_SEED)}", settings)
         if key in seen:  # an older evaluation of the same checkpoint under the same settings
             continue
         seen.add(key)
         row = Row(stage, tags.get(TAG_STAGE, "?"), run.info.run_id, checkpoint_run_id, settings,
-                  _settings_text(params), tags.get(TAG_ROUND, "-"), dict(run.data.metrics), run.info.start_time)
+                  _settings_text(params), tags.get(TAG_ROUND, "-"), dict(run.data.metrics), run.info.start_time,
+                  seed=tags.get(TAG_SEED, "-"), variant=tags.get(TAG_VARIANT, NO_VARIANT))
         if checkpoint_run_id:
             row.version, round_tag = _registered_version(client, checkpoint_run_id, run, register_missing)
             if row.round == "-" and round_tag:
@@ -159,6 +213,82 @@ def group_by_settings(rows: list[Row], metric: str) -> list[Group]:
     return sorted(groups.values(), key=lambda g: (-len(g.rows), g.settings))
 
 
+# ------------------------------------------------------------------ intervals
+
+
+def per_prompt_scores(client, row: Row) -> dict | None:
+    """Prompt key -> that prompt's row of the eval's ``per_prompt.json``; None for an eval that logged none."""
+    if row.per_prompt is None:
+        import tempfile
+
+        try:
+            with tempfile.TemporaryDirectory() as folder:
+                local = client.download_artifacts(row.eval_run_id, PER_PROMPT_TABLE, folder)
+                table = json.loads(Path(local).read_text(encoding="utf-8"))
+        except Exception:  # evaluated before eval stages logged it, or a benchmark stage
+            row.per_prompt = {}
+            return None
+        columns = table["columns"]  # keyed by position and question: a dataset may hold a question twice
+        row.per_prompt = {(i, r[columns.index("prompt")]): dict(zip(columns, r)) for i, r in enumerate(table["data"])}
+    return row.per_prompt or None
+
+
+def difference(client, a: Row, b: Row, metric: str) -> Estimate | None:
+    """b - a: paired over the prompts both scored (same settings hash, so the same prompts), else from the
+    two logged SEs as if independent (wider), else None."""
+    scores_a, scores_b = per_prompt_scores(client, a), per_prompt_scores(client, b)
+    if scores_a and scores_b and set(scores_a) == set(scores_b) and all(
+            metric in r for r in (*scores_a.values(), *scores_b.values())):
+        keys = sorted(scores_a)
+        return paired_difference([scores_a[k][metric] for k in keys], [scores_b[k][metric] for k in keys],
+                                 [question for _, question in keys])
+    if a.se(metric) is None or b.se(metric) is None:
+        return None
+    mean, se = b.value(metric) - a.value(metric), unpaired_se(a.se(metric), b.se(metric))
+    return Estimate(mean, se, 0, mean - Z_95 * se, mean + Z_95 * se, "unpaired z from the logged SEs")
+
+
+def variants_of(client, group: Group, metric: str) -> list[Variant]:
+    """The group's rows by (eval stage, variant), over seeds, best mean first; each with its difference
+    from the best: a t interval over the seeds both ran, or for one shared seed the paired prompt interval."""
+    by_key: dict[tuple[str, str], dict[str, Row]] = {}
+    for row in sorted(group.rows, key=lambda r: r.started):  # a seed evaluated again (a rerun): the newest
+        if metric in row.metrics:
+            by_key.setdefault(row.variant_key, {})[row.seed] = row
+    variants = []
+    for (eval_stage, variant), by_seed in by_key.items():
+        rows = sorted(by_seed.values(), key=lambda r: (len(r.seed), r.seed))
+        variants.append(Variant(eval_stage, variant, rows, seed_estimate([r.value(metric) for r in rows])))
+    variants.sort(key=lambda v: v.estimate.mean, reverse=True)
+    best = variants[0] if variants else None
+    for other in variants[1:]:
+        seeds_best = {r.seed: r for r in best.rows}
+        shared = [(seeds_best[r.seed], r) for r in other.rows if r.seed in seeds_best]
+        if len(shared) >= 2:
+            other.vs_best = seed_estimate([b.value(metric) - a.value(metric) for a, b in shared])
+        elif shared:
+            other.vs_best = difference(client, *shared[0], metric)
+    return variants
+
+
+def add_intervals(client, group: Group, metric: str) -> None:
+    """Each row's difference from the leader, the variants over seeds, and what the prompt count can detect."""
+    leader = group.rows[0]
+    for row in group.rows[1:]:
+        if metric in row.metrics and metric in leader.metrics:
+            row.vs_leader = difference(client, leader, row, metric)
+    group.variants = variants_of(client, group, metric)
+    runner_up = group.rows[1].vs_leader if len(group.rows) > 1 else None
+    prompts = len(per_prompt_scores(client, leader) or {}) or None
+    where = f" with {prompts} prompts" if prompts else ""
+    if runner_up is not None and runner_up.n:
+        group.detectable = (minimum_detectable_difference(runner_up.se),
+                            f"paired, from #1 against #2{where}")
+    elif leader.se(metric) is not None:
+        group.detectable = (minimum_detectable_difference(unpaired_se(leader.se(metric), leader.se(metric))),
+                            f"unpaired, from #1's SE{where}")
+
+
 # ------------------------------------------------------------------ output
 
 
@@ -166,52 +296,103 @@ def _fmt(value) -> str:
     return "-" if value is None or value == float("-inf") else f"{value:.3f}"
 
 
+def with_se(row: Row, name: str) -> str:
+    """``0.702 ± 0.021`` (the SE over prompts); ``± ?`` for an evaluation that logged no SE."""
+    if name not in row.metrics:
+        return "-"
+    se = row.se(name)
+    return f"{row.metrics[name]:.3f} ± {'?' if se is None else f'{se:.3f}'}"
+
+
+def difference_text(estimate: Estimate | None) -> str:
+    if estimate is None:
+        return "-"
+    return estimate.text() + (" within noise" if estimate.within_noise else "")
+
+
 def table_rows(group: Group, metric: str) -> list[dict]:
     k = group.widest_k()
     columns = ["pass_at_1"] + ([k] if k else []) + list(SHOWN_METRICS)
     if metric not in columns:
         columns.insert(0, metric)
-    return [{"rank": row.rank, "stage": row.stage, "round": row.round,
-             **{c: row.metrics.get(c) for c in columns},
+    return [{"rank": row.rank, "stage": row.stage, "seed": row.seed, "variant": row.variant, "round": row.round,
+             **{c: with_se(row, c) if c.startswith("pass_at_") or c == metric else row.metrics.get(c)
+                for c in columns},
+             f"vs #1 (95%)": "-" if row.rank == 1 else difference_text(row.vs_leader),
              "settings": row.settings, "version": row.version or "-", "eval run": row.eval_run_id}
             for row in group.rows]
+
+
+def variant_rows(group: Group, metric: str) -> list[dict]:
+    return [{"eval": v.eval_stage, "variant": v.variant, "n": v.estimate.n,
+             f"{metric} mean ± SE over seeds": f"{v.estimate.mean:.3f} ± {v.estimate.se:.3f}" if v.estimate.n > 1
+             else f"{v.estimate.mean:.3f} (1 seed)",
+             "per seed": " ".join(f"{r.seed}:{r.value(metric):.3f}" for r in v.rows),
+             "vs best (95%)": "-" if i == 0 else difference_text(v.vs_best) + (
+                 f" ({v.vs_best.method})" if v.vs_best else "")}
+            for i, v in enumerate(group.variants)]
 
 
 def print_group(group: Group, metric: str, console, champion: str | None) -> list[dict]:
     from rich.table import Table
 
     rows = table_rows(group, metric)
-    table = Table(title=f"settings {group.settings}: {group.settings_text} · ranked by {metric}")
-    for column in rows[0]:
-        table.add_column(column, justify="right" if column not in ("stage", "settings", "version", "eval run")
-                         else "left")
+    table = Table(title=f"settings {group.settings}: {group.settings_text} · ranked by {metric} "
+                        "(± its SE over prompts)")
+    # the settings are the title; a seed, variant or round column only where some row has one
+    shown = [c for c in rows[0] if c != "settings" and not (
+        c in ("seed", "variant", "round") and all(row[c] in ("-", NO_VARIANT) for row in rows))]
+    for column in shown:
+        # scores and intervals keep their width; names and ids give way on a narrow terminal
+        table.add_column(column, no_wrap=True, justify="right" if column not in (
+            "stage", "variant", "version", "eval run") else "left",
+            min_width=_min_width(column, rows, metric))
     for row in rows:
-        cells = [_fmt(v) if isinstance(v, float) or v is None else str(v) for v in row.values()]
+        cells = [_fmt(row[c]) if isinstance(row[c], float) or row[c] is None else str(row[c]) for c in shown]
+        cells[shown.index("eval run")] = cells[shown.index("eval run")][:12]  # compare.json keeps the whole id
         is_champion = champion is not None and row["version"] == champion
         if is_champion:
-            cells[list(row).index("version")] += f" @{CHAMPION}"
+            cells[shown.index("version")] += f" @{CHAMPION}"
         table.add_row(*cells, style="bold green" if row["rank"] == 1 else None)
     console.print(table)
+    if any(v.estimate.n > 1 for v in group.variants):
+        by_variant = Table(title=f"settings {group.settings}: by eval stage and variant, over seeds")
+        variants = variant_rows(group, metric)
+        for column in variants[0]:
+            by_variant.add_column(column, justify="left" if column in ("eval", "variant", "per seed") else "right")
+        for row in variants:
+            by_variant.add_row(*(str(v) for v in row.values()))
+        console.print(by_variant)
     return rows
 
 
 def save_chart(groups: list[Group], metric: str, path: Path, title: str) -> Path:
-    """One bar chart per settings group: the ranked checkpoints' ``metric``."""
+    """One bar chart per settings group: the ranked checkpoints' ``metric`` with 95% error bars (1.96 SE over
+    prompts); beside it, where a group has several seeds of a variant, the variants' means over seeds with
+    their 95% t intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(len(groups), 1, figsize=(8, 2.6 + 0.45 * max(len(g.rows) for g in groups)
-                                                            * len(groups)), squeeze=False)
-    for ax, group in zip(axes[:, 0], groups):
-        labels = [f"#{r.rank} {r.stage}" + (f" r{r.round}" if r.round != "-" else "") for r in group.rows][::-1]
+    seeded = any(v.estimate.n > 1 for g in groups for v in g.variants)
+    figure, axes = plt.subplots(len(groups), 2 if seeded else 1, figsize=(
+        14 if seeded else 8, 2.6 + 0.45 * max(len(g.rows) for g in groups) * len(groups)), squeeze=False)
+    for row_axes, group in zip(axes, groups):
+        ax = row_axes[0]
+        labels = [f"#{r.rank} {r.stage}" + (f" s{r.seed}" if r.seed != "-" else "")
+                  + (f" [{r.variant}]" if r.variant != NO_VARIANT else "")
+                  + (f" r{r.round}" if r.round != "-" else "") for r in group.rows][::-1]
         values = [max(r.value(metric), 0.0) for r in group.rows][::-1]
-        bars = ax.barh(labels, values, color=["#2b8a3e" if r.rank == 1 else "#7a8ca3" for r in group.rows][::-1])
+        errors = [Z_95 * (r.se(metric) or 0.0) for r in group.rows][::-1]
+        bars = ax.barh(labels, values, xerr=errors, capsize=3,
+                       color=["#2b8a3e" if r.rank == 1 else "#7a8ca3" for r in group.rows][::-1])
         ax.bar_label(bars, fmt="%.3f", padding=3)
-        ax.set_xlim(0, max(1.0, max(values, default=0) * 1.15))
-        ax.set_xlabel(metric)
+        ax.set_xlim(0, max(1.0, max((v + e for v, e in zip(values, errors)), default=0) * 1.15))
+        ax.set_xlabel(f"{metric} (95% interval over prompts)")
         ax.set_title(f"settings {group.settings}: {group.settings_text}", fontsize=9)
+        if seeded:
+            _variant_panel(row_axes[1], group, metric)
     figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,8 +401,27 @@ def save_chart(groups: list[Group], metric: str, path: Path, title: str) -> Path
     return path
 
 
+def _min_width(column: str, rows: list[dict], metric: str) -> int | None:
+    """What a column keeps on a narrow terminal: scores, intervals, stage and variant in full."""
+    if column in ("stage", "variant", "vs #1 (95%)"):
+        return min(max(len(str(row[column])) for row in rows), 40)
+    return 13 if column.startswith("pass_at_") or column == metric else None
+
+
+def _variant_panel(ax, group: Group, metric: str) -> None:
+    variants = group.variants[::-1]
+    means = [v.estimate.mean for v in variants]
+    errors = [v.estimate.high - v.estimate.mean if v.estimate.n > 1 else 0.0 for v in variants]
+    bars = ax.barh([f"{v.label} (n={v.estimate.n})" for v in variants], means, xerr=errors, capsize=3,
+                   color="#5c7cfa")
+    ax.bar_label(bars, fmt="%.3f", padding=3)
+    ax.set_xlim(0, max(1.0, max((m + e for m, e in zip(means, errors)), default=0) * 1.15))
+    ax.set_xlabel(f"{metric}: mean over seeds, 95% t interval")
+    ax.set_title("by variant, over seeds", fontsize=9)
+
+
 def log_comparison(client, experiment_id: str, metric: str, groups: list[Group], chart: Path,
-                   text: str, chosen: str | None) -> str:
+                   text: str, chosen: str | None, forced: str | None = None) -> str:
     """A run tagged ``posttrain.role=compare`` holding the table, the chart and the text output."""
     run = client.create_run(experiment_id, run_name=f"compare {time.strftime('%Y-%m-%d %H:%M:%S')}",
                             tags={TAG_ROLE: "compare", TAG_COMPARE_METRIC: metric,
@@ -229,6 +429,10 @@ def log_comparison(client, experiment_id: str, metric: str, groups: list[Group],
     run_id = run.info.run_id
     try:
         rows = [row for group in groups for row in table_rows(group, metric)]
+        variants = [{"settings": g.settings, **row} for g in groups for row in variant_rows(g, metric)]
+        if variants:
+            client.log_table(run_id, data={c: [row.get(c) for row in variants] for c in variants[0]},
+                             artifact_file="variants.json")
         columns = sorted({k for row in rows for k in row}, key=lambda k: list(rows[0]).index(k)
                          if k in rows[0] else 99)
         client.log_table(run_id, data={c: [row.get(c) for row in rows] for c in columns}, artifact_file="compare.json")
@@ -236,6 +440,8 @@ def log_comparison(client, experiment_id: str, metric: str, groups: list[Group],
         client.log_text(run_id, text, "compare.txt")
         if chosen:
             client.set_tag(run_id, TAG_COMPARE_PROMOTED, chosen)
+        if forced:
+            client.set_tag(run_id, TAG_COMPARE_FORCED, forced)
         client.set_terminated(run_id, "FINISHED")
     except Exception:
         client.set_terminated(run_id, "FAILED")
@@ -263,7 +469,10 @@ def compare_command(args, console) -> int:
 
     def say(message: str, style: str | None = None) -> None:
         lines.append(message)
-        console.print(f"[{style}]{message}[/{style}]" if style else message, highlight=False)
+        from rich.markup import escape  # a variant's "[...]" is text, not markup
+
+        console.print(f"[{style}]{escape(message)}[/{style}]" if style else message, highlight=False,
+                      markup=bool(style))
 
     shown_rows = sum(len(g.rows) for g in groups)
     say(f"experiment {experiment_name}: {shown_rows} evaluated checkpoint(s) in {len(groups)} settings group(s)"
@@ -273,16 +482,33 @@ def compare_command(args, console) -> int:
         say(f"not ranked together: {WHY_NOT_RANKED_TOGETHER}.", "bold yellow")
     champions = _champions(client, groups)
     for group in groups:
+        add_intervals(client, group, args.metric)
         shown = print_group(group, args.metric, console, _champion_of(group, champions))
         lines.extend(json.dumps(row) for row in shown)
+        lines.extend(json.dumps(row) for row in variant_rows(group, args.metric) if len(group.variants) > 1)
+        if group.detectable:
+            detectable, how = group.detectable
+            say(f"settings {group.settings}: the smallest difference in {args.metric} this evaluation detects at "
+                f"80% power is {detectable:.3f} ({how}); to detect less, evaluate on more prompts")
+        noisy = [_who(r) for r in group.rows[1:] if r.vs_leader is not None and r.vs_leader.within_noise]
+        if noisy:
+            say(f"settings {group.settings}: within noise of #1 {_who(group.rows[0])} (95% interval of the "
+                f"difference holds 0): {', '.join(noisy)}", "yellow")
     default_chart = posttrain_home() / "compare" / experiment_name / f"compare-{args.metric}.png"
     chart = Path(args.output) if args.output else default_chart
     save_chart(groups, args.metric, chart, f"{experiment_name}: {args.metric} by eval settings")
     say(f"chart: {chart}")
-    code, promoted = _promote(args, client, groups, say)
-    run_id = log_comparison(client, experiment.experiment_id, args.metric, groups, chart, "\n".join(lines), promoted)
+    code, promoted, forced = _promote(args, client, groups, say)
+    run_id = log_comparison(client, experiment.experiment_id, args.metric, groups, chart, "\n".join(lines), promoted,
+                            forced)
     console.print(f"logged to MLflow run {run_id} (experiment {experiment.experiment_id})")
     return code
+
+
+def _who(row: Row) -> str:
+    """A row in words: its stage, and its seed and variant where it has them."""
+    return row.stage + (f" seed {row.seed}" if row.seed != "-" else "") + (
+        f" [{row.variant}]" if row.variant != NO_VARIANT else "")
 
 
 def _select(args, experiment_name: str):
@@ -329,16 +555,18 @@ def _champions(client, groups: list[Group]) -> dict[str, str | None]:
     return champions
 
 
-def _promote(args, client, groups: list[Group], say) -> tuple[int, str | None]:
+def _promote(args, client, groups: list[Group], say) -> tuple[int, str | None, str | None]:
+    """(exit status, the version promoted, why it was forced); refused: status 2 for mixed settings, 1 for a
+    lead within noise."""
     if not args.promote:
-        return EXIT_OK, None
+        return EXIT_OK, None, None
     if len(groups) > 1:
         hashes = ", ".join(f"{g.settings} ({g.settings_text})" for g in groups)
         print(f"posttrain compare: --promote refused: the evaluated checkpoints fall in {len(groups)} settings "
               f"groups ({hashes}), and scores from different settings are not comparable. Pick the group "
               f"to promote from with --settings HASH (e.g. --settings {groups[0].settings}).", file=sys.stderr)
-        return EXIT_BAD_INPUT, None
-    return _promote_best(client, groups[0], args.metric, say)
+        return EXIT_BAD_INPUT, None, None
+    return _promote_best(client, groups[0], args.metric, say, getattr(args, "force", False))
 
 
 def _champion_of(group: Group, champions: dict) -> str | None:
@@ -346,18 +574,44 @@ def _champion_of(group: Group, champions: dict) -> str | None:
     return next((champions[n] for n in names if champions.get(n)), None)
 
 
-def _promote_best(client, group: Group, metric: str, say) -> tuple[int, str | None]:
+def _promote_best(client, group: Group, metric: str, say, force: bool = False):
     registered = [r for r in group.rows if r.version and metric in r.metrics]
     if not registered:
         print("posttrain compare: --promote: no checkpoint in this group is a registered model version "
               "(only the base model was evaluated?)", file=sys.stderr)
-        return EXIT_FAILED, None
+        return EXIT_FAILED, None, None
     best = registered[0]
     if best is not group.rows[0]:
         say(f"note: {group.rows[0].stage} ranks first but is not a registered checkpoint; promoting the best "
             "registered one")
     name, version = best.version.split("/")
+    current = champion_version(client, name)
+    forced = None
+    incumbent = next((r for r in group.rows if current and r.version == f"{name}/{current.version}"), None)
+    if incumbent is not None and incumbent is not best:
+        lead = difference(client, incumbent, best, metric)
+        if lead is None or lead.within_noise:
+            why = (f"{best.stage} ({best.version}) leads the {CHAMPION} {incumbent.stage} ({incumbent.version}) by "
+                   + (f"{lead.text()} in {metric} (95% interval, {lead.method}), an interval that holds 0: within "
+                      "noise" if lead else "an amount with no standard error to judge it by"))
+            if not force:
+                detectable = f" (this evaluation detects {group.detectable[0]:.3f} at 80% power)" \
+                    if group.detectable else ""
+                print(f"posttrain compare: --promote refused: {why}. Evaluate on more prompts or seeds"
+                      f"{detectable}, or pass --force to promote anyway; {CHAMPION} stays {incumbent.version}",
+                      file=sys.stderr)
+                return EXIT_FAILED, None, None
+            forced = why
+            say(f"--force: promoting although {why}", "bold yellow")
+        else:
+            say(f"{best.stage} leads the {CHAMPION} {incumbent.stage} by {lead.text()} in {metric} "
+                f"(95% interval, {lead.method}): beyond noise")
+    elif current is not None and incumbent is None and str(current.version) != version:
+        say(f"note: the {CHAMPION} ({name} version {current.version}) was not evaluated under these settings: its "
+            "lead cannot be judged, so it is replaced on rank alone")
     previous = promote(client, name, version)
+    if forced:
+        client.set_model_version_tag(name, version, TAG_COMPARE_FORCED, forced)
     what = f"{CHAMPION} -> {name} version {version} (stage {best.stage}, {metric}={best.value(metric):.3f})"
     if previous is None:
         say(f"promoted: {what}; there was no {CHAMPION} before", "bold green")
@@ -366,7 +620,7 @@ def _promote_best(client, group: Group, metric: str, say) -> tuple[int, str | No
     else:
         old_stage = previous.tags.get(TAG_STAGE, "?")
         say(f"promoted: {what}; replaced version {previous.version} (stage {old_stage})", "bold green")
-    return EXIT_OK, best.version
+    return EXIT_OK, best.version, forced
 
 
 def _pipeline_name(file: str | None, overrides: list[str]) -> str | None:

@@ -8,6 +8,7 @@ module at this level (sft, reward_model, rl with grpo / ppo / difficulty, dpo an
 preference_training, online_dpo, eval, benchmark), and ``registry`` lists the kinds. What they
 share lives in packages: ``data`` (what they read), ``models`` (what they load), ``rollout``
 (where a sample is made), ``rewards`` (where it is scored) and ``training`` (trainer callbacks,
-several processes, alerts). Nothing in this package imports Prefect or reads pipeline YAML;
+several processes, alerts). ``intervals`` is the error-bar maths eval logs and ``posttrain compare``
+reads (SE clustered by prompt, paired differences, seeds, power). Nothing in this package imports Prefect or reads pipeline YAML;
 ``flows`` does the orchestration.
 """

@@ -4,7 +4,11 @@ k attempts per prompt are sampled in one batched call at a fixed temperature, to
 token budget and seed. Reported: unbiased pass@k (Chen et al. 2021, eq. 1) for k = 1,
 powers of two and k = attempts; the mean combined reward; the format-error rate (the
 verifier could not parse an answer at all, kept apart from "wrong"); the truncation rate
-(hit the budget); the mean completion length. The settings are logged beside the scores
+(hit the budget); the mean completion length. Beside each pass@k and the mean reward, its
+standard error over prompts (``se/pass_at_1``, ...: attempts clustered by prompt, a question
+the dataset holds twice clustered as one,
+``stages/intervals.py``), and the per-prompt scores as the table ``per_prompt.json``, so
+``posttrain compare`` can pair two evaluations prompt by prompt. The settings are logged beside the scores
 and hashed into the tag ``posttrain.eval_settings``: scores are comparable only within one
 hash. Prompts with no correct attempt are written as a failure-case JSONL a later round can
 train on.
@@ -33,6 +37,7 @@ from pydantic import (
 )
 
 from stages.context import ExecutionLimits, StageInputs, StageKind
+from stages.intervals import clustered_mean_and_se
 from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.environments import EnvironmentSpec
 from stages.rollout.generation import BackendName, EngineSettings, SamplingSettings, open_backend
@@ -41,6 +46,7 @@ from stages.rewards.scoring import RewardErrorPolicy, Scorer
 from stages.rewards.steps import process_metrics
 
 EVAL_SETTINGS_TAG = "posttrain.eval_settings"
+PER_PROMPT_TABLE = "per_prompt.json"
 
 
 class EvalConfig(ExecutionLimits):
@@ -198,6 +204,8 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
         parsed = [p or e.budget_hit for p, e in zip(parsed, episodes)]
 
     metrics = summarise(samples, correct, scored, parsed, k, config.pass_k)
+    per_prompt = per_prompt_scores(prompts, records, correct, scored.total, k, config.pass_k)
+    metrics.update(standard_errors(per_prompt))
     metrics.update(process_metrics(scored.components, correct))  # process rewards: answers through wrong steps
     if episodes is not None:
         metrics.update(episode_metrics(episodes, config.environment))
@@ -217,6 +225,7 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
                                           picks, k, episodes)
     ctx.log_metrics({"failure_cases": float(failures)})
     ctx.log_table(rows, "samples.json")
+    ctx.log_table(per_prompt, PER_PROMPT_TABLE)
     for component in scored.components:
         if component.errors:  # the offending samples, so a broken reward is never a silent zero
             error_rows = [{"completion": flat_texts[i], "error": message} for i, message in component.errors[:50]]
@@ -346,6 +355,32 @@ def summarise(samples, correct: list[bool], scored, parsed: list[bool], k: int,
     metrics["truncated_rate"] = sum(s.truncated for s in flat) / len(flat)
     metrics["completion_tokens_mean"] = sum(len(s.token_ids) for s in flat) / len(flat)
     return metrics
+
+
+def prompt_key(messages: list[dict], answer) -> str:
+    """A prompt's identity across evaluations: its start messages and expected answer."""
+    return hashlib.sha256(json.dumps([messages, answer], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def per_prompt_scores(prompts: list, records: list[dict], correct: list[bool], rewards: list[float], k: int,
+                      ks: list[int] | None = None) -> list[dict]:
+    """One row per prompt: its key, correct attempts, each pass@k and its mean reward (the unit of the SE)."""
+    rows = []
+    for i, (messages, record) in enumerate(zip(prompts, records)):
+        c = sum(correct[i * k : (i + 1) * k])
+        row = {"index": i, "prompt": prompt_key(messages, record.get("answer")), "correct": c, "attempts": k}
+        row.update({f"pass_at_{kk}": pass_at_k(k, c, kk) for kk in (ks or pass_k_values(k))})
+        row["reward_mean"] = sum(rewards[i * k : (i + 1) * k]) / k
+        rows.append(row)
+    return rows
+
+
+def standard_errors(per_prompt: list[dict]) -> dict[str, float]:
+    """``se/<score>`` for each pass@k and the mean reward: the SE over prompts (attempts clustered by prompt, and
+    a question the dataset holds several times clustered as one)."""
+    names = [name for name in per_prompt[0] if name.startswith("pass_at_") or name == "reward_mean"]
+    questions = [row["prompt"] for row in per_prompt]
+    return {f"se/{name}": clustered_mean_and_se([row[name] for row in per_prompt], questions)[1] for name in names}
 
 
 def select_best_of_n(selector: Path, prompts: list, texts: list[str], correct: list[bool], k: int,

@@ -35,6 +35,13 @@ STRONG = WEAK + """\
                 sampling: {temperature: 1.0, max_tokens: 3, attempts: 4, seed: 1}}
 """
 
+# the same training as `strong` under another name: the same checkpoint, so the same scores: no lead at all
+TWIN = STRONG + """\
+  twin: {kind: sft, model: weak, data: train, max_steps: 60, batch_size: 16, lr: 5.0e-3}
+  eval_twin: {kind: eval, model: twin, data: heldout, rewards: [number],
+              sampling: {temperature: 1.0, max_tokens: 3, attempts: 4, seed: 1}}
+"""
+
 TWO_SETTINGS = WEAK + """\
   eval_weak_cold: {kind: eval, model: weak, data: heldout, rewards: [number],
                    sampling: {temperature: 0.3, max_tokens: 3, attempts: 4, seed: 1}}
@@ -98,7 +105,12 @@ def test_checkpoints_are_registered_ranked_and_promote_moves_champion(home, pref
     ranked = [line for line in out.splitlines() if re.search(r"│\s+[12]\s+│\s+(weak|strong)\s", line)]
     assert [("strong" in line, "weak" in line) for line in ranked] == [(True, False), (False, True)], out
     assert "promoted: champion -> cmp version 2 (stage strong" in out and "replaced version 1 (stage weak)" in out
+    assert "strong leads the champion weak by +" in out and "beyond noise" in out  # a clear lead is accepted
     assert champion() == "2"
+    # every score carries its SE over prompts, every other row its paired difference from #1
+    assert re.search(r"│\s+0\.\d{3} ± 0\.\d{3}\s+│", out) and "vs #1 (95%)" in out, out
+    assert re.search(r"│\s+-0\.\d{3} \[-0\.\d{3}, [-+]0\.\d{3}\]", out), out  # weak's paired difference from #1
+    assert "the smallest difference in pass_at_1 this evaluation detects at 80% power is" in out
 
     # the comparison is logged to MLflow: a compare run with the table and the chart
     c = client()
@@ -116,6 +128,26 @@ def test_checkpoints_are_registered_ranked_and_promote_moves_champion(home, pref
     capsys.readouterr()
     assert run_cli("compare", "--experiment", "cmp", "--promote") == 0
     assert "champion unchanged: cmp version 2 already was the best" in capsys.readouterr().out
+
+    # a challenger that leads by nothing (the same checkpoint under another name) is refused, with the interval
+    path = write(tmp_path / "cmp.yaml", TWIN)
+    assert run_cli("run", str(path)) == 0
+    capsys.readouterr()
+    assert run_cli("compare", "--experiment", "cmp", "--promote") == 1
+    captured = capsys.readouterr()
+    assert "--promote refused: twin (cmp/3) leads the champion strong (cmp/2) by +0.000 [+0.000, +0.000]" \
+        in captured.err and "within noise" in captured.err and "--force" in captured.err, captured.err
+    assert "within noise of #1 twin" in captured.out and "strong" in captured.out
+    assert champion() == "2"
+    # --force promotes it anyway, and the compare run and the model version record that it was forced
+    assert run_cli("compare", "--experiment", "cmp", "--promote", "--force") == 0
+    assert "--force: promoting although twin (cmp/3) leads" in capsys.readouterr().out
+    assert champion() == "3"
+    forced_run = c.search_runs([experiment.experiment_id], "tags.`posttrain.role` = 'compare'",
+                               order_by=["attributes.start_time DESC"])[0]
+    assert "within noise" in forced_run.data.tags["posttrain.compare.forced"]
+    assert forced_run.data.tags["posttrain.compare.promoted"] == "cmp/3"
+    assert "within noise" in client().get_model_version("cmp", "3").tags["posttrain.compare.forced"]
 
 
 @pytest.mark.slow

@@ -114,6 +114,37 @@ def run_flow(loaded: LoadedPipeline, options: RunOptions, decisions: list[Decisi
     return result
 
 
+@flow(name="posttrain-sweep", log_prints=False, validate_parameters=True)
+def sweep_flow(pipeline_file: str, variants: list[dict]) -> list[PipelineReport]:
+    """A sweep (flows/sweep.py) as one flow: its variants one after another, each a pipeline run planned just
+    before it starts, so a stage an earlier variant ran with the same fingerprint is a cache hit (it runs once);
+    each stage is a task, sent to its work pool where it names one. Stops at the first variant that fails."""
+    from prefect.runtime import flow_run
+
+    home = configure_environment()
+    reports = []
+    for variant in variants:
+        loaded = load_pipeline(pipeline_file, variant["overrides"])
+        report = run_pipeline(
+            loaded, RunOptions(), home,
+            stage_call=lambda job: stage_task.with_options(task_run_name=f"{job.stage} {variant['name']}")(job, home),
+            flow_run_id=str(flow_run.get_id()), run_tags=variant["run_tags"], stage_tags=variant["stage_tags"])
+        _prefect_summary(report)
+        reports.append(report)
+        if report.failed:
+            break
+    return reports
+
+
+def run_sweep_flow(pipeline_file: str, variants: list[dict]) -> list[PipelineReport]:
+    """Run the sweep flow; the reports of the variants it ran, also when one failed."""
+    state = sweep_flow(pipeline_file, variants, return_state=True)
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 def _prefect_summary(report: PipelineReport) -> None:
     from prefect.artifacts import create_markdown_artifact
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from flows.recording.data_inputs import pipeline_datasets
@@ -47,16 +47,21 @@ class PipelineReport:
 
 
 def run_pipeline(loaded: LoadedPipeline, options: RunOptions, home: Path, stage_call=None, flow_run_id=None,
-                 decisions: list[Decision] | None = None) -> PipelineReport:
+                 decisions: list[Decision] | None = None, run_tags: dict[str, str] | None = None,
+                 stage_tags: dict[str, dict[str, str]] | None = None) -> PipelineReport:
     """Plan, record the pipeline run in MLflow, execute each stage's job in graph order, report.
 
-    ``stage_call(job) -> StageRow`` runs one job (default: ``execute`` in this process)."""
+    ``stage_call(job) -> StageRow`` runs one job (default: ``execute`` in this process). ``run_tags`` go on
+    the pipeline run and ``stage_tags[stage]`` on the stage runs it starts (a sweep's variant and seed)."""
     tracker = Tracker(home)
     experiment_id = tracker.experiment_id(loaded.spec.name, artifact_root(home))
     decisions = decisions or plan_run(loaded, options, tracker, experiment_id)
     started = time.perf_counter()
     recorder = _start_pipeline_run(loaded, options, tracker, experiment_id, home, flow_run_id)
-    jobs = stage_jobs(loaded, decisions, experiment_id, recorder.run_id)
+    if run_tags:
+        recorder.tags(run_tags)
+    jobs = {stage: replace(job, extra_tags={**job.extra_tags, **(stage_tags or {}).get(stage, {})})
+            for stage, job in stage_jobs(loaded, decisions, experiment_id, recorder.run_id).items()}
     loop = _StageLoop(loaded, tracker, recorder, stage_call or (lambda job: execute(job, tracker)))
     for decision in decisions:
         loop.step(decision, jobs.get(decision.stage))

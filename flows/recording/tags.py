@@ -43,6 +43,8 @@ TAG_ROUND = "posttrain.round"  # an iteration round, where a pipeline iterates
 TAG_ROUND_OF = "posttrain.round_of"  # the stage a round's step repeats
 TAG_FAILURE_SET = "posttrain.failure_set"  # runs:/<collect run>/outputs/failures.jsonl that train@r read
 TAG_FAILURE_SET_SHA256 = "posttrain.failure_set_sha256"
+TAG_VARIANT = "posttrain.variant"  # a sweep's overrides that reach this stage ("-": none do), e.g. "stages.grpo.kl_beta=0.1"
+TAG_SWEEP = "posttrain.sweep"  # on stage and pipeline runs of a sweep: the sweep's parent run id
 TAG_EVAL_SETTINGS = "posttrain.eval_settings"  # = stages.eval.EVAL_SETTINGS_TAG (stages do not import flows)
 TAG_DATA_CONTEXT = "mlflow.data.context"  # on a dataset input: the dataset's role (train, probe, heldout)
 
@@ -60,3 +62,4 @@ TAG_MODEL_VERSIONS_UI = "mlflow.modelVersions"  # what mlflow.register_model set
 TAG_COMPARE_METRIC = "posttrain.compare.metric"
 TAG_COMPARE_SETTINGS = "posttrain.compare.settings"
 TAG_COMPARE_PROMOTED = "posttrain.compare.promoted"
+TAG_COMPARE_FORCED = "posttrain.compare.forced"  # --promote --force over a lead within noise: the interval, in words

@@ -52,6 +52,20 @@ class IterateSpec(SpecModel):
                        "total stays that dataset's size. For sft a failure's demonstration is its expected answer.")
 
 
+class SweepSpec(SpecModel):
+    """Variants of the pipeline that `posttrain sweep` runs together: every seed times every grid point."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seeds: list[int] | None = Field(
+        None, min_length=1, description="Pipeline seeds each variant runs with (`--set seed=S`); default the "
+        "pipeline's own `seed`. `posttrain sweep --seeds` replaces them.")
+    grid: dict[str, list[Union[int, float, bool, str]]] = Field(
+        default_factory=dict, description="Override path (the `--set` syntax, e.g. `stages.grpo.kl_beta`) -> the "
+        "values it takes; the variants are every combination. `posttrain sweep --grid PATH=V1,V2` adds or "
+        "replaces a path.")
+
+
 class Pipeline(SpecModel):
     """One post-training pipeline: a base model, datasets, rewards and stages."""
 
@@ -77,6 +91,9 @@ class Pipeline(SpecModel):
         None, description="Default work pool / GPUs / processes for every stage that sets no `resources`.")
     iterate: IterateSpec | None = Field(
         None, description="Rounds of training on the failure cases an eval stage collected (flows/planning/iterate.py).")
+    sweep: SweepSpec | None = Field(
+        None, description="Seeds and a grid of overrides that `posttrain sweep` runs as one flow; `posttrain run` "
+        "ignores it (flows/sweep.py).")
 
     def seed_for(self, stage: str) -> int:
         """A stage's seed: its own when it sets one (0 included), else the pipeline's."""

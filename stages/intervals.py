@@ -1,0 +1,152 @@
+"""Error bars for evaluations: how sure a score, and a difference of scores, is.
+
+The method is Miller 2024, "Adding Error Bars to Evals" (arXiv 2411.00640):
+
+- A score is a mean over prompts. Attempts at one prompt are not independent (an easy
+  prompt is solved by most of its attempts), so the unit is the prompt: each prompt's
+  score (its unbiased pass@k, or its mean reward) is one observation, and the standard
+  error is the standard deviation of those per-prompt scores over sqrt(prompts). With
+  every prompt sampled the same number of times this is the cluster-robust standard error
+  clustered by prompt (Miller, section 2.2); treating the n x k attempts as independent
+  would understate it.
+- Two evaluations on the same prompts are compared by the per-prompt differences (paired,
+  section 4): mean difference +- 1.96 x SE of the differences (the central limit theorem,
+  a z interval; with 200 prompts a t interval differs in the third decimal).
+- Over training seeds the seed is the unit: each seed's score (or paired difference) is
+  one observation, and the interval is a t interval with seeds - 1 degrees of freedom
+  (2 or 3 seeds give wide intervals; that is what 2 or 3 seeds know).
+- The minimum detectable difference at 80% power (two-sided, 5%) is (1.96 + 0.84) x SE of
+  the difference (section 5).
+
+Plain Python over lists: no posttrain, torch or numpy import, so both the eval stage and
+``posttrain compare`` use it and a test checks its coverage on synthetic tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+Z_95 = NormalDist().inv_cdf(0.975)  # 1.96
+Z_80_POWER = NormalDist().inv_cdf(0.80)  # 0.84
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean with its standard error over ``n`` units (prompts or seeds) and its 95% interval."""
+
+    mean: float
+    se: float
+    n: int
+    low: float
+    high: float
+    method: str  # how the interval was made, for people ("paired z over 200 prompts")
+
+    def holds(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+    @property
+    def within_noise(self) -> bool:
+        """For a difference: its interval holds 0."""
+        return self.holds(0.0)
+
+    def text(self, digits: int = 3) -> str:
+        return f"{self.mean:+.{digits}f} [{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
+
+
+def mean_and_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample standard deviation over sqrt(n); SE 0 for n < 2)."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values to average")
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, 0.0
+    variance = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(variance / n)
+
+
+def clustered_mean_and_se(values: list[float], clusters: list | None = None) -> tuple[float, float]:
+    """Mean and its cluster-robust SE: residuals summed within each cluster (a dataset that holds one
+    question several times clusters by question), Var = C/(C-1) * sum_c (sum_i in c r_i)^2 / n^2. With every
+    value its own cluster this is the plain SE of ``mean_and_se``."""
+    if clusters is None:
+        return mean_and_se(values)
+    if len(clusters) != len(values):
+        raise ValueError(f"{len(values)} values but {len(clusters)} cluster labels")
+    mean = math.fsum(values) / len(values)
+    sums: dict = {}
+    for value, cluster in zip(values, clusters):
+        sums[cluster] = sums.get(cluster, 0.0) + value - mean
+    c = len(sums)
+    if c < 2:
+        return mean, 0.0
+    return mean, math.sqrt(c / (c - 1) * math.fsum(r * r for r in sums.values())) / len(values)
+
+
+def _prompts(n: int, clusters: list | None) -> str:
+    distinct = len(set(clusters)) if clusters is not None else n
+    return f"{n} prompts" + (f" ({distinct} distinct)" if distinct != n else "")
+
+
+def prompt_estimate(per_prompt: list[float], clusters: list | None = None) -> Estimate:
+    """A score's mean over prompts with its SE clustered by prompt (and by question, given ``clusters``: one
+    label per prompt) and a 95% z interval."""
+    mean, se = clustered_mean_and_se(per_prompt, clusters)
+    return Estimate(mean, se, len(per_prompt), mean - Z_95 * se, mean + Z_95 * se,
+                    f"z over {_prompts(len(per_prompt), clusters)}")
+
+
+def paired_difference(a: list[float], b: list[float], clusters: list | None = None) -> Estimate:
+    """b - a on the same prompts, in the same order: the mean per-prompt difference and its 95% z interval
+    (clustered as ``prompt_estimate``)."""
+    if len(a) != len(b):
+        raise ValueError(f"a paired difference needs the same prompts: {len(a)} against {len(b)}")
+    mean, se = clustered_mean_and_se([y - x for x, y in zip(a, b)], clusters)
+    return Estimate(mean, se, len(a), mean - Z_95 * se, mean + Z_95 * se,
+                    f"paired z over {_prompts(len(a), clusters)}")
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5% quantile of Student's t with ``df`` degrees of freedom (bisection on the CDF)."""
+    if df < 1:
+        raise ValueError("a t interval needs at least 2 observations")
+
+    def cdf(t: float) -> float:  # through the regularised incomplete beta, by Simpson's rule on the density
+        steps = 2000
+        h = t / steps
+        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+        density = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(steps + 1)]
+        area = h / 3 * (density[0] + density[-1] + 4 * sum(density[1:-1:2]) + 2 * sum(density[2:-1:2]))
+        return 0.5 + area
+
+    low, high = 0.0, 100.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) < 0.975 else (low, middle)
+    return (low + high) / 2
+
+
+def seed_estimate(per_seed: list[float]) -> Estimate:
+    """A mean over seeds (of scores, or of paired differences) with a 95% t interval (seeds - 1 df).
+
+    One seed has no spread to measure: its interval is empty of meaning, so it is reported
+    with SE 0 and an infinite interval rather than a false certainty."""
+    mean, se = mean_and_se(per_seed)
+    n = len(per_seed)
+    if n < 2:
+        return Estimate(mean, 0.0, n, -math.inf, math.inf, "1 seed: no spread over seeds")
+    half = t_quantile_975(n - 1) * se
+    return Estimate(mean, se, n, mean - half, mean + half, f"t over {n} seeds")
+
+
+def minimum_detectable_difference(se_difference: float) -> float:
+    """The smallest true difference a two-sided 5% test detects with 80% power, given the difference's SE."""
+    return (Z_95 + Z_80_POWER) * se_difference
+
+
+def unpaired_se(se_a: float, se_b: float) -> float:
+    """SE of a difference of two independent means: what a paired SE is bounded by when the prompts'
+    scores are positively correlated (the usual case), so it stands in where per-prompt scores are missing."""
+    return math.sqrt(se_a**2 + se_b**2)
