@@ -23,37 +23,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def with_overrides(sub):
-        sub.add_argument("file", help="pipeline YAML file")
-        sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                         help="override a field, e.g. --set stages.sft.max_steps=50 (repeatable)")
-
     validate = commands.add_parser("validate", help="check a pipeline and print its stage graph; runs nothing")
-    with_overrides(validate)
+    _with_overrides(validate)
 
     check = commands.add_parser("check-reward", help="score the pipeline's known reward cases; exit 1 on a violation")
-    with_overrides(check)
+    _with_overrides(check)
     check.add_argument("--reward", metavar="NAME", action="append", default=[],
                        help="check only this reward (repeatable); default every reward with cases")
 
     run = commands.add_parser("run", help="run a pipeline (cached stages are reused)")
-    with_overrides(run)
+    _with_overrides(run)
     _run_arguments(run)
 
-    sweep = commands.add_parser(
-        "sweep", help="run the pipeline over seeds and a grid of overrides as one flow (shared stages run once); "
-        "print mean ± SE over seeds and the paired gains' 95%% intervals")
-    with_overrides(sweep)
-    sweep.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
-                       help="the seeds each variant runs with (default: the file's sweep.seeds, else its seed)")
-    sweep.add_argument("--grid", action="append", default=[], metavar="PATH=V1,V2",
-                       help="an override path and its values, e.g. --grid stages.grpo.kl_beta=0.05,0.1 (repeatable; "
-                       "adds to or replaces the file's sweep.grid)")
-    sweep.add_argument("--metric", default="pass_at_1", help="eval metric the summary reports (default pass_at_1)")
+    _sweep_parser(commands)
 
     deploy = commands.add_parser(
         "deploy", help="register the pipeline as a Prefect deployment on a work pool, optionally on a schedule")
-    with_overrides(deploy)
+    _with_overrides(deploy)
     deploy.add_argument("--cron", metavar="CRON", help='schedule, e.g. "0 3 * * *" (daily at 03:00)')
     deploy.add_argument("--timezone", metavar="TZ", default="UTC", help="the schedule's time zone (default UTC)")
     deploy.add_argument("--pool", metavar="NAME", default="cpu", help="work pool whose workers run it (default cpu)")
@@ -66,6 +52,30 @@ def _parser() -> argparse.ArgumentParser:
                                  "between runs")
     server.add_argument("action", choices=("status", "stop"), help="status: are they up, where; stop: stop them now")
 
+    _compare_parser(commands)
+    return parser
+
+
+def _with_overrides(sub) -> None:
+    sub.add_argument("file", help="pipeline YAML file")
+    sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                     help="override a field, e.g. --set stages.sft.max_steps=50 (repeatable)")
+
+
+def _sweep_parser(commands) -> None:
+    sweep = commands.add_parser(
+        "sweep", help="run the pipeline over seeds and a grid of overrides as one flow (shared stages run once); "
+        "print mean ± SE over seeds and the paired gains' 95%% intervals")
+    _with_overrides(sweep)
+    sweep.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                       help="the seeds each variant runs with (default: the file's sweep.seeds, else its seed)")
+    sweep.add_argument("--grid", action="append", default=[], metavar="PATH=V1,V2",
+                       help="an override path and its values, e.g. --grid stages.grpo.kl_beta=0.05,0.1 (repeatable; "
+                       "adds to or replaces the file's sweep.grid)")
+    sweep.add_argument("--metric", default="pass_at_1", help="eval metric the summary reports (default pass_at_1)")
+
+
+def _compare_parser(commands) -> None:
     compare = commands.add_parser(
         "compare", help="rank evaluated checkpoints (within one eval settings hash), chart them, promote the best")
     compare.add_argument("file", nargs="?", help="pipeline YAML file (its name is the MLflow experiment)")
@@ -84,7 +94,6 @@ def _parser() -> argparse.ArgumentParser:
                          "and the model version)")
     compare.add_argument("--output", metavar="PNG", help="where to save the chart "
                          "(default $POSTTRAIN_HOME/compare/EXPERIMENT/compare-METRIC.png)")
-    return parser
 
 
 def _schema_and_ui_parsers(commands) -> None:
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 def _command(args) -> int:
     from rich.console import Console
 
-    from flows.recording.home import configure_environment, ensure_home, home_problem
+    from flows.recording.home import configure_environment, home_problem
 
     # Before Prefect or MLflow are imported; the home itself is made only once the whole input
     # (spec, overrides, flags, environment) is accepted: refused input leaves nothing behind.
@@ -137,24 +146,8 @@ def _command(args) -> int:
     if args.command == "server":
         return _server(args.action, home, console)
 
-    if args.command in ("sync", "compare"):
-        if (problem := home_problem(home)) is not None:
-            print(f"posttrain {args.command}: {problem}; nothing was done", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if args.command == "sync":
-            return _sync(console)
-        from flows.compare import compare_command
-
-        ensure_home(home)
-        return compare_command(args, console)
-
-    if args.command == "sweep":
-        if (problem := home_problem(home)) is not None:
-            print(f"posttrain sweep: {problem}; nothing was run", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        from flows.sweep import sweep_command
-
-        return sweep_command(args, console)
+    if args.command in ("sync", "compare", "sweep"):
+        return _home_command(args, home, console)
 
     from flows.spec.loading import SpecError, SpecIssue, load_pipeline
 
@@ -184,6 +177,26 @@ def _command(args) -> int:
         return check_rewards_command(loaded, args.reward, console)
 
     return _run(loaded, args)
+
+
+def _home_command(args, home, console) -> int:
+    """sync, compare and sweep: the home checked first; each reads (or loads and validates) what it needs itself."""
+    from flows.recording.home import ensure_home, home_problem
+
+    if (problem := home_problem(home)) is not None:
+        print(f"posttrain {args.command}: {problem}; nothing was {'run' if args.command == 'sweep' else 'done'}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.command == "sync":
+        return _sync(console)
+    if args.command == "sweep":
+        from flows.sweep import sweep_command
+
+        return sweep_command(args, console)
+    from flows.compare import compare_command
+
+    ensure_home(home)
+    return compare_command(args, console)
 
 
 def _valid(loaded, file: str, console) -> int:

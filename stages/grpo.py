@@ -391,11 +391,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     step_metrics = StepMetrics()  # what our rewards, rollouts and loss measure in a step, logged with TRL's
     backend, why = _rollout_backend(config, inputs, ctx)
     rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics, ctx.work_dir)
-    scorer = _scorer(config, inputs, ctx)
-    reward_funcs = [make_reward_func(name, scorer, step_metrics,
-                                     getattr(rollouts, "inner", rollouts).runner.environment  # served: the inner draw's
-                                     if config.environment is not None else None)
-                    for name in rewards]
+    scorer, reward_funcs = _reward_funcs(config, inputs, ctx, rollouts, step_metrics)
 
     args = build_grpo_config(config, ctx.resume_dir, seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
@@ -432,6 +428,14 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
     outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/models/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
+
+
+def _reward_funcs(config, inputs: StageInputs, ctx, rollouts, step_metrics) -> tuple:
+    """(the scorer, TRL's reward function of each of the stage's rewards, in the order of their weights)."""
+    scorer = _scorer(config, inputs, ctx)
+    environment = (getattr(rollouts, "inner", rollouts).runner.environment  # served: the inner draw's
+                   if config.environment is not None else None)
+    return scorer, [make_reward_func(name, scorer, step_metrics, environment) for name in inputs.rewards]
 
 
 def _attach(trainer, config, step_metrics, correction, rollouts) -> None:

@@ -179,11 +179,30 @@ def weighted_token_loss(weights: list[float]):
     return loss
 
 
-def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
+def _token_classifier(inputs: StageInputs, tokenizer, seed: int):
+    """The policy's backbone with a new right/wrong head over every token (initialised from ``seed``)."""
     import torch
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(seed)  # the new head
+    model = AutoModelForTokenClassification.from_pretrained(inputs.model, num_labels=2,
+                                                            trust_remote_code=inputs.trust_remote_code)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.id2label, model.config.label2id = {0: "wrong", 1: "right"}, {"wrong": 0, "right": 1}
+    return model
+
+
+def _training_data_params(train: list[dict], counterfactuals: list[dict], weights) -> dict:
+    """What the step scorer trains on: demonstrations, counterfactual copies, the wrong steps' share, the weights."""
+    steps = sum(len(e["step_labels"]) for e in train)
+    return {"train_demonstrations": len(train), "counterfactual_demonstrations": len(counterfactuals),
+            "train_wrong_step_share": 1 - sum(sum(e["step_labels"]) for e in train) / max(steps, 1),
+            "class_weights": "none" if weights is None else f"wrong {weights[0]:.3f}, right {weights[1]:.3f}"}
+
+
+def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification, \
-        Trainer, TrainingArguments
+    from transformers import AutoTokenizer, DataCollatorForTokenClassification, Trainer, TrainingArguments
 
     from stages.data.preferences import split_heldout
     from stages.models.lora import save_trained
@@ -200,11 +219,7 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
     made = counterfactual_records(train, config.counterfactual_steps, seed) if config.counterfactual_steps else []
     counterfactuals = step_examples(config, inputs, tokenizer, made) if made else []
     train = train + counterfactuals  # the held-out demonstrations stay as the data has them
-    torch.manual_seed(seed)  # the new head
-    model = AutoModelForTokenClassification.from_pretrained(inputs.model, num_labels=2,
-                                                            trust_remote_code=inputs.trust_remote_code)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.config.id2label, model.config.label2id = {0: "wrong", 1: "right"}, {"wrong": 0, "right": 1}
+    model = _token_classifier(inputs, tokenizer, seed)
 
     schedule = {k: v for k, v in schedule_arguments(config).items() if k != "max_length"}
     args = TrainingArguments(**resumable_arguments(ctx.resume_dir, config.save_steps), **schedule,
@@ -219,12 +234,8 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
                                                                         "learning_rate": "lr"}),
                                                    f"step reward model: {config.max_steps} steps")])
     quiet_trainer(trainer)
-    ctx.log_params({"demonstrations": len(examples), "train_demonstrations": len(train),
-                    "heldout_demonstrations": len(heldout), "resolved_seed": seed,
-                    "counterfactual_demonstrations": len(counterfactuals),
-                    "train_wrong_step_share": 1 - sum(sum(e["step_labels"]) for e in train) / max(
-                        sum(len(e["step_labels"]) for e in train), 1),
-                    "class_weights": "none" if weights is None else f"wrong {weights[0]:.3f}, right {weights[1]:.3f}"})
+    ctx.log_params({"demonstrations": len(examples), "heldout_demonstrations": len(heldout), "resolved_seed": seed,
+                    **_training_data_params(train, counterfactuals, weights)})
 
     metrics: dict[str, float] = {}
     if heldout:

@@ -60,6 +60,7 @@ HUB_MODEL = "posttrain-tests/tiny-chat"
 EXTRAS = """\
 name: extras
 model: {path: CHECKPOINT}
+sweep: {seeds: [0, 1], grid: {stages.sft.max_steps: [2, 3]}}
 data:
   train: {path: d.jsonl, role: train}
   prefs: {generator: arithmetic_preferences, n: 20, role: train}

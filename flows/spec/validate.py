@@ -861,17 +861,23 @@ def _reward_model_issues(stages: dict, rewards: dict[str, RewardSpec], data: dic
                           "`records: preferences`)" if wants_pairs else "conversations, not preference pairs")
                 issues.append((("stages", name, "data"), f"stage kind {config.kind} reads {needed}; "
                                f"dataset {data_name!r} does not hold them"))
+    return issues + _scorer_reward_issues(stages, rewards, raw_stages, raw_checks)
 
+
+def _scorer_reward_issues(stages: dict, rewards: dict[str, RewardSpec], raw_stages: dict,
+                          raw_checks: dict) -> list[tuple[tuple, str]]:
+    """A ``fn: reward_model`` reward scores with a reward_model stage, and has no known cases to check."""
+    issues = []
     for reward_name, spec in rewards.items():
         if spec.fn != REWARD_MODEL_FN:
             continue
-        where = ("rewards", reward_name, "stage")
+        where, kind = ("rewards", reward_name, "stage"), getattr(stages.get(spec.stage), "kind", None)
         if spec.stage not in raw_stages:
             issues.append((where, f"unknown stage {spec.stage!r}{did_you_mean(spec.stage, raw_stages)}; "
                                   f"stages: {', '.join(raw_stages)}"))
-        elif spec.stage in stages and kind_of(spec.stage) != "reward_model":
-            issues.append((where, f"stage {spec.stage!r} is kind {kind_of(spec.stage)}; a reward_model reward "
-                                  "scores with a reward_model stage"))
+        elif spec.stage in stages and kind != "reward_model":
+            issues.append((where, f"stage {spec.stage!r} is kind {kind}; a reward_model reward scores with a "
+                                  "reward_model stage"))
         if reward_name in raw_checks:
             issues.append((("reward_checks", reward_name), "a reward_model reward has no model before its stage "
                            "has trained, so it cannot be checked against known cases"))
