@@ -10,16 +10,10 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, write
+from test_compare import WEAK  # its model, data and reward
 
 # `base` is shared by both grid points (the grid changes only `tuned`, downstream of it)
-SWEPT = """\
-name: swp
-model: {init: tiny, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64}
-data:
-  train: {generator: arithmetic, n: 96, max_operand: 9, role: train}
-  heldout: {generator: arithmetic, n: 8, seed: 5, max_operand: 9, role: heldout}
-rewards:
-  number: {fn: regex_format}
+SWEPT = WEAK.split("stages:")[0].replace("name: cmp", "name: swp") + """\
 sweep:
   seeds: [0]
   grid: {stages.tuned.lr: [5.0e-3, 1.0e-7]}
