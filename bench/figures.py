@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from flows.recording.tags import TAG_SEED, TAG_STAGE, TAG_VARIANT  # noqa: E402
+
 REWARD = "reward/correct/mean"  # the quickstart's only reward, `correct`, per GRPO step
 EVALS = ("eval_base", "eval_sft", "eval_grpo")
 COLOURS = ("#1c7ed6", "#e8590c", "#2b8a3e", "#ae3ec9")
@@ -37,9 +41,9 @@ def client_of(home: Path):
 
 def finished(client, experiment_id: str, stage: str) -> dict[str, object]:
     """seed -> the newest finished run of ``stage`` outside any grid variant."""
-    runs = client.search_runs([experiment_id], f"tags.`posttrain.stage` = '{stage}' and attributes.status = "
+    runs = client.search_runs([experiment_id], f"tags.`{TAG_STAGE}` = '{stage}' and attributes.status = "
                               "'FINISHED'", order_by=["attributes.start_time ASC"], max_results=1000)
-    return {r.data.tags.get("posttrain.seed", "-"): r for r in runs if r.data.tags.get("posttrain.variant", "-") == "-"}
+    return {r.data.tags.get(TAG_SEED, "-"): r for r in runs if r.data.tags.get(TAG_VARIANT, "-") == "-"}
 
 
 def running_mean(values: list[float], width: int = 10) -> list[float]:

@@ -1,251 +1,350 @@
-"""The README's learning results, regenerated from fresh runs, and checked against the README.
+"""The README's learning claims, checked on sweep results: signs, intervals and bands, not digits.
 
-    python bench/results.py [--pipelines quickstart ppo rlhf dpo dpo-ipo process smollm2-reasoning] [--seeds 0 1 2]
-                            [--check README.md] [--tolerance 0.02]
+    python bench/results.py --check --home quickstart=/tmp/res-quickstart --home ppo=/tmp/res-ppo ...
+    python bench/results.py --check --run [--studies quickstart ppo]      # runs the sweeps itself
+    python bench/results.py --table --home quickstart=/tmp/res-quickstart  # the README's table of a study
 
-Each (pipeline, seed) runs through the real CLI in its own fresh POSTTRAIN_HOME, nothing cached
-between them, and its figures are read back from that home's MLflow store. The tables are printed
-in the README's format, headed by the commit and the date, so they can be pasted in as they are.
+The claims live in ``bench/claims.yaml`` (``--claims``): each study is a ``posttrain sweep`` of a
+shipped pipeline over seeds (and a grid), and each claim says something the README says about it
+(``says``, which must appear in the README word for word, whitespace and ``**`` aside):
 
-``--check README.md`` compares every figure of the README's two results tables that this run regenerated
-with the fresh one and lists each that differs by more than ``--tolerance`` (absolute, pass@1 and
-accuracy points), then exits 1 if any did. A whole pipeline is deterministic on one install and machine:
-there every figure is equal. Another install or machine changes a float somewhere and RL follows another
-trajectory (35 of 69 figures moved by more than 0.02 between two installs, one by 0.86), so the README's
-tables are drawn on the install constraints/cpu.txt pins and a contradiction there is a change to look
-for. Figures of pipelines not run are reported as not checked. The last line says how many figures were
-checked and how many differ.
+- a gain of one eval stage over another (``gain: {of, over, metric}``) that is positive on every
+  seed (``per_seed: positive``), whose paired 95% interval over the prompts lies above 0 on every
+  seed (``per_seed: above_zero``), whose 95% t interval over the seeds lies above 0
+  (``over_seeds: above_zero``), or whose mean over seeds lies in ``mean_in: [low, high]``;
+- a figure (``figure: {stage, metric}``) whose every seed lies in ``band: [low, high]``, the spread
+  measured across seeds and CPU kinds (``measured`` says where from), or whose mean lies in ``mean_in``.
+
+RL turns a float's difference between CPU kinds into another trajectory (the quickstart's seed 0
+moves by about 0.1 between an AMX, an AVX-512 and an AVX2 machine: README), so one seed's digits
+hold on one machine only; the claims are what must hold on every machine. ``--results FILE`` reads
+results saved by ``--save FILE`` instead of homes. The last line says how many claims hold; the
+exit status is 1 when one fails, 2 when none could be checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import re
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from flows.recording.tags import TAG_ROLE, TAG_SEED, TAG_STAGE, TAG_VARIANT  # noqa: E402
+
+CLAIMS = ROOT / "bench" / "claims.yaml"
+NO_VARIANT = "-"  # = flows.compare.NO_VARIANT
 
 
-@dataclass(frozen=True)
-class Row:
-    """One row of a README results table: its label cells and how to read a seed's figure."""
-
-    label: tuple[str, ...]  # the row's first cells, as the README writes them
-    figures: tuple[tuple[str, str], ...]  # (stage, metric) per figure; several are shown "a / b"
-    bold: bool = False
+# ------------------------------------------------------------------ results from a home
 
 
-@dataclass(frozen=True)
-class Study:
-    """A pipeline (with overrides) run on every seed, and the rows it fills."""
-
-    name: str
-    pipeline: str
-    rows: tuple[Row, ...]
-    overrides: tuple[str, ...] = ()
-    table: str = "main"  # "main" (pipeline | stage | seeds) or "smollm2" (stage | seeds | mean)
-    wall: dict[int, float] = field(default_factory=dict, compare=False)
+def stage_label(stage: str, variant: str) -> str:
+    """How claims name a stage of a sweep variant: ``eval_dpo`` or ``eval_dpo [stages.dpo.loss=ipo]``."""
+    return stage if variant == NO_VARIANT else f"{stage} [{variant}]"
 
 
-STUDIES = [
-    Study("quickstart", "quickstart.yaml", (
-        Row(("quickstart", "`eval_base` (untrained)"), (("eval_base", "pass_at_1"),)),
-        Row(("quickstart", "`eval_sft` (35%-wrong demonstrator)"), (("eval_sft", "pass_at_1"),)),
-        Row(("quickstart", "`eval_grpo`"), (("eval_grpo", "pass_at_1"),), bold=True))),
-    Study("ppo", "ppo.yaml", (
-        Row(("ppo.yaml", "`eval_sft`"), (("eval_sft", "pass_at_1"),)),
-        Row(("ppo.yaml", "`eval_ppo`"), (("eval_ppo", "pass_at_1"),), bold=True))),
-    Study("rlhf", "rlhf.yaml", (
-        Row(("rlhf.yaml", "`rm` held-out pairwise accuracy"), (("rm", "heldout_pairwise_accuracy"),)),
-        Row(("rlhf.yaml", "`eval_sft`"), (("eval_sft", "pass_at_1"),)),
-        Row(("rlhf.yaml", "`eval_ppo` (PPO against the reward model)"), (("eval_ppo", "pass_at_1"),), bold=True),
-        Row(("rlhf.yaml", "`eval_sft` / `eval_ppo` best-of-8 by the RM (`best_of_n_accuracy`)"),
-            (("eval_sft", "best_of_n_accuracy"), ("eval_ppo", "best_of_n_accuracy"))))),
-    Study("dpo", "dpo.yaml", (
-        Row(("dpo.yaml", "`eval_sft`"), (("eval_sft", "pass_at_1"),)),
-        Row(("dpo.yaml", "`eval_dpo` (DPO, β 0.5)"), (("eval_dpo", "pass_at_1"),), bold=True))),
-    Study("dpo-ipo", "dpo.yaml", (
-        Row(("dpo.yaml", "`eval_dpo` with `--set stages.dpo.loss=ipo`"), (("eval_dpo", "pass_at_1"),)),),
-        overrides=("stages.dpo.loss=ipo",)),
-    Study("process", "process.yaml", (
-        Row(("process.yaml", "`prm` held-out step accuracy / majority baseline / wrong steps' recall / precision"),
-            (("prm", "heldout_step_accuracy"), ("prm", "heldout_majority_accuracy"), ("prm", "heldout_wrong_step_recall"),
-             ("prm", "heldout_wrong_step_precision"))),
-        Row(("process.yaml", "`eval_sft` pass@1 / right answers through a wrong step"),
-            (("eval_sft", "pass_at_1"), ("eval_sft", "steps/steps/correct_with_wrong_step_frac"))),
-        Row(("process.yaml", "`eval_ppo_outcome` (final answer only)"),
-            (("eval_ppo_outcome", "pass_at_1"), ("eval_ppo_outcome", "steps/steps/correct_with_wrong_step_frac"))),
-        Row(("process.yaml", "`eval_ppo_process` (+ verifier's step scores)"),
-            (("eval_ppo_process", "pass_at_1"), ("eval_ppo_process", "steps/steps/correct_with_wrong_step_frac")),
-            bold=True),
-        Row(("process.yaml", "`eval_ppo_prm` (+ PRM's step scores)"),
-            (("eval_ppo_prm", "pass_at_1"), ("eval_ppo_prm", "steps/steps/correct_with_wrong_step_frac")),
-            bold=True))),
-    Study("smollm2-reasoning", "smollm2-reasoning.yaml", (
-        Row(("`eval_base` (the GGUF model as shipped)",), (("eval_base", "pass_at_1"),)),
-        Row(("`eval_sft` (40 LoRA steps on a demonstrator that slips 40% of the time)",), (("eval_sft", "pass_at_1"),)),
-        Row(("`eval_grpo` (50 LoRA GRPO steps, dynamic sampling)",), (("eval_grpo", "pass_at_1"),), bold=True)),
-        table="smollm2"),
-]
+def gains_of(claims: list[dict], study: str) -> set[tuple[str, str, str]]:
+    """The (of, over, metric) gains the claims on ``study`` ask about."""
+    return {(c["gain"]["of"], c["gain"]["over"], c["gain"].get("metric", "pass_at_1"))
+            for c in claims if c["study"] == study and "gain" in c}
 
 
-def run_pipeline(pipeline: str, overrides: list[str], home: str, options: tuple[str, ...] = ()) -> float:
-    """Wall seconds of one ``posttrain run`` of ``pipelines/<pipeline>`` in ``home`` (its own servers, stopped after),
-    with ``options`` (``--only STAGE``, ``--force STAGE``) after the overrides."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME")}
-    env["POSTTRAIN_HOME"] = home
-    command = [sys.executable, "-m", "flows.cli", "run", str(ROOT / "pipelines" / pipeline)]
-    for item in overrides:
-        command += ["--set", item]
-    command += list(options)
+def read_home(home: Path, gains: set[tuple[str, str, str]]) -> dict:
+    """A home's figures (label -> metric -> seed -> value, the newest finished stage run of each) and the
+    asked-for gains (label -> metric -> seed -> paired difference over prompts, with its 95% interval)."""
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{home}/mlflow.db"
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    from mlflow.tracking import MlflowClient
+
+    from flows.compare import difference, evaluated_checkpoints
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    figures: dict[str, dict[str, dict[str, float]]] = {}
+    eval_rows = {}
+    for experiment in client.search_experiments():
+        runs = client.search_runs([experiment.experiment_id], f"tags.`{TAG_ROLE}` = 'stage' and "
+                                  "attributes.status = 'FINISHED'", order_by=["attributes.start_time ASC"],
+                                  max_results=5000)
+        for run in runs:  # oldest first: a stage run again overwrites
+            tags = run.data.tags
+            label = stage_label(tags.get(TAG_STAGE, "?"), tags.get(TAG_VARIANT, NO_VARIANT))
+            for metric, value in run.data.metrics.items():
+                figures.setdefault(label, {}).setdefault(metric, {})[tags.get(TAG_SEED, "-")] = value
+        for row in evaluated_checkpoints(client, experiment.experiment_id, register_missing=False)[::-1]:
+            eval_rows[(stage_label(row.eval_stage, row.variant), row.seed)] = row
+    found = {}
+    for of, over, metric in sorted(gains):
+        for (label, seed), row in eval_rows.items():
+            if label == of and (over, seed) in eval_rows:
+                estimate = difference(client, eval_rows[(over, seed)], row, metric)
+                if estimate is not None:
+                    found.setdefault(f"{of} - {over}", {}).setdefault(metric, {})[seed] = {
+                        "mean": estimate.mean, "low": estimate.low, "high": estimate.high, "method": estimate.method}
+    return {"home": str(home), "figures": figures, "gains": found}
+
+
+def run_sweep(study: str, spec: dict, home: Path) -> float:
+    """Wall seconds of the study's ``posttrain sweep`` in ``home`` (its Prefect server stopped after)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME")}
+    env["POSTTRAIN_HOME"] = str(home)
+    command = [sys.executable, "-m", "flows.cli", "sweep", *[str(a) for a in spec["sweep"]]]
+    print(f"{study}: POSTTRAIN_HOME={home} posttrain sweep {' '.join(command[4:])}", flush=True)
     started = time.perf_counter()
     done = subprocess.run(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seconds = time.perf_counter() - started
     subprocess.run([sys.executable, "-m", "flows.cli", "server", "stop"], env=env, cwd=ROOT,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if done.returncode != 0:
-        raise SystemExit(f"{pipeline} {' '.join(overrides)} failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
+        raise SystemExit(f"{study}: the sweep failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
+    print(f"{study}: {seconds:.0f} s", flush=True)
     return seconds
 
 
-def stage_runs(home: str) -> list:
-    """The finished stage runs of ``home``'s MLflow store, oldest first."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(experiments, "tags.`posttrain.role` = 'stage' and attributes.status = 'FINISHED'")
-    return sorted(runs, key=lambda run: run.info.start_time)
-
-
-def run_seed(study: Study, seed: int) -> tuple[dict[tuple[str, str], float], float]:
-    """(figure -> value, wall seconds) of one fresh run of the study's pipeline under ``seed``."""
-    with tempfile.TemporaryDirectory(prefix="posttrain-results-") as home:
-        seconds = run_pipeline(study.pipeline, [f"seed={seed}", *study.overrides], home)
-        values = {}
-        for run in stage_runs(home):
-            stage = run.data.tags["posttrain.stage"]
-            values.update({(stage, metric): value for metric, value in run.data.metrics.items()})
-        return values, seconds
+def machine() -> str:
+    """The CPU, as lscpu names it, with the vector extensions that move RL's floats."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = re.search(r"Model name:\s*(.+)", text).group(1).strip()
+        flags = set(re.search(r"Flags:\s*(.+)", text).group(1).split())
+    except (OSError, AttributeError):
+        pass
+    kinds = [name for name, flag in (("AMX", "amx_bf16"), ("AVX-512 BF16", "avx512_bf16"), ("AVX-512", "avx512f"),
+                                     ("AVX2", "avx2")) if flag in flags]
+    return f"{model} ({', '.join(kinds[:1]) or 'no AVX2'}), {os.cpu_count()} cores"
 
 
-def cell(row: Row, values: dict[tuple[str, str], float]) -> str:
-    text = " / ".join(f"{values[figure]:.3f}" for figure in row.figures)
-    return f"**{text}**" if row.bold else text
+# ------------------------------------------------------------------ the check
 
 
-def main_table(studies: list[Study], results: dict[str, dict[int, dict]], seeds: list[int]) -> list[str]:
-    lines = ["| pipeline | stage | " + " | ".join(f"seed {s}" for s in seeds) + " |",
-             "|---|---|" + "---|" * len(seeds)]
-    for study in studies:
-        for row in study.rows:
-            lines.append("| " + " | ".join(row.label) + " | "
-                         + " | ".join(cell(row, results[study.name][s]) for s in seeds) + " |")
+CLAIM_TESTS = {"per_seed": ("positive", "above_zero"), "over_seeds": ("above_zero",)}
+
+
+def claim_errors(spec: dict, path: Path) -> list[str]:
+    """Every mistake in a claims file at once, each naming its claim."""
+    errors, studies = [], spec.get("studies") or {}
+    for i, claim in enumerate(spec.get("claims") or []):
+        where = f"{path}: claims[{i}] ({claim.get('id', 'no id')})"
+        if claim.get("study") not in studies:
+            errors.append(f"{where}: study {claim.get('study')!r} is not one of {', '.join(studies)}")
+        if not claim.get("says"):
+            errors.append(f"{where}: `says` (the README's words for the claim) is missing")
+        if ("gain" in claim) == ("figure" in claim):
+            errors.append(f"{where}: a claim is about a `gain` or a `figure`, one of the two")
+        for name, allowed in CLAIM_TESTS.items():
+            if name in claim and claim[name] not in allowed:
+                errors.append(f"{where}: {name}: {claim[name]!r} is not one of {', '.join(allowed)}")
+        for name in ("band", "mean_in"):
+            value = claim.get(name)
+            if value is not None and not (isinstance(value, list) and len(value) == 2
+                                          and all(isinstance(v, (int, float)) for v in value) and value[0] <= value[1]):
+                errors.append(f"{where}: {name}: {value!r} is not [low, high]")
+        tests = [n for n in (*CLAIM_TESTS, "band", "mean_in") if n in claim]
+        if not tests:
+            errors.append(f"{where}: says nothing to check (per_seed, over_seeds, band or mean_in)")
+    return errors
+
+
+def normalised(text: str) -> str:
+    return " ".join(text.replace("**", "").split())
+
+
+def per_seed(values: dict[str, object]) -> str:
+    return ", ".join(f"seed {seed} {shown(value)}" for seed, value in sorted(values.items()))
+
+
+def shown(value) -> str:
+    if isinstance(value, dict):
+        return f"{value['mean']:+.3f} [{value['low']:+.3f}, {value['high']:+.3f}]"
+    return f"{value:.3f}"
+
+
+def over_seeds(values: list[float]):
+    from stages.intervals import seed_estimate
+
+    return seed_estimate(values)
+
+
+def check_claim(claim: dict, results: dict) -> tuple[bool, str]:
+    """(holds, what was found, led by what contradicts the claim) for one claim on one study's results."""
+    checked = check_gain if "gain" in claim else check_figure
+    failures, text = checked(claim, results)
+    if failures is None:
+        return False, text
+    return not failures, "; ".join(failures) + (" -- " if failures else "") + text
+
+
+def check_gain(claim: dict, results: dict) -> tuple[list[str] | None, str]:
+    gain = claim["gain"]
+    key, metric = f"{gain['of']} - {gain['over']}", gain.get("metric", "pass_at_1")
+    found = results["gains"].get(key, {}).get(metric)
+    if not found:
+        return None, f"no paired gain {key} ({metric}) in the results: is the study's sweep complete?"
+    failures = []
+    if claim.get("per_seed") == "positive":
+        failures += [f"seed {s} gains {v['mean']:+.3f}, not above 0" for s, v in sorted(found.items())
+                     if v["mean"] <= 0]
+    if claim.get("per_seed") == "above_zero":
+        failures += [f"seed {s}'s paired interval [{v['low']:+.3f}, {v['high']:+.3f}] does not lie above 0"
+                     for s, v in sorted(found.items()) if v["low"] <= 0]
+    estimate = over_seeds([v["mean"] for v in found.values()])
+    if claim.get("over_seeds") == "above_zero" and not estimate.low > 0:
+        failures.append(f"the interval over seeds [{estimate.low:+.3f}, {estimate.high:+.3f}] does not lie above 0")
+    if "mean_in" in claim and not claim["mean_in"][0] <= estimate.mean <= claim["mean_in"][1]:
+        failures.append(f"the mean gain {estimate.mean:+.3f} lies outside {claim['mean_in']}")
+    return failures, f"{key}, {metric}: {per_seed(found)}; over seeds {estimate.text()} ({estimate.method})"
+
+
+def check_figure(claim: dict, results: dict) -> tuple[list[str] | None, str]:
+    figure = claim["figure"]
+    metric = figure.get("metric", "pass_at_1")
+    found = results["figures"].get(figure["stage"], {}).get(metric)
+    if not found:
+        return None, f"no {figure['stage']} {metric} in the results: is the study's sweep complete?"
+    failures = []
+    if "band" in claim:
+        low, high = claim["band"]
+        failures += [f"seed {s}'s {v:.3f} lies outside the band [{low}, {high}]"
+                     for s, v in sorted(found.items()) if not low <= v <= high]
+    estimate = over_seeds(list(found.values()))
+    if "mean_in" in claim and not claim["mean_in"][0] <= estimate.mean <= claim["mean_in"][1]:
+        failures.append(f"the mean {estimate.mean:.3f} lies outside {claim['mean_in']}")
+    return failures, f"{figure['stage']}, {metric}: {per_seed(found)}; mean {estimate.mean:.3f} ± {estimate.se:.3f}"
+
+
+def check(claims_file: Path, results: dict, readme: Path | None) -> int:
+    """Print one line per claim and a last line; the exit status (0 all hold, 1 one fails, 2 none checked)."""
+    claims = yaml.safe_load(claims_file.read_text(encoding="utf-8"))["claims"]
+    page = normalised(readme.read_text(encoding="utf-8")) if readme else None
+    held, failed, unchecked = 0, 0, []
+    for claim in claims:
+        where = f"{claim['id']} ({claim['study']})"
+        if page is not None and normalised(claim["says"]) not in page:
+            failed += 1
+            print(f"FAILS  {where}: {readme.name} does not say \"{claim['says']}\" (edit the claim with the README)")
+            continue
+        study = results["studies"].get(claim["study"])
+        if study is None:
+            unchecked.append(claim["id"])
+            continue
+        holds, text = check_claim(claim, study)
+        held, failed = held + holds, failed + (not holds)
+        print(f"{'holds' if holds else 'FAILS'}  {where}: \"{claim['says']}\": {text}")
+    if unchecked:
+        print(f"not checked (no results for their study): {', '.join(unchecked)}")
+    print(f"{held + failed} of {len(claims)} claims checked on {results.get('machine', '?')}: "
+          f"{held} hold, {failed} fail")
+    return 1 if failed else (2 if not held else 0)
+
+
+# ------------------------------------------------------------------ the README's tables
+
+
+def table(study: str, results: dict, stages: list, gains: list[str], metric: str = "pass_at_1") -> list[str]:
+    """A markdown table: each stage's figure per seed (± its SE over prompts) and mean ± SE over seeds, then each
+    paired gain per seed with its 95% interval over prompts and its mean with a t interval over seeds. A stage
+    given as ``{stage: rm, metric: heldout_pairwise_accuracy}`` shows that metric instead of ``metric``."""
+    figures, found = results["figures"], results["gains"]
+    seeds = sorted({s for label in stages if isinstance(label, str) for s in figures.get(label, {}).get(metric, {})}
+                   | {s for key in gains for s in found.get(key, {}).get(metric, {})})
+    if not seeds:
+        return [f"{study}: no results yet"]
+    lines = [f"| {study}, `{metric}` | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± SE over seeds |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    for entry in stages:
+        label, shown_metric = (entry, metric) if isinstance(entry, str) else (entry["stage"], entry["metric"])
+        values = figures.get(label, {}).get(shown_metric, {})
+        ses = figures.get(label, {}).get(f"se/{shown_metric}", {})
+        cells = [f"{values[s]:.3f}" + (f" ± {ses[s]:.3f}" if s in ses else "") if s in values else "–" for s in seeds]
+        estimate = over_seeds([values[s] for s in seeds if s in values]) if values else None
+        name = f"`{label}`" + ("" if shown_metric == metric else f" `{shown_metric}`")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {spread(estimate)} |")
+    for key in gains:
+        values = found.get(key, {}).get(metric, {})
+        estimate = over_seeds([values[s]["mean"] for s in seeds if s in values]) if values else None
+        interval = f"**{estimate.text()}**" if estimate and estimate.n > 1 else "–"
+        lines.append(f"| {key.replace(' - ', ' − ')} (95%) | "
+                     + " | ".join(shown(values[s]) if s in values else "–" for s in seeds) + f" | {interval} |")
     return lines
 
 
-def smollm2_table(study: Study, results: dict[int, dict], seeds: list[int]) -> list[str]:
-    lines = ["| stage | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |", "|---|" + "---|" * (len(seeds) + 1)]
-    for row in study.rows:
-        (figure,) = row.figures
-        mean = sum(results[s][figure] for s in seeds) / len(seeds)
-        mean_text = f"**{mean:.3f}**" if row.bold else f"{mean:.3f}"
-        lines.append("| " + row.label[0] + " | " + " | ".join(cell(row, results[s]) for s in seeds)
-                     + f" | {mean_text} |")
-    gains = [results[s][("eval_grpo", "pass_at_1")] - results[s][("eval_sft", "pass_at_1")] for s in seeds]
-    lines.append("| GRPO − SFT | " + " | ".join(f"{g:+.3f}" for g in gains) + f" | **{sum(gains) / len(gains):+.3f}** |")
-    lines.append("| wall time, whole pipeline | " + " | ".join(f"{study.wall[s]:.0f} s" for s in seeds) + " | |")
-    return lines
+def spread(estimate) -> str:
+    """mean ± SE over seeds, or what one seed cannot say."""
+    if estimate is None:
+        return "–"
+    return f"{estimate.mean:.3f} ± {estimate.se:.3f}" if estimate.n > 1 else f"{estimate.mean:.3f} (1 seed)"
 
 
-NUMBER = re.compile(r"-?\d+\.\d+")
+# ------------------------------------------------------------------ the command
 
 
-def readme_figures(readme: str, study: Study, row: Row, seeds: list[int]) -> dict[int, list[float]] | None:
-    """The README's figures of ``row`` per seed column (None when the README has no such row)."""
-    prefix = "| " + " | ".join(row.label) + " |"
-    line = next((line for line in readme.splitlines() if line.startswith(prefix)), None)
-    if line is None:
-        return None
-    cells = [c.strip() for c in line[len(prefix):].strip().strip("|").split("|")]
-    header = seeds_header(readme, line)
-    return {seed: [float(x) for x in NUMBER.findall(cells[header.index(seed)])] for seed in seeds if seed in header}
-
-
-def seeds_header(readme: str, line: str) -> list[int]:
-    """The seed of each figure column of the table ``line`` belongs to (its header row)."""
-    lines = readme.splitlines()
-    index = lines.index(line)
-    while index > 0 and not lines[index - 1].startswith("|---"):
-        index -= 1
-    header = lines[index - 2]
-    return [int(m) for m in re.findall(r"seed (\d+)", header)]
-
-
-def check(readme_path: Path, studies: list[Study], results: dict[str, dict[int, dict]], seeds: list[int],
-          tolerance: float) -> int:
-    readme = readme_path.read_text(encoding="utf-8")
-    checked, differ = 0, []
-    for study in studies:
-        for row in study.rows:
-            printed = readme_figures(readme, study, row, seeds)
-            if printed is None:
-                differ.append(f"{' / '.join(row.label)}: not in {readme_path.name}")
-                continue
-            for seed, figures in printed.items():
-                fresh = [results[study.name][seed][figure] for figure in row.figures]
-                for was, now in zip(figures, fresh):
-                    checked += 1
-                    if abs(was - now) > tolerance:
-                        differ.append(f"{' | '.join(row.label)}, seed {seed}: README {was:.3f}, fresh {now:.3f} "
-                                      f"({now - was:+.3f})")
-    for line in differ:
-        print(f"CONTRADICTED {line}")
-    skipped = [s.name for s in STUDIES if s not in studies]
-    if skipped:
-        print(f"not checked (not run): {', '.join(skipped)}")
-    print(f"checked {checked} figures against {readme_path.name} at tolerance {tolerance}: {len(differ)} differ")
-    return 1 if differ else 0
+def gather(args, claims: list[dict], studies: dict) -> dict:
+    """Results of every asked-for study: read from its ``--home``, or from a sweep ``--run`` in a fresh home."""
+    homes = dict(item.split("=", 1) for item in args.home)
+    names = args.studies or (list(studies) if args.run else list(homes))
+    unknown = sorted((set(homes) | set(names)) - set(studies))
+    if unknown:
+        raise SystemExit(f"{unknown[0]}: no such study in {args.claims} (it has {', '.join(studies)})")
+    missing = [name for name in names if not args.run and name not in homes]
+    if missing:
+        raise SystemExit(f"{missing[0]}: no results to read; give --home {missing[0]}=DIR, or --run to run its sweep")
+    results = {"machine": machine(), "studies": {}}
+    for name in names:
+        if args.run:
+            home = Path(tempfile.mkdtemp(prefix=f"posttrain-claims-{name}-"))
+            results.setdefault("seconds", {})[name] = round(run_sweep(name, studies[name], home))
+        else:
+            home = Path(homes[name])
+        results["studies"][name] = read_home(home, gains_of(claims, name))
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pipelines", nargs="+", default=[s.name for s in STUDIES],
-                        choices=[s.name for s in STUDIES], help="which studies to run (default: all)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--check", type=Path, help="the README whose figures the fresh runs must reproduce")
-    parser.add_argument("--tolerance", type=float, default=0.02, help="absolute difference allowed per figure")
+    parser.add_argument("--claims", type=Path, default=CLAIMS)
+    parser.add_argument("--readme", default=str(ROOT / "README.md"),
+                        help="the page whose words the claims quote (--readme '' skips that)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--run", action="store_true", help="run each study's sweep in a fresh home first")
+    source.add_argument("--results", type=Path, help="results saved by --save, instead of homes")
+    parser.add_argument("--home", action="append", default=[], metavar="STUDY=DIR",
+                        help="a home holding the study's sweep (repeatable)")
+    parser.add_argument("--studies", nargs="+", help="only these studies (default: every one given or claimed)")
+    parser.add_argument("--check", action="store_true", help="check the claims")
+    parser.add_argument("--table", action="store_true", help="print each study's table for the README")
+    parser.add_argument("--save", type=Path, help="write the results read or run as JSON")
     args = parser.parse_args()
 
-    studies = [s for s in STUDIES if s.name in args.pipelines]
-    results: dict[str, dict[int, dict]] = {}
+    spec = yaml.safe_load(args.claims.read_text(encoding="utf-8"))
+    errors = claim_errors(spec, args.claims)
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        raise SystemExit(2)
+    claims, studies = spec["claims"], spec["studies"]
     started = time.perf_counter()
-    for study in studies:
-        results[study.name] = {}
-        for seed in args.seeds:
-            results[study.name][seed], study.wall[seed] = run_seed(study, seed)
-            print(f"{study.name} seed {seed}: {study.wall[seed]:.0f} s", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    print(f"\nFresh runs on commit {commit}{' (with uncommitted changes)' if dirty else ''}, "
-          f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {time.perf_counter() - started:.0f} s in all:\n")
-    main_studies = [s for s in studies if s.table == "main"]
-    if main_studies:
-        print("\n".join(main_table(main_studies, results, args.seeds)) + "\n")
-    for study in studies:
-        if study.table == "smollm2":
-            print("\n".join(smollm2_table(study, results[study.name], args.seeds)) + "\n")
+    results = json.loads(args.results.read_text(encoding="utf-8")) if args.results else gather(args, claims, studies)
+    if args.studies:
+        results["studies"] = {k: v for k, v in results["studies"].items() if k in args.studies}
+    if args.save:
+        args.save.write_text(json.dumps(results, indent=1), encoding="utf-8")
+    if args.table:
+        for name, study in results["studies"].items():
+            shown_stages = studies[name].get("table", {})
+            print("\n".join(table(name, study, shown_stages.get("stages", []), shown_stages.get("gains", []))) + "\n")
     if args.check:
-        raise SystemExit(check(args.check, studies, results, args.seeds, args.tolerance))
+        code = check(args.claims, results, Path(args.readme) if args.readme else None)
+        print(f"({time.perf_counter() - started:.0f} s)")
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":
