@@ -72,6 +72,9 @@ def _sweep_parser(commands) -> None:
     sweep.add_argument("--grid", action="append", default=[], metavar="PATH=V1,V2",
                        help="an override path and its values, e.g. --grid stages.grpo.kl_beta=0.05,0.1 (repeatable; "
                        "adds to or replaces the file's sweep.grid)")
+    sweep.add_argument("--parallel", type=int, metavar="N",
+                       help="variants side by side, at most N at once, where stages run on work pools (default: the "
+                       "file's sweep.parallel, else all of them; one after another when every stage runs here)")
     sweep.add_argument("--metric", default="pass_at_1", help="eval metric the summary reports (default pass_at_1)")
 
 

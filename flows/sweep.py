@@ -3,10 +3,11 @@
 The variants are every grid point times every seed (the ``sweep:`` block, or ``--seeds`` and
 ``--grid PATH=V1,V2``); each is the pipeline loaded with ``--set`` overrides. All are validated
 before anything starts: one bad variant refuses the sweep (exit 2, naming it). They then run
-in one flow (``flows/execution/deployment.py``, ``sweep_flow``) one after another, each
-planned just before it starts: a stage whose fingerprint an earlier variant already ran (the
-SFT of one seed under several GRPO settings) is a cache hit, so the union of the variants'
-stage graphs keyed by fingerprint runs each stage once. The per-fingerprint stage lock
+in one flow (``flows/execution/deployment.py``, ``sweep_flow``), one after another, or side by
+side where stages run on work pools, each planned just before it starts: a stage whose
+fingerprint another variant already ran (the SFT of one seed under several GRPO settings) is
+a cache hit, and one it is running is waited for, so the union of the variants' stage graphs
+keyed by fingerprint runs each stage once. The per-fingerprint stage lock
 (``flows/recording/locks.py``) keeps two sweeps in one home from training the same fingerprint
 at once. Rerunning an interrupted sweep resumes it: finished stages are cache hits, and a
 stage killed midway resumes from its trainer checkpoints as ``posttrain run`` does.
@@ -207,6 +208,8 @@ def sweep_command(args, console) -> int:
         base = load_pipeline(args.file, args.overrides)
         variants = expand(base, args.seeds, parse_grid(args.grid))
         loaded = load_variants(args.file, variants)
+        pools = sorted({spec.spec.resources_for(stage).pool for spec in loaded for stage in spec.spec.stages} - {None})
+        parallel = side_by_side(base, variants, pools, args.parallel)
     except SpecError as error:
         print(f"{args.file}: {len(error.issues)} error(s); nothing was run", file=sys.stderr)
         for issue in error.issues:
@@ -215,7 +218,9 @@ def sweep_command(args, console) -> int:
     except SweepError as error:
         print(f"posttrain sweep: {error}\nnothing was run", file=sys.stderr)
         return EXIT_BAD_INPUT
-    console.print(f"sweep of {base.spec.name}: {len(variants)} variant(s), validated: "
+    order = (f"side by side, at most {parallel} at once (work pool(s) {', '.join(pools)})" if parallel > 1
+             else "one after another")
+    console.print(f"sweep of {base.spec.name}: {len(variants)} variant(s), validated, run {order}: "
                   + ", ".join(v.name for v in variants))
     from flows.terminal import Terminal, activated, run_log
 
@@ -223,7 +228,7 @@ def sweep_command(args, console) -> int:
     try:
         with run_log(base.spec.name) as log:
             with activated(terminal), terminal.capture(log.path):
-                code = _run(args, terminal.console, base, variants, loaded)
+                code = _run(args, terminal.console, base, variants, loaded, pools, parallel)
             terminal.console.print(f"log: {log.keep()}")
         return code
     except KeyboardInterrupt:
@@ -232,7 +237,24 @@ def sweep_command(args, console) -> int:
         return EXIT_INTERRUPTED
 
 
-def _run(args, console, base, variants, loaded) -> int:
+def side_by_side(base, variants: list[SweepVariant], pools: list[str], cli_parallel: int | None) -> int:
+    """How many variants run at once: one when every stage runs in this process (its stages could only take
+    turns), else ``--parallel``, the file's ``sweep.parallel`` or every variant."""
+    block = base.spec.sweep
+    asked, where = (cli_parallel, f"--parallel {cli_parallel}") if cli_parallel is not None else (
+        block.parallel if block else None, f"sweep.parallel: {block.parallel if block else None}")
+    if asked is not None and asked < 1:
+        raise SweepError(f"{where}: the number of variants run at once is at least 1")
+    if not pools:
+        if asked is not None and asked > 1:
+            raise SweepError(f"{where}: variants run side by side only where stages run on work pools; every stage "
+                             f"of {base.spec.name} runs in this process, where stages run one at a time (set "
+                             "`resources: {pool: ...}`, docs/scaling-out.md)")
+        return 1
+    return min(asked or len(variants), len(variants))
+
+
+def _run(args, console, base, variants, loaded, pools, parallel) -> int:
     from flows.execution.pipeline import prepare_store
     from flows.planning.lineage import PlanError
     from flows.recording.home import artifact_root, configure_environment, create_home_dir, posttrain_home
@@ -240,7 +262,6 @@ def _run(args, console, base, variants, loaded) -> int:
 
     import os
 
-    pools = sorted({spec.spec.resources_for(stage).pool for spec in loaded for stage in spec.spec.stages} - {None})
     if pools and not os.environ.get("PREFECT_API_URL"):
         print(f"posttrain sweep: stages run on work pool(s) {', '.join(pools)}, which needs a Prefect server with "
               "workers: set PREFECT_API_URL (docs/scaling-out.md); nothing was run", file=sys.stderr)
@@ -267,7 +288,7 @@ def _run(args, console, base, variants, loaded) -> int:
         with prefect_api(home):
             from flows.execution.deployment import run_sweep_flow
 
-            reports = run_sweep_flow(str(base.path), flow_variants(variants, loaded, run_id))
+            reports = run_sweep_flow(str(base.path), flow_variants(variants, loaded, run_id), parallel)
         status = "FINISHED" if len(reports) == len(variants) and not any(r.failed for r in reports) else "FAILED"
     except KeyboardInterrupt:
         status = "KILLED"

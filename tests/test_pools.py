@@ -162,3 +162,43 @@ def test_infra_prefect_yaml_deploys_onto_the_server(stack):
     nightly = stack["prefect"].cli("deployment", "inspect", "posttrain-pipeline/quickstart")
     assert "0 3 * * *" in nightly.stdout
     assert stack["prefect"].cli("deployment", "inspect", "posttrain-stage/gpu").returncode == 0
+
+
+SWEPT_ON_A_POOL = PIPELINE.replace("name: pools", "name: sweep-pool").replace("stages:", """\
+sweep:
+  grid: {stages.tuned.lr: [1.0e-3, 1.0e-4]}
+stages:""").replace("resources: {pool: gpu}", "resources: {pool: sweep}") + """\
+  tuned: {kind: sft, model: sft, data: train, max_steps: 200, batch_size: 8, lr: 1.0e-3, resources: {pool: sweep}}
+"""
+
+
+def test_a_sweep_on_a_work_pool_runs_its_variants_side_by_side_and_a_shared_stage_once(stack, tmp_path):
+    """Two grid points of `tuned` on a pool: both variants plan `sft` (their common upstream) at once; it runs
+    once and the other variant reuses it; the two `tuned` stages then train at the same time on the worker."""
+    from mlflow.tracking import MlflowClient
+
+    created = stack["prefect"].cli("work-pool", "create", "sweep", "--type", "process")
+    assert created.returncode == 0, created.stdout + created.stderr
+    # polling every second: the two variants' stages, sent within a second, start within about one
+    stack["prefect"].worker("sweep", {**stack["env"], "PREFECT_WORKER_QUERY_SECONDS": "1"})
+    swept = posttrain(stack, "sweep", str(write(tmp_path / "sweep.yaml", SWEPT_ON_A_POOL)))
+    assert swept.returncode == 0, swept.stdout + swept.stderr
+    assert "run side by side, at most 2 at once (work pool(s) sweep)" in swept.stdout
+    assert "stage executions: 4 ran, 2 cached" in swept.stdout, swept.stdout  # sft and eval_sft reused
+
+    client = MlflowClient(stack["mlflow"].url)
+    experiment = client.get_experiment_by_name("sweep-pool").experiment_id
+
+    def finished(stage):
+        return client.search_runs([experiment], f"tags.`posttrain.stage` = '{stage}' and attributes.status = "
+                                  "'FINISHED'")
+
+    assert len(finished("sft")) == 1  # shared by both grid points: trained once
+    tuned = finished("tuned")
+    assert sorted(r.data.tags["posttrain.variant"] for r in tuned) == ["stages.tuned.lr=0.0001",
+                                                                      "stages.tuned.lr=0.001"]
+    assert all(r.data.tags["posttrain.pool"] == "sweep" for r in tuned)
+    first, second = sorted(tuned, key=lambda r: r.info.start_time)
+    assert second.info.start_time < first.info.end_time, "the two variants' stages did not overlap"
+    assert len(finished("eval_sft")) == 1 and all(r.data.tags.get("posttrain.pool") is None
+                                                   for r in finished("eval_sft"))

@@ -40,6 +40,13 @@ def test_a_bad_variant_refuses_the_sweep_before_anything_runs(home, tmp_path, ca
     assert not home.exists()  # no store, no run: nothing started
     assert run_cli("sweep", str(path), "--grid", "stages.tuned.lr") == 2
     assert "expected PATH=V1,V2" in capsys.readouterr().err
+    # side by side only where stages run on work pools (tests/test_pools.py runs it there)
+    assert run_cli("sweep", str(path), "--parallel", "2") == 2
+    err = capsys.readouterr().err
+    assert "--parallel 2: variants run side by side only where stages run on work pools" in err, err
+    assert run_cli("sweep", str(write(tmp_path / "par.yaml", SWEPT.replace("seeds: [0]", "seeds: [0]\n  parallel: 0")))) == 2
+    assert "sweep.parallel" in capsys.readouterr().err
+    assert not home.exists()
 
 
 @pytest.mark.slow
@@ -82,3 +89,4 @@ def test_a_sweep_runs_a_shared_stage_once_tags_its_runs_and_resumes(home, prefec
     assert run_cli("sweep", str(path)) == 0
     assert "stage executions: 0 ran, 8 cached" in capsys.readouterr().out
     assert len(finished("tuned")) == 2
+

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.execution.execute import StageFailed, StageRow, execute, headline_metrics
+from flows.execution.execute import StageFailed, StageRow, execute, headline_metrics, reuse_finished
 from flows.recording.home import artifact_root, configure_environment
 from flows.planning.job import StageJob
 from flows.planning.lineage import Decision, RunOptions
@@ -115,30 +116,103 @@ def run_flow(loaded: LoadedPipeline, options: RunOptions, decisions: list[Decisi
 
 
 @flow(name="posttrain-sweep", log_prints=False, validate_parameters=True)
-def sweep_flow(pipeline_file: str, variants: list[dict]) -> list[PipelineReport]:
-    """A sweep (flows/sweep.py) as one flow: its variants one after another, each a pipeline run planned just
-    before it starts, so a stage an earlier variant ran with the same fingerprint is a cache hit (it runs once);
-    each stage is a task, sent to its work pool where it names one. Stops at the first variant that fails."""
+def sweep_flow(pipeline_file: str, variants: list[dict], parallel: int = 1) -> list[PipelineReport]:
+    """A sweep (flows/sweep.py) as one flow: each variant a pipeline run planned just before it starts, so a stage
+    a variant already ran with the same fingerprint is a cache hit (it runs once); each stage is a task, sent to
+    its work pool where it names one. One variant after another, or ``parallel`` side by side (``SharedStages``).
+    No variant starts after one failed."""
     from prefect.runtime import flow_run
 
     home = configure_environment()
+    flow_run_id = str(flow_run.get_id())
+
+    def run_variant(variant: dict, stage_call) -> PipelineReport:
+        loaded = load_pipeline(pipeline_file, variant["overrides"])
+        report = run_pipeline(loaded, RunOptions(), home, stage_call=stage_call, flow_run_id=flow_run_id,
+                              run_tags=variant["run_tags"], stage_tags=variant["stage_tags"])
+        _prefect_summary(report)
+        return report
+
+    if parallel > 1:
+        return _side_by_side(variants, parallel, run_variant, SharedStages(home))
     reports = []
     for variant in variants:
-        loaded = load_pipeline(pipeline_file, variant["overrides"])
-        report = run_pipeline(
-            loaded, RunOptions(), home,
-            stage_call=lambda job: stage_task.with_options(task_run_name=f"{job.stage} {variant['name']}")(job, home),
-            flow_run_id=str(flow_run.get_id()), run_tags=variant["run_tags"], stage_tags=variant["stage_tags"])
-        _prefect_summary(report)
-        reports.append(report)
-        if report.failed:
+        reports.append(run_variant(variant, lambda job, name=variant["name"]: stage_task.with_options(
+            task_run_name=f"{job.stage} {name}")(job, home)))
+        if reports[-1].failed:
             break
     return reports
 
 
-def run_sweep_flow(pipeline_file: str, variants: list[dict]) -> list[PipelineReport]:
+class SharedStages:
+    """The stage calls of variants run side by side: one execution per stage fingerprint at a time, whose
+    result the variants that waited on it reuse (the stage lock of ``execute`` does this across processes, but
+    a pooled stage's lock is taken on a worker, whose disk may not be this one's), and the stages that run in
+    this process one at a time (they would share its cores and its signal handling)."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        self._guard = threading.Lock()
+        self._fingerprints: dict[tuple[str, str, str], threading.Lock] = {}
+        self._here = threading.Lock()
+
+    def call(self, job: StageJob, variant: str) -> StageRow:
+        with self._guard:
+            lock = self._fingerprints.setdefault((job.experiment_id, job.stage, job.fingerprint), threading.Lock())
+        with lock:
+            reused = reuse_finished(job, Tracker(self.home), "finished meanwhile by another variant of this sweep")
+            if reused is not None:
+                return reused
+            task = stage_task.with_options(task_run_name=f"{job.stage} {variant}")
+            if job.resources.pool:
+                return task(job, self.home)
+            with self._here:
+                return task(job, self.home)
+
+
+def _side_by_side(variants: list[dict], parallel: int, run_variant, shared: SharedStages) -> list[PipelineReport]:
+    """Run ``parallel`` variants at a time, each in a thread of this flow run (daemon threads: a Ctrl-C of the
+    sweep ends them with the process, and the rerun resumes); the reports in the variants' order."""
+    import contextvars
+
+    reports: list[PipelineReport | None] = [None] * len(variants)
+    errors: list[BaseException] = []
+    slots = threading.Semaphore(parallel)
+    stop = threading.Event()
+
+    def run(index: int, variant: dict) -> None:
+        try:
+            reports[index] = run_variant(variant, lambda job: shared.call(job, variant["name"]))
+            if reports[index].failed:
+                stop.set()
+        except BaseException as error:  # re-raised in the flow's thread
+            errors.append(error)
+            stop.set()
+        finally:
+            slots.release()
+
+    threads = []
+    for index, variant in enumerate(variants):
+        while not slots.acquire(timeout=0.5):
+            pass
+        if stop.is_set():
+            slots.release()
+            break
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(run, index, variant), daemon=True,
+                                  name=f"variant {variant['name']}")
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        while thread.is_alive():  # joined with a timeout: a Ctrl-C reaches the flow's thread at once
+            thread.join(0.5)
+    if errors:
+        raise errors[0]
+    return [report for report in reports if report is not None]
+
+
+def run_sweep_flow(pipeline_file: str, variants: list[dict], parallel: int = 1) -> list[PipelineReport]:
     """Run the sweep flow; the reports of the variants it ran, also when one failed."""
-    state = sweep_flow(pipeline_file, variants, return_state=True)
+    state = sweep_flow(pipeline_file, variants, parallel, return_state=True)
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         raise result

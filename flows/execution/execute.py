@@ -146,13 +146,8 @@ def execute(job: StageJob, tracker: Tracker, console=None) -> StageRow:
 
     try:
         with stage_lock(tracker.home, job.experiment_id, job.stage, job.fingerprint, waiting):
-            if job.may_reuse:
-                hit = tracker.find_cached(job.experiment_id, job.stage, job.fingerprint)
-                if hit is not None:
-                    return StageRow(job.stage, job.kind, "cached", 0.0, hit.info.run_id,
-                                    headline_metrics(hit.data.metrics, job.kind),
-                                    "finished meanwhile by another posttrain run", tracker.outputs_of(hit))
-            return _run(job, tracker, console)
+            reused = reuse_finished(job, tracker, "finished meanwhile by another posttrain run")
+            return reused or _run(job, tracker, console)
     except (StageFailed, KeyboardInterrupt, TrackingUnavailable):
         raise
     except Exception as error:
@@ -160,6 +155,16 @@ def execute(job: StageJob, tracker: Tracker, console=None) -> StageRow:
             raise TrackingUnavailable(f"stage {job.stage!r} could not start: the MLflow store is unreachable "
                                       f"({str(error).splitlines()[0][:200]})") from error
         raise
+
+
+def reuse_finished(job: StageJob, tracker: Tracker, note: str) -> StageRow | None:
+    """A FINISHED run with the job's fingerprint as a cached row (another execution finished it while this one
+    waited), unless the job may not reuse one (the stage was forced)."""
+    hit = tracker.find_cached(job.experiment_id, job.stage, job.fingerprint) if job.may_reuse else None
+    if hit is None:
+        return None
+    return StageRow(job.stage, job.kind, "cached", 0.0, hit.info.run_id, headline_metrics(hit.data.metrics, job.kind),
+                    note, tracker.outputs_of(hit))
 
 
 def _flat_params(prefix: str, value, out: dict) -> dict:

@@ -64,6 +64,11 @@ class SweepSpec(SpecModel):
         default_factory=dict, description="Override path (the `--set` syntax, e.g. `stages.grpo.kl_beta`) -> the "
         "values it takes; the variants are every combination. `posttrain sweep --grid PATH=V1,V2` adds or "
         "replaces a path.")
+    parallel: int | None = Field(
+        None, ge=1, description="Variants run side by side, at most this many at once, where the pipeline sends "
+        "stages to work pools: each pooled stage runs on a worker while other variants' stages run on others. "
+        "Stages run in this process still run one at a time. Default: every variant at once when a stage "
+        "names a pool, else one after another. `posttrain sweep --parallel N` replaces it.")
 
 
 class Pipeline(SpecModel):
