@@ -354,7 +354,7 @@ def train_surprise_head(config, inputs: StageInputs, ctx, tokenizer, train: list
             loss.backward()
             optimizer.step()
             scheduler.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             if step % config.logging_steps == 0:
                 ctx.log_metrics({"loss": sum(losses[-config.logging_steps:]) / config.logging_steps,
                                  "lr": scheduler.get_last_lr()[0]}, step=step)

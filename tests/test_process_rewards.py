@@ -345,9 +345,9 @@ def test_the_surprise_head_beats_always_right_where_the_token_classifier_does_no
     cache = tmp_path_factory.mktemp("prm-models")
     base = resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=64, num_layers=2, num_heads=2,
                                                  intermediate_size=128), 0, cache, cache)
-    data = materialize(ArithmeticData(generator="arithmetic_chain", role="train", n=1000, terms=3, max_operand=5,
+    data = materialize(ArithmeticData(generator="arithmetic_chain", role="train", n=1000, terms=3, max_operand=3,
                                       demo_error_rate=0.35), Path("."), home / "data")
-    tuned = sft.run(SFTStageConfig(kind="sft", data="train", max_steps=200, batch_size=32, lr=3e-3),
+    tuned = sft.run(SFTStageConfig(kind="sft", data="train", max_steps=300, batch_size=32, lr=5e-3),
                     StageInputs(model=base, datasets={"data": data}), ctx_factory("sft"))["checkpoint"]
     inputs = StageInputs(model=tuned, datasets={"data": data}, rewards={"steps": RewardSpec(fn="chain_steps")})
     fields = dict(kind="reward_model", level="step", labels="steps", data="train", heldout_fraction=0.2)
@@ -366,9 +366,9 @@ def test_the_surprise_head_beats_always_right_where_the_token_classifier_does_no
     checkpoint = Path(surprise["checkpoint"])
     assert is_step_scorer(checkpoint)
     scorer = StepRewardModel(checkpoint, RewardSpec(fn="reward_model", stage="prm"))
-    prompt = [{"role": "user", "content": "Compute 2+3+4 step by step, writing each running result (a+b=c), "
+    prompt = [{"role": "user", "content": "Compute 2+3+1 step by step, writing each running result (a+b=c), "
                                           "separated by commas."}]
-    scored = scorer(["2+3=5, 5+4=9", "2+3=6, 6+4=10", "2+3=5, 5+4=8"], [prompt] * 3)
+    scored = scorer(["2+3=5, 5+1=6", "2+3=6, 6+1=7", "2+3=5, 5+1=7"], [prompt] * 3)
     assert [[round(s.score) for s in steps] for steps in scored.steps] == [[1, 1], [0, 1], [1, 0]]
 
 
