@@ -291,11 +291,13 @@ def _surprise_features(lm, tokenizer, examples: list[dict], batch_size: int = 32
     from stages.rewards.reward_model import right_padded
     from stages.rewards.step_surprise import step_features
 
+    device = next(lm.parameters()).device
     features, labels = [], []
     for start in range(0, len(examples), batch_size):
         batch = examples[start:start + batch_size]
         input_ids, attention = right_padded([e["input_ids"] for e in batch], tokenizer.pad_token_id or 0)
-        features.append(step_features(lm, input_ids, attention, [e["step_tokens"] for e in batch]))
+        features.append(step_features(lm, input_ids.to(device), attention.to(device),
+                                      [e["step_tokens"] for e in batch]).cpu())
         labels += [label for e in batch for label in e["step_labels"]]
     return torch.cat(features), torch.tensor(labels)
 
@@ -320,9 +322,10 @@ def train_surprise_head(config, inputs: StageInputs, ctx, tokenizer, train: list
     from stages.models.lora import save_trained
     from stages.rewards.step_surprise import save_head, surprise_head
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # for the LM's one read; the head on CPU
     lm = AutoModelForCausalLM.from_pretrained(inputs.model, trust_remote_code=inputs.trust_remote_code).eval()
     started = time.perf_counter()
-    features_S_F, labels_S = _surprise_features(lm, tokenizer, train)
+    features_S_F, labels_S = _surprise_features(lm.to(device), tokenizer, train)
     head = surprise_head(features_S_F.shape[1], ctx.seed)
     head.mean.copy_(features_S_F.mean(0))
     head.scale.copy_(features_S_F.std(0).clamp_min(1e-6))
@@ -365,6 +368,6 @@ def train_surprise_head(config, inputs: StageInputs, ctx, tokenizer, train: list
     if heldout:
         metrics.update(heldout_now())
     ctx.log_metrics(metrics)
-    outputs = save_trained(lm, tokenizer, ctx, padding_side="right", final_loss=metrics["final_loss"])
+    outputs = save_trained(lm.cpu(), tokenizer, ctx, padding_side="right", final_loss=metrics["final_loss"])
     save_head(head, Path(outputs["checkpoint"]))
     return {**outputs, "metrics": metrics}
