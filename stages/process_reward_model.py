@@ -1,7 +1,13 @@
 """The ``reward_model`` stage at ``level: step``: a process reward model (PRM).
 
-A token classifier (``AutoModelForTokenClassification``, two labels: wrong, right) starts from a
-base or SFT checkpoint; its head is new and seeded. Its training data are the demonstrations of
+Two heads (``step_head``). ``surprise`` (the default): the base or SFT checkpoint, a causal LM, stays
+frozen and reads each demonstration once; a small seeded MLP learns P(right) of each step from the LM's
+log-probabilities of the step's tokens and its hidden states at the step's last token and the one before
+(stages/rewards/step_surprise.py). ``token``: a token classifier (``AutoModelForTokenClassification``, two
+labels: wrong, right) starts from the checkpoint, its head new and seeded, the whole model trained. Where
+this departs from the PRM papers (Lightman et al. 2023, Wang et al. 2024 Math-Shepherd), which fine-tune the
+whole LM to predict a label token at each step's end: the surprise head trains only the small head, so a
+step is judged by what the frozen model expected there. Their training data are the demonstrations of
 ``data`` (the last assistant turn of each conversation), their steps labelled by a process reward
 named in ``labels`` (a verifier such as ``chain_steps``: a step scoring at least 1 is right), so the
 labels come from a verifier, not from annotators; or a step-rated file in PRM800K's shape
@@ -9,7 +15,8 @@ labels come from a verifier, not from annotators; or a step-rated file in PRM800
 not (PRM800K's neutral 0 counted with the wrong, as a strict grader would). Each demonstration is read as the model will read
 a completion it scores (stages/rewards/reward_model.py ``step_model_inputs``: the prompt through
 the chat template, then the completion's own tokens), and the cross-entropy is taken only at each
-step's last token (stages/rewards/steps.py ``step_token_indices``); every other token is ignored. With
+step's last token (stages/rewards/steps.py ``step_token_indices``), or the surprise head's at each step;
+every other token is ignored. With
 ``step_class_weights: balanced`` each class weighs the inverse of its share of the training steps. With
 ``counterfactual_steps: K`` each training demonstration also gives K copies with one step's last number
 moved by 1, relabelled by ``labels`` (``counterfactual_records``): pairs that differ only in a step's result,
@@ -32,6 +39,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from pathlib import Path
 
 from stages.context import StageInputs
 from stages.data.sources import read_materialized
@@ -40,7 +48,7 @@ from stages.data.sources import read_materialized
 def step_examples(config, inputs: StageInputs, tokenizer, records: list[dict] | None = None) -> list[dict]:
     """One example per demonstration whose labelling reward found steps: input ids (prompt, completion) and
     labels (1 right, 0 wrong at each step's last token; -100 elsewhere), with the step labels kept apart, the
-    record and its steps' spans. ``records``: these demonstrations instead of the stage data's."""
+    record, its steps' spans and each step's (first, last) token index. ``records``: these demonstrations instead of the stage data's."""
     from stages.rewards.reward_model import step_model_inputs
     from stages.rewards.steps import step_token_indices
 
@@ -58,14 +66,16 @@ def step_examples(config, inputs: StageInputs, tokenizer, records: list[dict] | 
             continue
         ids = (prompt_ids + completion_ids)[: config.max_length]
         labels = [-100] * len(ids)
-        kept = []
+        kept, step_tokens, first = [], [], len(prompt_ids)
         for step, token in zip(steps, step_token_indices(tokenizer, completion_ids, [s.end for s in steps])):
             if len(prompt_ids) + token < len(ids):
                 labels[len(prompt_ids) + token] = int(step.score >= 1.0)
                 kept.append(int(step.score >= 1.0))
+                step_tokens.append((min(first, len(prompt_ids) + token), len(prompt_ids) + token))
+                first = len(prompt_ids) + token + 1
         if kept:
             examples.append({"input_ids": ids, "labels": labels, "step_labels": kept, "record": record,
-                             "spans": [(step.start, step.end) for step in steps]})
+                             "spans": [(step.start, step.end) for step in steps], "step_tokens": step_tokens})
     if not examples:
         raise ValueError(f"no demonstration of stage data {inputs.data} has a step within max_length "
                          f"{config.max_length} tokens")
@@ -118,20 +128,26 @@ def step_labels(config, inputs: StageInputs, records: list[dict], completions: l
 
 
 def heldout_metrics(model, tokenizer, examples: list[dict]) -> dict[str, float]:
-    """On ``examples``: step accuracy beside the majority baseline (always answering the commoner label), the
-    share of right steps, precision and recall on wrong steps (the ones a PRM exists to catch), and the
-    first-wrong-step detection rate."""
+    """A token classifier's ``step_metrics`` on ``examples``: P(right) read at each step's last token."""
     import torch
 
+    model.eval()
+    probabilities = []
+    for example in examples:
+        with torch.no_grad():
+            right = model(input_ids=torch.tensor([example["input_ids"]])).logits[0].float().softmax(-1)[:, 1]
+        probabilities.append([float(right[last]) for _, last in example["step_tokens"]])
+    return step_metrics(probabilities, examples)
+
+
+def step_metrics(probabilities: list[list[float]], examples: list[dict]) -> dict[str, float]:
+    """Given P(right) of each step of each example: step accuracy (a step predicted right when P(right) > 0.5)
+    beside the majority baseline (always answering the commoner label), the share of right steps, precision
+    and recall on wrong steps (the ones a PRM exists to catch), and the first-wrong-step detection rate."""
     correct = total = right_steps = detected = with_wrong = 0
     flagged = flagged_wrong = 0  # steps predicted wrong, and of those the truly wrong
-    model.eval()
-    for example in examples:
-        ids = torch.tensor([example["input_ids"]])
-        with torch.no_grad():
-            right = model(input_ids=ids).logits[0].float().softmax(-1)[:, 1]
-        positions = [i for i, label in enumerate(example["labels"]) if label != -100]
-        predicted = [int(right[i] > 0.5) for i in positions]
+    for right, example in zip(probabilities, examples):
+        predicted = [int(p > 0.5) for p in right]
         truth = example["step_labels"]
         correct += sum(p == t for p, t in zip(predicted, truth))
         total += len(truth)
@@ -201,24 +217,40 @@ def _training_data_params(train: list[dict], counterfactuals: list[dict], weight
 
 
 def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
-    from datasets import Dataset
-    from transformers import AutoTokenizer, DataCollatorForTokenClassification, Trainer, TrainingArguments
+    """The stage at ``level: step``: the step examples, held-out and counterfactual ones apart, then the head
+    ``step_head`` names trained on them."""
+    from transformers import AutoTokenizer
 
     from stages.data.preferences import split_heldout
+
+    tokenizer = AutoTokenizer.from_pretrained(inputs.model, trust_remote_code=inputs.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    examples = step_examples(config, inputs, tokenizer)
+    train, heldout = split_heldout(examples, config.heldout_fraction, ctx.seed)
+    made = counterfactual_records(train, config.counterfactual_steps, ctx.seed) if config.counterfactual_steps else []
+    counterfactuals = step_examples(config, inputs, tokenizer, made) if made else []
+    train = train + counterfactuals  # the held-out demonstrations stay as the data has them
+    ctx.log_params({"demonstrations": len(examples), "heldout_demonstrations": len(heldout), "resolved_seed": ctx.seed,
+                    "step_head": config.step_head, **_training_data_params(train, counterfactuals,
+                                                                           class_weights(config, train))})
+    if config.step_head == "surprise":
+        return train_surprise_head(config, inputs, ctx, tokenizer, train, heldout)
+    return train_token_classifier(config, inputs, ctx, tokenizer, train, heldout)
+
+
+def train_token_classifier(config, inputs: StageInputs, ctx, tokenizer, train: list[dict], heldout: list[dict]) -> dict:
+    """``step_head: token``: the whole token classifier trained by TRL's Trainer, cross-entropy at each step's
+    last token."""
+    from datasets import Dataset
+    from transformers import DataCollatorForTokenClassification, Trainer, TrainingArguments
+
     from stages.models.lora import save_trained
     from stages.training.callbacks import device_arguments, metric_renamer, quiet_trainer, schedule_arguments, \
         tracking_callback
     from stages.training.resume import resumable_arguments, train_resumably
 
     seed = ctx.seed
-    tokenizer = AutoTokenizer.from_pretrained(inputs.model, trust_remote_code=inputs.trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    examples = step_examples(config, inputs, tokenizer)
-    train, heldout = split_heldout(examples, config.heldout_fraction, seed)
-    made = counterfactual_records(train, config.counterfactual_steps, seed) if config.counterfactual_steps else []
-    counterfactuals = step_examples(config, inputs, tokenizer, made) if made else []
-    train = train + counterfactuals  # the held-out demonstrations stay as the data has them
     model = _token_classifier(inputs, tokenizer, seed)
 
     schedule = {k: v for k, v in schedule_arguments(config).items() if k != "max_length"}
@@ -234,8 +266,6 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
                                                                         "learning_rate": "lr"}),
                                                    f"step reward model: {config.max_steps} steps")])
     quiet_trainer(trainer)
-    ctx.log_params({"demonstrations": len(examples), "heldout_demonstrations": len(heldout), "resolved_seed": seed,
-                    **_training_data_params(train, counterfactuals, weights)})
 
     metrics: dict[str, float] = {}
     if heldout:
@@ -251,4 +281,93 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
         metrics.update(heldout_metrics(trainer.model, tokenizer, heldout))
     ctx.log_metrics(metrics)
     outputs = save_trained(trainer.model, tokenizer, ctx, padding_side="right", final_loss=metrics["final_loss"])
+    return {**outputs, "metrics": metrics}
+
+
+def _surprise_features(lm, tokenizer, examples: list[dict], batch_size: int = 32):
+    """Every step's surprise features (stages/rewards/step_surprise.py), in order, and its label (1 right)."""
+    import torch
+
+    from stages.rewards.reward_model import right_padded
+    from stages.rewards.step_surprise import step_features
+
+    device = next(lm.parameters()).device
+    features, labels = [], []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start:start + batch_size]
+        input_ids, attention = right_padded([e["input_ids"] for e in batch], tokenizer.pad_token_id or 0)
+        features.append(step_features(lm, input_ids.to(device), attention.to(device),
+                                      [e["step_tokens"] for e in batch]).cpu())
+        labels += [label for e in batch for label in e["step_labels"]]
+    return torch.cat(features), torch.tensor(labels)
+
+
+def _per_example(probabilities_S: list[float], examples: list[dict]) -> list[list[float]]:
+    """Flat step probabilities, regrouped by example."""
+    grouped, at = [], 0
+    for example in examples:
+        grouped.append(probabilities_S[at:at + len(example["step_tokens"])])
+        at += len(example["step_tokens"])
+    return grouped
+
+
+def train_surprise_head(config, inputs: StageInputs, ctx, tokenizer, train: list[dict], heldout: list[dict]) -> dict:
+    """``step_head: surprise``: the stage's model, frozen, reads every demonstration once; a small head learns
+    P(right) from each step's features (stages/rewards/step_surprise.py) by cross-entropy, ``max_steps`` steps
+    of ``batch_size`` labelled steps drawn in a seeded order, AdamW at ``lr`` on ``lr_schedule``. It takes
+    seconds, so it does not checkpoint to resume."""
+    import torch
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    from stages.models.lora import save_trained
+    from stages.rewards.step_surprise import save_head, surprise_head
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # for the LM's one read; the head on CPU
+    lm = AutoModelForCausalLM.from_pretrained(inputs.model, trust_remote_code=inputs.trust_remote_code).eval()
+    started = time.perf_counter()
+    features_S_F, labels_S = _surprise_features(lm.to(device), tokenizer, train)
+    head = surprise_head(features_S_F.shape[1], ctx.seed)
+    head.mean.copy_(features_S_F.mean(0))
+    head.scale.copy_(features_S_F.std(0).clamp_min(1e-6))
+    weights = class_weights(config, train)
+    weight = torch.tensor(weights) if weights else None
+    heldout_features = _surprise_features(lm, tokenizer, heldout)[0] if heldout else None
+
+    def heldout_now() -> dict[str, float]:
+        with torch.no_grad():
+            right = head(heldout_features).softmax(-1)[:, 1].tolist()
+        return step_metrics(_per_example(right, heldout), heldout)
+
+    metrics: dict[str, float] = {}
+    if heldout:
+        metrics["initial_heldout_step_accuracy"] = heldout_now()["heldout_step_accuracy"]
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = get_scheduler(config.lr_schedule, optimizer, round(config.warmup_ratio * config.max_steps),
+                              config.max_steps)
+    generator = torch.Generator().manual_seed(ctx.seed)
+    order, at, losses = torch.randperm(len(labels_S), generator=generator), 0, []
+    with ctx.progress(f"step reward model (surprise head): {config.max_steps} steps", config.max_steps) as bar:
+        for step in range(1, config.max_steps + 1):
+            if at + config.batch_size > len(order):
+                order, at = torch.randperm(len(labels_S), generator=generator), 0
+            batch = order[at:at + config.batch_size]
+            at += config.batch_size
+            loss = torch.nn.functional.cross_entropy(head(features_S_F[batch]), labels_S[batch], weight=weight)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            losses.append(loss.item())
+            if step % config.logging_steps == 0:
+                ctx.log_metrics({"loss": sum(losses[-config.logging_steps:]) / config.logging_steps,
+                                 "lr": scheduler.get_last_lr()[0]}, step=step)
+            bar.advance()
+    metrics.update({"train_seconds": time.perf_counter() - started, "train_loss": sum(losses) / len(losses),
+                    "first_loss": losses[0], "final_loss": losses[-1], "steps": float(config.max_steps),
+                    "resumed_from_step": 0.0})
+    if heldout:
+        metrics.update(heldout_now())
+    ctx.log_metrics(metrics)
+    outputs = save_trained(lm.cpu(), tokenizer, ctx, padding_side="right", final_loss=metrics["final_loss"])
+    save_head(head, Path(outputs["checkpoint"]))
     return {**outputs, "metrics": metrics}

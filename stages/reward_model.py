@@ -62,13 +62,20 @@ class RewardModelStageConfig(ExecutionLimits, Resumable):
     kind: Literal["reward_model"] = Field(description="Stage kind.")
     level: Literal["pair", "step"] = Field(
         "pair", description="pair: a Bradley-Terry sequence scorer trained on preference pairs; step: a process "
-        "reward model, a token classifier trained to tell right steps from wrong ones at each step's last token "
-        "(labels from `labels`), used as a reward that scores every step.")
+        "reward model trained to tell right steps from wrong ones (labels from `labels`, the head `step_head`), used "
+        "as a reward that scores every step.")
     labels: str | None = Field(
         None, json_schema_extra=applies_when({"level": "step"}, why="a pair reward model learns from preference "
                                              "pairs, not step labels"), description="The process reward (a name under `rewards:`, e.g. a chain_steps verifier) "
         "whose step scores label the steps of `data`'s demonstrations (a step scoring at least 1 is right); "
         "leave it out when `data` is a step-rated file (`records: steps`), whose ratings are the labels.")
+    step_head: Literal["surprise", "token"] = Field(
+        "surprise", json_schema_extra=applies_when({"level": "step"}, why=_STEP_ONLY), description="How a step is "
+        "judged right. surprise: the stage's model, frozen, reads each demonstration, and a small head learns P(right) "
+        "from how surprised the model was by the step's tokens (the sum, minimum and last of their log-probabilities) "
+        "beside its hidden states at the step's last token and the one before (stages/rewards/step_surprise.py); "
+        "token: a token classifier, the whole model trained, reading P(right) at the step's last token. "
+        "docs/pipeline-guide.md says when to take which.")
     step_class_weights: Literal["none", "balanced"] = Field(
         "none", json_schema_extra=applies_when({"level": "step"}, why=_STEP_ONLY), description="How right and wrong steps weigh in the cross-entropy. balanced: each "
         "class weighs the inverse of its share of the training steps, so the rarer wrong steps count as much "

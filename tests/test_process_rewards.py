@@ -297,8 +297,8 @@ def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(lab
                        Path("."), home / "data")
     rewards = {} if rated else {"flags": RewardSpec(fn="test_process_rewards:flagged_steps")}
     config = reward_model.RewardModelStageConfig(kind="reward_model", level="step", labels=None if rated else "flags",
-                                                 data="train", max_steps=300, batch_size=16, lr=3e-3,
-                                                 logging_steps=50, heldout_fraction=0.2)
+                                                 step_head="token", data="train", max_steps=300, batch_size=16,
+                                                 lr=3e-3, logging_steps=50, heldout_fraction=0.2)
     from flows.spec.validate import not_applicable
 
     [(where, message)] = not_applicable(reward_model.RewardModelStageConfig(kind="reward_model", labels="flags",
@@ -325,6 +325,51 @@ def test_a_step_reward_model_learns_step_labels_and_scores_steps_as_a_reward(lab
     assert [[round(s.score) for s in steps] for steps in scored.steps] == [[1, 0, 1], [1, 1, 0], []]
     assert scored.scores[0] == pytest.approx(sum(s.score for s in scored.steps[0]) / 3)
     assert scored.parsed == [True, True, False] and scored.scores[2] == 0.0
+
+
+@pytest.mark.slow
+def test_the_surprise_head_beats_always_right_where_the_token_classifier_does_not(ctx_factory, home,
+                                                                                   tmp_path_factory):
+    """process.yaml in small: a tiny model SFT'd on chains of sums from a demonstrator that slips, then a PRM on
+    the chains' steps labelled by chain_steps. The surprise head (the SFT model's log-probabilities of a step's
+    tokens) beats always answering "right" on held-out steps by a wide margin, catches most wrong steps, and
+    scores a completion's steps as a reward; the token classifier (the old head), trained from the same model,
+    stays near the baseline."""
+    from stages import reward_model, sft
+    from stages.context import StageInputs
+    from stages.data.sources import materialize
+    from stages.models.loading import TinyModelSpec, resolve_base_checkpoint
+    from stages.rewards.reward_model import StepRewardModel, is_step_scorer
+    from stages.sft import SFTStageConfig
+
+    cache = tmp_path_factory.mktemp("prm-models")
+    base = resolve_base_checkpoint(TinyModelSpec(init="tiny", hidden_size=64, num_layers=2, num_heads=2,
+                                                 intermediate_size=128), 0, cache, cache)
+    data = materialize(ArithmeticData(generator="arithmetic_chain", role="train", n=1000, terms=3, max_operand=3,
+                                      demo_error_rate=0.35), Path("."), home / "data")
+    tuned = sft.run(SFTStageConfig(kind="sft", data="train", max_steps=300, batch_size=32, lr=5e-3),
+                    StageInputs(model=base, datasets={"data": data}), ctx_factory("sft"))["checkpoint"]
+    inputs = StageInputs(model=tuned, datasets={"data": data}, rewards={"steps": RewardSpec(fn="chain_steps")})
+    fields = dict(kind="reward_model", level="step", labels="steps", data="train", heldout_fraction=0.2)
+    surprise = reward_model.run(reward_model.RewardModelStageConfig(max_steps=300, batch_size=256, lr=1e-2, **fields),
+                                inputs, ctx_factory("prm-surprise"))
+    token = reward_model.run(reward_model.RewardModelStageConfig(step_head="token", max_steps=150, batch_size=32,
+                                                                 lr=1e-3, **fields), inputs, ctx_factory("prm-token"))
+
+    learnt, old = surprise["metrics"], token["metrics"]
+    baseline = learnt["heldout_majority_accuracy"]
+    assert old["heldout_majority_accuracy"] == baseline and 0.7 < baseline < 0.9
+    assert learnt["heldout_step_accuracy"] > baseline + 0.08
+    assert learnt["heldout_wrong_step_recall"] > 0.6 and learnt["heldout_wrong_step_precision"] > 0.7
+    assert old["heldout_step_accuracy"] < baseline + 0.04  # the old head, same model and labels: near the baseline
+
+    checkpoint = Path(surprise["checkpoint"])
+    assert is_step_scorer(checkpoint)
+    scorer = StepRewardModel(checkpoint, RewardSpec(fn="reward_model", stage="prm"))
+    prompt = [{"role": "user", "content": "Compute 2+3+1 step by step, writing each running result (a+b=c), "
+                                          "separated by commas."}]
+    scored = scorer(["2+3=5, 5+1=6", "2+3=6, 6+1=7", "2+3=5, 5+1=7"], [prompt] * 3)
+    assert [[round(s.score) for s in steps] for steps in scored.steps] == [[1, 1], [0, 1], [1, 0]]
 
 
 def test_balanced_step_classes_weigh_each_class_by_the_inverse_of_its_share():

@@ -109,9 +109,14 @@ def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[fl
 
 
 def is_step_scorer(path: Path) -> bool:
-    """Whether a reward_model stage's checkpoint scores steps (``level: step``: a token classifier)."""
+    """Whether a reward_model stage's checkpoint scores steps (``level: step``: a token classifier, or a causal LM
+    with a surprise head beside it)."""
     import json
 
+    from stages.rewards.step_surprise import has_surprise_head
+
+    if has_surprise_head(path):
+        return True
     config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     return any(name.endswith("ForTokenClassification") for name in config.get("architectures") or [])
 
@@ -127,18 +132,22 @@ def step_model_inputs(tokenizer, prompt: list[dict], completion: str) -> tuple[l
 class StepRewardModel:
     """A process reward from a ``level: step`` reward_model stage (stages/reward_model.py): the completion's
     steps split by the reward's ``kwargs`` (``split``, ``delimiter``: stages/rewards/steps.py), each scored
-    with the model's probability that the step is right, read at the step's last token; the completion's
-    score is the mean over its steps (0 with none, and unparsed)."""
+    with the model's probability that the step is right (a token classifier's read at the step's last token,
+    or a surprise head's from the step's tokens: stages/rewards/step_surprise.py); the completion's score is the
+    mean over its steps (0 with none, and unparsed)."""
 
     def __init__(self, path: Path, spec: RewardSpec, trust_remote_code: bool = False, where: str = "policy"):
         import torch
-        from transformers import AutoModelForTokenClassification, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
         from stages.models.placement import place
+        from stages.rewards.step_surprise import has_surprise_head, load_head
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = AutoModelForTokenClassification.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.head = load_head(path).to(self.device) if has_surprise_head(path) else None
+        loader = AutoModelForCausalLM if self.head is not None else AutoModelForTokenClassification
+        model = loader.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.model = place(model.eval().requires_grad_(False), where, self.device)
         self.split = {key: spec.kwargs[key] for key in ("split", "delimiter") if key in spec.kwargs}
         self.batch_size = spec.batch_size
@@ -153,16 +162,42 @@ class StepRewardModel:
         for prompt, text, step_ends in zip(prompts, completions, ends):
             prompt_ids, completion_ids = step_model_inputs(self.tokenizer, prompt, text)
             tokens = step_token_indices(self.tokenizer, completion_ids, step_ends) if completion_ids else []
-            rows.append((prompt_ids + completion_ids, [len(prompt_ids) + t for t in tokens]))
+            rows.append((prompt_ids + completion_ids, [len(prompt_ids) + t for t in tokens], len(prompt_ids)))
         found = []
         for start in range(0, len(rows), self.batch_size):
             batch = rows[start:start + self.batch_size]
-            input_ids, attention = right_padded([ids for ids, _ in batch], self.tokenizer.pad_token_id or 0)
+            input_ids, attention = right_padded([ids for ids, _, _ in batch], self.tokenizer.pad_token_id or 0)
+            input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+            if self.head is not None:
+                found += self._surprise_probabilities(input_ids, attention, batch)
+                continue
             with torch.no_grad():
-                logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device)).logits
+                logits = self.model(input_ids=input_ids, attention_mask=attention).logits
             right = logits.float().softmax(-1)[..., 1].cpu()
-            found += [[float(right[row, t]) for t in positions] for row, (_, positions) in enumerate(batch)]
+            found += [[float(right[row, t]) for t in positions] for row, (_, positions, _) in enumerate(batch)]
         return found
+
+    def _surprise_probabilities(self, input_ids, attention, batch) -> list[list[float]]:
+        """P(right) of each step from the surprise head: a step runs from the token after the previous step's
+        last (the completion's first for the first step) to its own last."""
+        import torch
+
+        from stages.rewards.step_surprise import step_features
+
+        steps = []
+        for _, positions, first in batch:
+            spans = []
+            for last in positions:
+                spans.append((min(first, last), last))
+                first = last + 1
+            steps.append(spans)
+        with torch.no_grad():
+            right = self.head(step_features(self.model, input_ids, attention, steps)).softmax(-1)[:, 1].cpu().tolist()
+        grouped, at = [], 0
+        for spans in steps:
+            grouped.append(right[at:at + len(spans)])
+            at += len(spans)
+        return grouped
 
     def __call__(self, completions: list[str], prompts: list[list[dict]] | None = None, **_):
         from stages.rewards.registry import RewardOutput
