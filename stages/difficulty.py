@@ -39,7 +39,8 @@ from pydantic import ConfigDict, Field, model_validator
 from stages.context import StageInputs
 from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.episodes import complete
-from stages.rollout.generation import BackendName, SamplingSettings, open_backend, sampling_with
+from stages.rollout.generation import BackendName, open_backend
+from stages.sampling import SamplingSettings, sampling_with
 from stages.spec_model import SpecModel
 
 KEPT_FILE = "difficulty_kept.jsonl"

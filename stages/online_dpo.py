@@ -65,7 +65,8 @@ from stages.training.alerts import AlertSettings
 from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.training.resume import Resumable
 from stages.data.sources import prompt_batches, prompt_messages, read_materialized
-from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
+from stages.rollout.generation import BackendName, EngineSettings
+from stages.sampling import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, AdaptersOff, LoraSpec
 
 MAX_GRAD_NORM = 1.0

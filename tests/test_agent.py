@@ -12,7 +12,8 @@ import torch
 from stages.data.sources import ArithmeticData, materialize
 from stages.rollout.environments import Environment, EnvironmentSpec, build_environment, execute_tool_call, parse_tool_calls
 from stages.rollout.episodes import EpisodeRunner, episode_metrics, observation_ids, replay
-from stages.rollout.generation import HFGenerateBackend, Sample, SamplingSettings
+from stages.rollout.generation import HFGenerateBackend, Sample
+from stages.sampling import SamplingSettings
 from stages.rewards.registry import RewardSpec
 from stages.context import StageInputs
 

@@ -377,7 +377,7 @@ def test_rollouts_drawn_on_the_training_model_carry_its_log_probs_and_weights_ve
     from trl import GRPOConfig, GRPOTrainer
 
     from stages.rollout.episodes import EpisodeRunner
-    from stages.rollout.generation import SamplingSettings
+    from stages.sampling import SamplingSettings
     from stages.rollout.training import PolicyRollouts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)

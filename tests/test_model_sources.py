@@ -106,7 +106,8 @@ def test_chatml_template_gets_generation_markers_that_render_nothing(tiny_checkp
 
 
 def test_hf_backend_samples_carry_ids_logprobs_and_stop_strings(tiny_checkpoint):
-    from stages.rollout.generation import HFGenerateBackend, SamplingSettings, open_backend, resolve_backend
+    from stages.rollout.generation import HFGenerateBackend, open_backend, resolve_backend
+    from stages.sampling import SamplingSettings
 
     backend = open_backend("auto", tiny_checkpoint)
     # no GPU here, and vLLM's CPU kernels do not take this model's head size (16): HF generate

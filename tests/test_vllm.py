@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from stages.data.sources import ArithmeticData, materialize, prompt_messages, read_materialized
-from stages.rollout.generation import EngineSettings, SamplingSettings
+from stages.rollout.generation import EngineSettings
+from stages.sampling import SamplingSettings
 from stages.rewards.registry import RewardSpec
 from stages.context import StageInputs
 

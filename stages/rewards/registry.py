@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from stages.context import SCORER_PREFIX
-from stages.rollout.generation import JUDGE_DEFAULTS, JUDGE_SAMPLING, SamplingSettings
+from stages.sampling import JUDGE_DEFAULTS, JUDGE_SAMPLING, SamplingSettings
 from stages.models.loading import ModelSpec
 from stages.spec_model import SpecModel, applies_when
 

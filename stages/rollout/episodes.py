@@ -42,7 +42,8 @@ from stages.rollout.environments import (
     parse_tool_calls,
     tool_schemas,
 )
-from stages.rollout.generation import Sample, SamplingSettings
+from stages.rollout.generation import Sample
+from stages.sampling import SamplingSettings
 from stages.rewards.registry import ENVIRONMENT_FN, RewardOutput, RewardSpec, ScoredBatch
 
 ENDED_ANSWER, ENDED_TURNS, ENDED_TOKENS = "answer", "max_turns", "token_budget"

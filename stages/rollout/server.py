@@ -57,8 +57,9 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from stages.rollout.generation import (EngineSettings, Sample, SamplingSettings, adapters_merged, resolve_dtype,
-                                       context_length, merged_named_weights, prompt_token_ids, rollout_budget)
+from stages.rollout.generation import (EngineSettings, Sample, adapters_merged, resolve_dtype, context_length,
+    merged_named_weights, prompt_token_ids, rollout_budget)
+from stages.sampling import SamplingSettings
 from stages.rollout import server_routes
 from stages.spec_model import SpecModel, applies_when
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from stages.rollout.generation import (SamplingSettings, VLLMBackend, adapters_merged, choose_backend, context_length,
-                                       draw_offset, merged_named_weights, rollout_budget)
+from stages.rollout.generation import (VLLMBackend, adapters_merged, choose_backend, context_length, draw_offset,
+    merged_named_weights, rollout_budget)
+from stages.sampling import SamplingSettings
 from stages.rollout.server import ServerBackend, open_generation_server, server_backend
 
 
