@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from stages.context import StageInputs
-from stages.rewards.registry import JUDGE_FN, check_reward_cases
+from stages.rewards.known_cases import check_reward_cases
+from stages.rewards.spec import JUDGE_FN
 
 
 def check_rewards_command(loaded, only: list[str], console) -> int:

@@ -202,7 +202,7 @@ def score_attempts(config, inputs: StageInputs, records: list[dict], prompts: li
     Scored as every stage scores (stages/rewards/scoring.py): an attempt whose reward raised is not correct,
     and the stage's ``reward_errors`` policy decides whether the stage goes on."""
     from stages.rewards.reward_model import bind_reward_models
-    from stages.rewards.registry import reward_columns
+    from stages.rewards.scoring import reward_columns
     from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
     k = len(samples[0]) if samples else 0

@@ -42,7 +42,8 @@ from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.environments import EnvironmentSpec
 from stages.rollout.generation import BackendName, EngineSettings, open_backend
 from stages.sampling import SamplingSettings
-from stages.rewards.registry import RewardSpec, reward_columns
+from stages.rewards.scoring import reward_columns
+from stages.rewards.spec import RewardSpec
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 from stages.rewards.steps import process_metrics
 

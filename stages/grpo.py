@@ -50,7 +50,8 @@ from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.generation import neutral_generation_config
 from stages.rollout.episodes import environment_scorers
 from stages.models.placement import check_devices, place, placement_params
-from stages.rewards.registry import ENVIRONMENT_FN, RewardSpec, reward_columns
+from stages.rewards.scoring import reward_columns
+from stages.rewards.spec import ENVIRONMENT_FN, RewardSpec
 from stages.rollout.training import rollout_backend
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 

@@ -287,7 +287,7 @@ class OnlineDPORun:
 
     def score(self, batch: list[dict], prompts, groups):
         """The ScoredBatch of every sample (prompt-major), under the stage's ``reward_errors`` policy."""
-        from stages.rewards.registry import reward_columns
+        from stages.rewards.scoring import reward_columns
 
         texts = [sample.text for group in groups for sample in group]
         return self.scorer.score(texts, reward_columns(batch, prompts, self.config.sampling.attempts))

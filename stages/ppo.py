@@ -106,7 +106,7 @@ from stages.models.lora import AdaptersOff, save_trained, wrap
 from stages.models.loading import load_model_and_tokenizer
 from stages.models.placement import check_devices, place, placement_params
 from stages.rewards.reward_model import bind_reward_models, reward_model_correlations
-from stages.rewards.registry import ScoredBatch, reward_columns
+from stages.rewards.scoring import ScoredBatch, reward_columns
 from stages.rl_common import RLStageConfig, SamplerCorrection, log_curves, resolve_correction
 from stages.rl_math import (
     AdaptiveKLController,

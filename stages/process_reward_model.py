@@ -98,7 +98,7 @@ def counterfactual_records(examples: list[dict], copies: int, seed: int) -> list
 def step_labels(config, inputs: StageInputs, records: list[dict], completions: list[str]) -> list[list]:
     """Each demonstration's labelled steps (StepScores, 1.0 right): scored by the ``labels`` process reward, or
     read from a step-rated file's ratings (one step per line; +1 right, 0 and -1 not)."""
-    from stages.rewards.registry import reward_columns, score_component
+    from stages.rewards.scoring import reward_columns, score_component
     from stages.rewards.steps import StepScore, split_steps
 
     if config.labels is None:

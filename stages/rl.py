@@ -27,7 +27,8 @@ def verify_rewards(inputs: StageInputs, ctx, environment=None) -> None:
     """Run the declared reward cases, and ``environment``'s known episodes; refuse to train on any
     violation (logged as tables)."""
     from stages.rewards.reward_model import bind_reward_models
-    from stages.rewards.registry import JUDGE_FN, check_reward_cases
+    from stages.rewards.known_cases import check_reward_cases
+    from stages.rewards.spec import JUDGE_FN
 
     checked = {n: inputs.rewards[n] for n in inputs.reward_checks}
     judges = bind_reward_models({n: s for n, s in checked.items() if s.fn == JUDGE_FN}, inputs)

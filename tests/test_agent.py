@@ -14,7 +14,7 @@ from stages.rollout.environments import Environment, EnvironmentSpec, build_envi
 from stages.rollout.episodes import EpisodeRunner, episode_metrics, observation_ids, replay
 from stages.rollout.generation import HFGenerateBackend, Sample
 from stages.sampling import SamplingSettings
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.context import StageInputs
 
 CALL = '<tool_call>calculator("47*86")</tool_call>'

@@ -24,7 +24,7 @@ import torch
 
 from stages.context import StageInputs
 from stages.data.sources import ArithmeticData, materialize
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.rollout.ahead import DRAWN_FILE
 from stages.rollout.generation import EngineSettings
 from stages.sampling import SamplingSettings

@@ -10,7 +10,8 @@ import torch
 
 from conftest import QUICKSTART, run_cli
 from stages.data.sources import ArithmeticData, materialize
-from stages.rewards.registry import RewardCase, RewardSpec
+from stages.rewards.known_cases import RewardCase
+from stages.rewards.spec import RewardSpec
 from stages.rl import RewardCheckFailed
 from stages.rl_common import rl_stage_config
 from stages.context import StageInputs

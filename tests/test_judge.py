@@ -15,7 +15,8 @@ from conftest import run_cli, write
 from stages.context import StageInputs
 from stages.rewards.judge import audit_judges, read_judgement
 from stages.rewards.reward_model import bind_reward_models
-from stages.rewards.registry import RewardSpec, score_completions
+from stages.rewards.scoring import score_completions
+from stages.rewards.spec import RewardSpec
 
 RUBRIC = "Question: {prompt}\nReference: {answer}\nIs the reply correct? Answer yes or no.\nReply: {completion}"
 

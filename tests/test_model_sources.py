@@ -177,7 +177,7 @@ def test_use_vllm_is_refused_with_its_replacement(tmp_path, capsys):
 
 def test_eval_settings_hash_is_unchanged_by_an_unset_stop_list(tmp_path):
     from stages.eval import EvalConfig, settings_hash
-    from stages.rewards.registry import RewardSpec
+    from stages.rewards.spec import RewardSpec
 
     base = dict(kind="eval", model="base", data="d", rewards=["c"], sampling={"attempts": 4})
     rewards = {"c": RewardSpec(fn="exact_answer")}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 

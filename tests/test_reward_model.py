@@ -11,7 +11,7 @@ import torch
 
 from conftest import torch_threads
 from stages.data.sources import ArithmeticData, ArithmeticPreferenceData, materialize, read_materialized
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from dataclasses import replace
 from stages.context import StageInputs
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 
 from stages.data.specs import ArithmeticPreferenceData, DataError
-from stages.rewards.registry import exact_answer
+from stages.rewards.builtin_rewards import exact_answer
 
 FIELDS = ("prompt", "chosen", "rejected")
 

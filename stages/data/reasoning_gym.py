@@ -44,7 +44,7 @@ import re
 from typing import Any
 
 from stages.data.specs import DataError, ReasoningGymData
-from stages.rewards.registry import RewardError, RewardOutput
+from stages.rewards.spec import RewardError, RewardOutput
 
 INSTALL_HINT = ("reasoning-gym is not installed; it is an optional extra: pip install reasoning-gym "
                 "(or pip install 'posttrain[reasoning]')")

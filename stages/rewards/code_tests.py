@@ -27,7 +27,7 @@ import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from stages.rewards.registry import RewardError, RewardOutput
+from stages.rewards.spec import RewardError, RewardOutput
 from stages.rewards.sandbox import ISOLATION_MODES, SandboxUnavailable, ensure_available, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)

@@ -34,16 +34,9 @@ from pathlib import Path
 from typing import Callable
 
 from stages.context import StageInputs
-from stages.rewards.registry import (
-    ComponentScores,
-    JUDGE_FN,
-    JUDGE_SCALE,
-    REWARD_MODEL_FN,
-    RewardOutput,
-    RewardSpec,
-    ScoredBatch,
-    import_dotted,
-)
+from stages.rewards.registry import import_dotted
+from stages.rewards.scoring import ComponentScores, ScoredBatch
+from stages.rewards.spec import JUDGE_FN, JUDGE_SCALE, REWARD_MODEL_FN, RewardOutput, RewardSpec
 
 JUDGE_PASS = 0.5  # a judge's (scaled) score at or above this is a pass
 VERIFIER_FNS = {"exact_answer": 0.5, "math_answer": 0.5, "code_tests": 0.5, "reasoning_gym": 0.5,

@@ -28,7 +28,7 @@ import threading
 
 from math_verify import parse, verify
 
-from stages.rewards.registry import RewardOutput
+from stages.rewards.spec import RewardOutput
 
 
 def math_answer(completions: list[str], answer: list[str | None], timeout_s: int = 5, **_) -> RewardOutput:

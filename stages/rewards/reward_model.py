@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from stages.context import StageInputs
-from stages.rewards.registry import REWARD_MODEL_FN, RewardSpec, ScoredBatch
+from stages.rewards.scoring import ScoredBatch
+from stages.rewards.spec import REWARD_MODEL_FN, RewardSpec
 
 
 def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
@@ -165,7 +166,7 @@ class StepRewardModel:
         return found
 
     def __call__(self, completions: list[str], prompts: list[list[dict]] | None = None, **_):
-        from stages.rewards.registry import RewardOutput
+        from stages.rewards.spec import RewardOutput
         from stages.rewards.steps import StepScore, split_steps
 
         if prompts is None:

@@ -2,7 +2,7 @@
 
 A process reward returns, beside the completion's score, the steps it scored: per completion a
 list of ``StepScore(start, end, score)``, the step's character span in the completion and its
-score (``RewardOutput.steps``, stages/rewards/registry.py). Steps are split by a declared rule
+score (``RewardOutput.steps``, stages/rewards/spec.py). Steps are split by a declared rule
 (``split_steps``): ``lines`` (one step per non-empty line), ``delimiter`` (a string between
 steps, ``", "`` by default) or ``tags`` (each ``<step>...</step>``).
 
@@ -100,7 +100,7 @@ def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delim
     """The verifiable process reward of chain arithmetic: each step checked (``check_chain``), the
     completion's score the share of the chain's steps done right (a missing step counts as wrong, an
     extra one too). A completion with no step of the form "a op b = c" is unparsed."""
-    from stages.rewards.registry import RewardError, RewardOutput
+    from stages.rewards.spec import RewardError, RewardOutput
 
     scores, parsed, steps = [], [], []
     for text, messages in zip(completions, prompts):

@@ -199,7 +199,7 @@ class CalculatorEnvironment(Environment):
         answer, as ``exact_answer`` strict reads it) equals the reference and the result of one of the
         episode's successful calculator calls; 0 otherwise, so a right answer never computed with the tool
         (from memory, or a call on other numbers) scores 0. None when the episode gave no integer answer."""
-        from stages.rewards.registry import extract_integer
+        from stages.rewards.builtin_rewards import extract_integer
 
         if answer is None:
             raise ValueError("the calculator's score needs the record's reference answer")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from stages.rollout.environments import EnvironmentSpec, EpisodeCase, build_environment
 from stages.rollout.episodes import Episode, environment_scorers, replay, shortcut
-from stages.rewards.registry import RewardSpec, score_component
+from stages.rewards.scoring import score_component
+from stages.rewards.spec import RewardSpec
 
 
 @dataclass

@@ -44,7 +44,8 @@ from stages.rollout.environments import (
 )
 from stages.rollout.generation import Sample
 from stages.sampling import SamplingSettings
-from stages.rewards.registry import ENVIRONMENT_FN, RewardOutput, RewardSpec, ScoredBatch
+from stages.rewards.scoring import ScoredBatch
+from stages.rewards.spec import ENVIRONMENT_FN, RewardOutput, RewardSpec
 
 ENDED_ANSWER, ENDED_TURNS, ENDED_TOKENS = "answer", "max_turns", "token_budget"
 
