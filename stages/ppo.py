@@ -103,7 +103,8 @@ from stages.rollout.episodes import EpisodeRunner, environment_scorers, episode_
 from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, draw_offset
 from stages.rewards.judge import batch_auditor
 from stages.models.lora import AdaptersOff, save_trained, wrap
-from stages.models.loading import load_model_and_tokenizer
+from stages.models.critic import ValueModel
+from stages.models.loading import load_frozen_reference, load_model_and_tokenizer
 from stages.models.placement import check_devices, place, placement_params
 from stages.rewards.reward_model import bind_reward_models, reward_model_correlations
 from stages.rewards.scoring import ScoredBatch, reward_columns
@@ -114,10 +115,13 @@ from stages.rl_math import (
     gae,
     is_zero_variance,
     kl_estimators,
+    last_actions,
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
     sampler_correction,
+    token_entropy,
+    token_logprobs,
 )
 from stages.rollout.server import ServerBackend
 from stages.rollout.training import close_engine, open_stage_engine, sync_policy
@@ -127,55 +131,6 @@ from stages.rewards.steps import step_token_indices
 
 SAMPLE_TABLE_ROWS = 16
 MAX_GRAD_NORM = 1.0
-
-
-# ---------------------------------------------------------------- models
-
-
-class ValueModel(nn.Module):
-    """The critic: a transformer backbone and a scalar head, one value per position."""
-
-    def __init__(self, backbone: nn.Module, hidden_size: int):
-        super().__init__()
-        self.backbone = backbone
-        self.head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.head.weight)  # start at V = 0: early advantages are rewards-to-go
-        nn.init.zeros_(self.head.bias)
-
-    @classmethod
-    def from_policy_checkpoint(cls, path: Path, trust_remote_code: bool = False) -> "ValueModel":
-        """The policy's backbone (``model.model`` of a causal LM), without its LM head."""
-        from transformers import AutoModelForCausalLM
-
-        causal_lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return cls(causal_lm.base_model, causal_lm.config.hidden_size)
-
-    @classmethod
-    def from_reward_model(cls, path: Path, trust_remote_code: bool = False) -> "ValueModel":
-        """A reward model's backbone and score head: V starts as the reward model's score of the
-        prefix, which at the last token is the reward itself (before any offset or normalisation)."""
-        from stages.rewards.reward_model import load_sequence_scorer
-
-        scorer, _ = load_sequence_scorer(path, trust_remote_code=trust_remote_code)
-        critic = cls(scorer.base_model, scorer.config.hidden_size)
-        with torch.no_grad():
-            critic.head.weight.copy_(scorer.score.weight)
-            if getattr(scorer.score, "bias", None) is not None:
-                critic.head.bias.copy_(scorer.score.bias)
-        return critic
-
-    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids).last_hidden_state
-        return self.head(hidden).squeeze(-1)
-
-
-def load_frozen_reference(path: Path, trust_remote_code: bool = False) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
-    model.requires_grad_(False)
-    return model
 
 
 # ---------------------------------------------------------------- rollouts
@@ -263,15 +218,6 @@ def completion_values(critic: ValueModel, rollout: Rollout, rows) -> torch.Tenso
     return values_B_L[:, -width_T - 1 : -1].float()
 
 
-def token_logprobs(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits_B_T_V, dim=-1).gather(-1, ids_B_T.unsqueeze(-1)).squeeze(-1)
-
-
-def token_entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits_B_T_V, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 # ---------------------------------------------------------------- rewards and advantages
 
 
@@ -315,11 +261,6 @@ def compute_targets(policy, reference, critic, rollout: Rollout, scores: torch.T
     if config.whiten_advantages:
         advantages = masked_whiten(advantages, mask) if world_size() == 1 else whiten_over_processes(advantages, mask)
     return Targets(old_logprobs * mask, values, advantages, returns, k1 * mask, k3 * mask, entropy * mask)
-
-
-def last_actions(mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Each row's last action (an episode's answer turn ends in one)."""
-    return mask_B_T.shape[1] - 1 - mask_B_T.flip(-1).argmax(-1)
 
 
 def step_credits(scores: list[float], rule: str, centre: float = 0.0) -> list[float]:

@@ -37,13 +37,13 @@ from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_iss
 from stages.training.resume import Resumable
 from stages.spec_model import applies_when
 from stages.data.sources import read_materialized
+from stages.models.loading import load_sequence_scorer
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.rewards.reward_model import (  # re-exported: stages.reward_model is where callers look
     RewardModelReward,
     RewardModelScorer,
     bind_reward_models,
     centre_per_prompt,
-    load_sequence_scorer,
     reward_model_correlations,
 )
 from stages.training.callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments

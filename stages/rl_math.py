@@ -234,3 +234,20 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+
+# ---------------------------------------------------------------- log-probs and entropy
+
+
+def token_logprobs(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits_B_T_V, dim=-1).gather(-1, ids_B_T.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits_B_T_V, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def last_actions(mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Each row's last action (an episode's answer turn ends in one)."""
+    return mask_B_T.shape[1] - 1 - mask_B_T.flip(-1).argmax(-1)

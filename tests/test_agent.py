@@ -289,7 +289,9 @@ def test_ppo_loss_kl_and_gae_ignore_observation_tokens(tiny_checkpoint):
     losses as they were, and counting observations as actions changes them."""
     from stages.rollout.episodes import Episode
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import ValueModel, build_episode_rollout, compute_targets, load_frozen_reference, minibatch_losses
+    from stages.models.critic import ValueModel
+    from stages.models.loading import load_frozen_reference
+    from stages.ppo import build_episode_rollout, compute_targets, minibatch_losses
     from stages.rl_common import rl_stage_config
 
     torch.manual_seed(0)

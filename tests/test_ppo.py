@@ -107,7 +107,8 @@ def test_rollouts_are_built_from_recorded_token_ids(tiny_checkpoint):
     from stages.rollout.generation import HFGenerateBackend
     from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import build_rollout, completion_logits, token_logprobs
+    from stages.ppo import build_rollout, completion_logits
+    from stages.rl_math import token_logprobs
     from stages.rollout.generation import prompt_token_ids
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
@@ -162,7 +163,8 @@ def test_the_checkpoints_generation_config_does_not_leak_into_sampling(tiny_chec
     from stages.rollout.generation import HFGenerateBackend
     from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import build_rollout, completion_logits, token_logprobs
+    from stages.ppo import build_rollout, completion_logits
+    from stages.rl_math import token_logprobs
     from stages.rollout.generation import prompt_token_ids
 
     checkpoint = with_generation_config(tiny_checkpoint, tmp_path / "leaky", min_p=0.2, repetition_penalty=1.3,
@@ -220,7 +222,9 @@ def test_ppo_advantages_by_hand_with_and_without_whitening(tiny_checkpoint, whit
     from stages.rollout.generation import HFGenerateBackend
     from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import ValueModel, build_rollout, compute_targets, load_frozen_reference
+    from stages.models.critic import ValueModel
+    from stages.models.loading import load_frozen_reference
+    from stages.ppo import build_rollout, compute_targets
     from stages.rollout.generation import prompt_token_ids
     from stages.rl_math import masked_whiten
 

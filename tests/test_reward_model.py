@@ -75,7 +75,8 @@ def test_reward_model_training_raises_heldout_accuracy(tiny_checkpoint, ctx_fact
 
 
 def test_the_reward_model_as_ppo_reward_and_critic(tiny_checkpoint, ctx_factory, home, tmp_path):
-    from stages.ppo import ValueModel, train_ppo
+    from stages.models.critic import ValueModel
+    from stages.ppo import train_ppo
     from stages.reward_model import RewardModelReward, RewardModelScorer, load_sequence_scorer
     from stages.rl_common import rl_stage_config
 

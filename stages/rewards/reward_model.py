@@ -10,25 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from stages.context import StageInputs
+from stages.models.loading import load_sequence_scorer
 from stages.rewards.scoring import ScoredBatch
 from stages.rewards.spec import REWARD_MODEL_FN, RewardSpec
-
-
-def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
-    """(model, tokenizer): a one-output sequence classifier from any causal-LM or reward checkpoint.
-
-    From a causal LM the score head is new (random); ``pad_token_id`` is set in the config
-    because the classifier reads its score at the last token that is not padding.
-    """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
-                                                               trust_remote_code=trust_remote_code)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
 
 
 def right_padded(sequences: list[list[int]], pad_id: int):
