@@ -12,6 +12,7 @@ from stages.rewards.scoring import reward_columns, score_component
 from stages.rewards.spec import RewardSpec
 from stages.spec_model import SpecModel
 
+
 class RewardCase(SpecModel):
     """A completion whose reward is known before training: the score range it must get."""
 

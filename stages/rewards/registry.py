@@ -11,6 +11,7 @@ from typing import Any, Callable
 from stages.rewards.builtin_rewards import environment, exact_answer, judge, length_penalty, regex_format, reward_model
 from stages.rewards.spec import ENVIRONMENT_FN, JUDGE_FN, REASONING_GYM_FN, REWARD_MODEL_FN, RewardError
 
+
 def _lazy(path: str) -> Callable[..., Any]:
     """A built-in kept in its own module, imported on first use (math-verify and SymPy import
     slowly)."""
