@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from flows.recording.home import configure_environment
-from stages.rewards.judge import JudgeReward, ModelJudge, ReplyCache
+from stages.rewards.judge import JudgeReward, ReplyCache
+from stages.rollout.model_judge import ModelJudge
 from stages.models.loading import GGUFModelSpec, resolve_base_checkpoint
 from stages.rewards.spec import RewardSpec
 

@@ -178,14 +178,14 @@ def score_attempts(config, inputs: StageInputs, records: list[dict], prompts: li
 
     Scored as every stage scores (stages/rewards/scoring.py): an attempt whose reward raised is not correct,
     and the stage's ``reward_errors`` policy decides whether the stage goes on."""
-    from stages.rewards.reward_model import bind_reward_models
+    from stages.scorers import bind_scorers
     from stages.rewards.scoring import reward_columns
     from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
     k = len(samples[0]) if samples else 0
     texts = [s.text for group in samples for s in group]
     specs = {verifier: inputs.rewards[verifier]}
-    scorer = Scorer(specs, RewardErrorPolicy.of(config), bind_reward_models(specs, inputs))
+    scorer = Scorer(specs, RewardErrorPolicy.of(config), bind_scorers(specs, inputs))
     component = scorer.score(texts, reward_columns(records, prompts, k)).components[0]
     failed = {index for index, _ in component.errors}
     return [score >= threshold and i not in failed for i, score in enumerate(component.scores)], component.errors

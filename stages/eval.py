@@ -222,9 +222,9 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
 def _bound_scorers(config: EvalConfig, inputs: StageInputs, episodes) -> dict:
     """Reward models and judges bound to their checkpoints, and, for an agent's episodes, ``environment``
     rewards bound to them (the environment's own score of each episode)."""
-    from stages.rewards.reward_model import bind_reward_models
+    from stages.scorers import bind_scorers
 
-    bound = bind_reward_models(inputs.rewards, inputs)
+    bound = bind_scorers(inputs.rewards, inputs)
     if episodes is not None:
         from stages.rollout.environments import build_environment
         from stages.rollout.episodes import environment_scorers

@@ -531,9 +531,9 @@ def _scorer(config, inputs: StageInputs, ctx) -> Scorer:
     bound to their checkpoints), its ``reward_errors`` policy, and judges audited against the verifiers
     every ``audit_every`` batches."""
     from stages.rewards.judge import batch_auditor
-    from stages.rewards.reward_model import bind_reward_models
+    from stages.scorers import bind_scorers
 
-    bound = bind_reward_models(inputs.rewards, inputs, config.placement.reward_model)
+    bound = bind_scorers(inputs.rewards, inputs, config.placement.reward_model)
     return Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, batch_auditor(inputs.rewards, bound, ctx))
 
 

@@ -188,7 +188,7 @@ class OnlineDPORun:
         from stages.rewards.judge import batch_auditor
         from stages.models.lora import wrap
         from stages.models.loading import load_model_and_tokenizer
-        from stages.rewards.reward_model import bind_reward_models
+        from stages.scorers import bind_scorers
         from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
         start = inputs.model
@@ -202,7 +202,7 @@ class OnlineDPORun:
                                                              trust_remote_code=trust).eval()
             reference.requires_grad_(False)
         trainable = [p for p in policy.parameters() if p.requires_grad]
-        bound = bind_reward_models(inputs.rewards, inputs)
+        bound = bind_scorers(inputs.rewards, inputs)
         auditor = batch_auditor(inputs.rewards, bound, ctx) if ctx is not None else None
         return cls(config, policy, reference, tokenizer, torch.optim.AdamW(trainable, lr=config.lr),
                    Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor), seed)

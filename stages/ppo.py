@@ -39,7 +39,8 @@ from stages.models.lora import AdaptersOff, save_trained, wrap
 from stages.models.critic import ValueModel
 from stages.models.loading import load_frozen_reference, load_model_and_tokenizer
 from stages.models.placement import check_devices, place, placement_params
-from stages.rewards.reward_model import bind_reward_models, reward_model_correlations
+from stages.rewards.reward_model import reward_model_correlations
+from stages.scorers import bind_scorers
 from stages.rewards.scoring import ScoredBatch, reward_columns
 from stages.rl_common import RLStageConfig, SamplerCorrection, log_curves, resolve_correction
 from stages.rl_math import (
@@ -421,7 +422,7 @@ class PPORun:
             environment = build_environment(config.environment)
             environment.check()
             runner = EpisodeRunner(environment, config.environment, tokenizer)
-        bound = bind_reward_models(inputs.rewards, inputs, config.placement.reward_model)
+        bound = bind_scorers(inputs.rewards, inputs, config.placement.reward_model)
         auditor = batch_auditor(inputs.rewards, bound, ctx) if ctx is not None else None
         scorer = Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor)
         return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, scorer, seed, device,

@@ -20,7 +20,6 @@ from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.rewards.reward_model import (  # re-exported: stages.reward_model is where callers look
     RewardModelReward,
     RewardModelScorer,
-    bind_reward_models,
     centre_per_prompt,
     reward_model_correlations,
 )

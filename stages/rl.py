@@ -18,12 +18,12 @@ class RewardCheckFailed(RuntimeError):
 def verify_rewards(inputs: StageInputs, ctx, environment=None) -> None:
     """Run the declared reward cases, and ``environment``'s known episodes; refuse to train on any
     violation (logged as tables)."""
-    from stages.rewards.reward_model import bind_reward_models
+    from stages.scorers import bind_scorers
     from stages.rewards.known_cases import check_reward_cases
     from stages.rewards.spec import JUDGE_FN
 
     checked = {n: inputs.rewards[n] for n in inputs.reward_checks}
-    judges = bind_reward_models({n: s for n, s in checked.items() if s.fn == JUDGE_FN}, inputs)
+    judges = bind_scorers({n: s for n, s in checked.items() if s.fn == JUDGE_FN}, inputs)
     results = [r for name, cases in inputs.reward_checks.items()
                for r in check_reward_cases(name, inputs.rewards[name], cases, judges.get(name))]
     ctx.log_table([{"reward": r.reward, "case": r.case.case, "completion": r.completion_repr, "score": r.score,

@@ -123,7 +123,7 @@ PACKAGE_IMPORTS = {
     "stages.models": (),
     "stages.training": (),
     "stages.rollout": ("stages.models", "stages.rewards", "stages.training"),
-    "stages.rewards": ("stages.models", "stages.rollout", "stages.preference_math"),
+    "stages.rewards": ("stages.models", "stages.preference_math"),
     "flows.spec": ("flows.planning", "flows.execution.distributed"),
     "flows.planning": ("flows.spec", "flows.recording.tags"),
     "flows.execution": ("flows.spec", "flows.planning", "flows.recording", "flows.servers", "flows.terminal"),

@@ -8,7 +8,7 @@ checked before training (``known_cases``), the worker process that bounds each r
 time in any thread (``worker``, ``worker_process``), and the rewards with machinery of their own:
 code run in a bubblewrap sandbox (``code_tests``, ``sandbox``), math-verify answers
 (``math_answer``), a trained reward model (``reward_model``) and an LLM judge with its audit
-(``judge``, whose model judge opens an engine of ``stages.rollout`` when it is first asked). It may
-import ``stages.models``, ``stages.sampling``, ``stages.context``, the Bradley-Terry maths of
-``stages.preference_math`` and, late and in the judge only, ``stages.rollout``; never a stage kind.
+(``judge``; a model judge samples through ``stages.rollout.model_judge``, handed in by
+``stages.scorers``). It may import ``stages.models``, ``stages.sampling``, ``stages.context`` and the
+Bradley-Terry maths of ``stages.preference_math``; never ``stages.rollout``, never a stage kind.
 """

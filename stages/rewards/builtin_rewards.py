@@ -53,7 +53,7 @@ def length_penalty(completions: list[str], target_chars: int = 0, per_char: floa
 
 def reward_model(completions: list[str], **_) -> list[float]:
     """Scores with a reward_model stage's checkpoint; the stage that uses it binds the model
-    (stages/reward_model.py ``bind_reward_models``), so an unbound call is a wiring error."""
+    (stages/scorers.py ``bind_scorers``), so an unbound call is a wiring error."""
     raise RewardError("the reward_model reward scores with a trained reward model and is bound by the stage "
                       "that uses it; it cannot be called on its own (e.g. by check-reward before training)")
 

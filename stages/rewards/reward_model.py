@@ -162,7 +162,8 @@ class StepRewardModel:
                             steps=steps)
 
 
-def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy") -> dict:
+def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy",
+                       open_model_judge=None) -> dict:
     """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once (placed
     where ``where`` says: stages/models/placement.py), and of every ``fn: judge`` reward (stages/rewards/judge.py: its
     judge is loaded only when a reply is not cached)."""
@@ -180,7 +181,7 @@ def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, wher
         if path not in loaded:
             loaded[path] = RewardModelScorer(path, spec.batch_size, inputs.trust_remote_code, where)
         bound[name] = RewardModelReward(loaded[path], spec)
-    return {**bound, **bind_judges(rewards, inputs)}
+    return {**bound, **bind_judges(rewards, inputs, open_model_judge)}
 
 
 def reward_model_correlations(scored: ScoredBatch, rewards: dict[str, RewardSpec]) -> dict[str, float]:
