@@ -183,11 +183,10 @@ class OnlineDPORun:
         """Policy, reference and optimiser loaded for ``config``; judges are audited against the verifiers
         into ``ctx``'s run (none without one)."""
         import torch
-        from transformers import AutoModelForCausalLM
 
         from stages.rewards.judge import batch_auditor
         from stages.models.lora import wrap
-        from stages.models.loading import load_model_and_tokenizer
+        from stages.models.loading import load_frozen_reference, load_model_and_tokenizer
         from stages.scorers import bind_scorers
         from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
@@ -198,9 +197,7 @@ class OnlineDPORun:
         if config.lora:
             reference = AdaptersOff(policy)
         else:
-            reference = AutoModelForCausalLM.from_pretrained(inputs.reference or start,
-                                                             trust_remote_code=trust).eval()
-            reference.requires_grad_(False)
+            reference = load_frozen_reference(inputs.reference or start, trust)
         trainable = [p for p in policy.parameters() if p.requires_grad]
         bound = bind_scorers(inputs.rewards, inputs)
         auditor = batch_auditor(inputs.rewards, bound, ctx) if ctx is not None else None
