@@ -64,7 +64,7 @@ def main() -> None:
     from stages.context import StageInputs
     from stages.data.sources import DataSpec, materialize
     from stages.models.loading import ModelSpec, resolve_base_checkpoint
-    from stages.rewards.registry import RewardSpec
+    from stages.rewards.spec import RewardSpec
     from stages.rl_common import rl_stage_config
 
     checkpoint = resolve_base_checkpoint(TypeAdapter(ModelSpec).validate_python(SMOLLM2), 0, home / "cache", home)

@@ -77,7 +77,8 @@ def main() -> None:
     args = parser.parse_args()
 
     home = isolated_home()
-    from stages.rollout.generation import EngineSettings, SamplingSettings, open_backend
+    from stages.rollout.generation import EngineSettings, open_backend
+    from stages.sampling import SamplingSettings
 
     checkpoint, prompts = smollm2_and_prompts(home, args.prompts)
     sampled = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens, attempts=args.attempts, seed=1)

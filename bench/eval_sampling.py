@@ -76,7 +76,8 @@ def main() -> None:
     home = _common.isolated_home()
     _common.one_thread()
     from stages.data.sources import prompt_messages, read_materialized
-    from stages.rollout.generation import HFGenerateBackend, SamplingSettings
+    from stages.rollout.generation import HFGenerateBackend
+    from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
 
     checkpoint = _common.tiny_checkpoint(home)

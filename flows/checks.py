@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from stages.context import StageInputs
-from stages.rewards.registry import JUDGE_FN, check_reward_cases
+from stages.rewards.known_cases import check_reward_cases
+from stages.rewards.spec import JUDGE_FN
 
 
 def check_rewards_command(loaded, only: list[str], console) -> int:
@@ -80,7 +81,7 @@ def _bound_judges(loaded, judges: dict) -> dict:
         return {}
     from flows.recording.home import configure_environment, ensure_home
     from stages.models.loading import resolve_base_checkpoint
-    from stages.rewards.reward_model import bind_reward_models
+    from stages.scorers import bind_scorers
 
     home = ensure_home(configure_environment())
     spec = loaded.spec
@@ -92,7 +93,7 @@ def _bound_judges(loaded, judges: dict) -> dict:
             scorers[name] = resolve_base_checkpoint(spec.model, spec.seed, home / "cache" / "models", loaded.base_dir)
     inputs = StageInputs(trust_remote_code=bool(getattr(spec.model, "trust_remote_code", False)),
                          judge_cache=home / "cache" / "judge", scorer_checkpoints=scorers)
-    return bind_reward_models(judges, inputs)
+    return bind_scorers(judges, inputs)
 
 
 def _scores(values: list[float]) -> str:

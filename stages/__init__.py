@@ -8,7 +8,9 @@ module at this level (sft, reward_model, rl with grpo / ppo / difficulty, dpo an
 preference_training, online_dpo, eval, benchmark), and ``registry`` lists the kinds. What they
 share lives in packages: ``data`` (what they read), ``models`` (what they load), ``rollout``
 (where a sample is made), ``rewards`` (where it is scored) and ``training`` (trainer callbacks,
-several processes, alerts). ``intervals`` is the error-bar maths eval logs and ``posttrain compare``
+several processes, alerts). ``scorers`` binds a stage's reward models and judges (where ``rewards`` meets ``rollout``).
+``sampling`` is the one schema of a ``sampling:`` and its rules, which any
+package may import (it imports nothing of posttrain but ``spec_model``). ``intervals`` is the error-bar maths eval logs and ``posttrain compare``
 reads (SE clustered by prompt, paired differences, seeds, power). Nothing in this package imports Prefect or reads pipeline YAML;
 ``flows`` does the orchestration.
 """

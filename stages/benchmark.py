@@ -1,29 +1,6 @@
 """Stage kind ``benchmark``: a checkpoint on standard benchmarks through lm-evaluation-harness, in MLflow.
 
-``lm_eval: {tasks, num_fewshot, limit, include_path, ...}`` runs lm-evaluation-harness (PyPI
-``lm-eval``, the ``bench`` extra; absent, the stage is refused at validation) on the stage's
-checkpoint, with its HF backend (transformers, this process) or its vLLM one. None of the
-harnesses logs to MLflow, so this stage does:
-- every task metric, with its standard error: ``lm_eval/<task>/<metric>`` and
-  ``lm_eval/<task>/<metric>_stderr`` (a filter other than ``none`` is appended: ``exact_match_strict``);
-- the harness's per-example records (prompt, target, reply, scores) as the tables
-  ``lm_eval/<task>.json``, and its results, task versions and configurations as the published
-  output ``lm_eval_results.json``;
-- an evaluation settings hash (``posttrain.eval_settings``, as the eval stage sets it) over the
-  harness version, each task's version and configuration (its prompt, generation settings and
-  metrics), the few-shot count, the limit, the chat template switch and the backend, so
-  ``posttrain compare --metric lm_eval/<task>/<metric>`` ranks checkpoints only like for like.
-
-A task is one the harness ships, or one defined in ``include_path`` (a folder of task YAMLs,
-relative to the pipeline file): such a folder's files are part of the stage's fingerprint, so an
-edited task reruns the stage. A shipped task's dataset is a hub id (gsm8k reads ``openai/gsm8k``),
-which the harness loads through ``datasets``: from the hub where it answers. Where it does not,
-``datasets`` reads only its own prepared cache, never the hub cache that ``hf download`` (and
-posttrain's ``data: {hub: ...}``) fills; so where the hub does not answer and that cache holds a
-snapshot of the dataset, the stage runs the task as a task of its own folder that includes the
-shipped YAML and reads the snapshot (``cached_datasets``): the same prompt, metrics and version,
-and the same settings hash as from the hub. A task over a local file (``dataset_path: json``,
-``data_files``) needs nothing.
+Design notes, departures and why: docs/algorithms.md, section `stages/benchmark.py`.
 """
 
 from __future__ import annotations

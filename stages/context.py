@@ -136,7 +136,7 @@ class StageInputs:
     failures: Path | None = None  # iterate: the failure set of the previous round's eval
     scorer_checkpoints: Mapping[str, Path] = field(default_factory=dict)  # reward -> its reward model's / judge's
     judge_cache: Path | None = None  # judge replies by (judge, rubric, prompt, completion); None: no cache
-    rewards: Mapping[str, Any] = field(default_factory=dict)  # reward name -> stages.rewards.registry.RewardSpec
+    rewards: Mapping[str, Any] = field(default_factory=dict)  # reward name -> stages.rewards.spec.RewardSpec
     reward_checks: Mapping[str, list] = field(default_factory=dict)  # reward name -> its known cases
     base_dir: Path | None = None  # the pipeline file's folder, where a stage's own relative paths point
 

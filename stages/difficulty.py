@@ -1,30 +1,7 @@
 """The difficulty filter of an ``rl`` stage: score the training prompts under the starting
 policy, train only on those it sometimes solves.
 
-A prompt whose k rollouts all score the same gives GRPO a zero-variance group (every
-advantage 0: compute spent, nothing learnt) and gives PPO little beyond its KL term.
-``difficulty_filter:`` runs a pre-pass before training: ``attempts`` samples of each
-prompt (the first ``max_prompts`` of the dataset when set) from the policy's starting
-checkpoint, through the project's generation backend (``open_backend``: vLLM where it can
-serve the model, HF generate otherwise), scored by the verifier (the stage's first reward,
-or ``verifier``) exactly as the eval stage scores. A prompt's pass rate is the share of
-attempts the verifier scores at least ``success_threshold``; prompts with
-``min_pass < pass < max_pass`` are kept (default 0 < pass < 1) and written, in dataset
-order and in the materialised record format (stages/data/sources.py), to ``difficulty_kept.jsonl``,
-a published output of the stage, which training then reads instead of the full dataset.
-The per-prompt pass rates are logged as the table ``difficulty.json``; the cost as
-``difficulty/*`` metrics. A filter that keeps too few prompts to train on fails the stage
-with the counts.
-
-Where this departs from DAPO's dynamic sampling (Yu et al. 2025) and other "online
-filtering": those drop all-correct / all-wrong groups *during* training, from the current
-policy's rollouts, and over-sample to refill the batch. This is an offline pre-pass: the
-pass rates are those of the starting policy, measured once; a prompt that becomes easy as
-the policy learns is still trained on, and one that becomes solvable is never seen. It
-costs ``attempts x prompts`` generations up front and none per step, and the kept set is
-an artifact a person can read. Sampling defaults to the stage's rollout settings
-(``sampling.temperature``, ``top_p``, ``max_tokens``) and the stage's seed, so "pass
-rate" means the rate the rollouts would see.
+Design notes, departures and why: docs/algorithms.md, section `stages/difficulty.py`.
 """
 
 from __future__ import annotations
@@ -39,7 +16,8 @@ from pydantic import ConfigDict, Field, model_validator
 from stages.context import StageInputs
 from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.episodes import complete
-from stages.rollout.generation import BackendName, SamplingSettings, open_backend, sampling_with
+from stages.rollout.generation import BackendName, open_backend
+from stages.sampling import SamplingSettings, sampling_with
 from stages.spec_model import SpecModel
 
 KEPT_FILE = "difficulty_kept.jsonl"
@@ -200,14 +178,14 @@ def score_attempts(config, inputs: StageInputs, records: list[dict], prompts: li
 
     Scored as every stage scores (stages/rewards/scoring.py): an attempt whose reward raised is not correct,
     and the stage's ``reward_errors`` policy decides whether the stage goes on."""
-    from stages.rewards.reward_model import bind_reward_models
-    from stages.rewards.registry import reward_columns
+    from stages.scorers import bind_scorers
+    from stages.rewards.scoring import reward_columns
     from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
     k = len(samples[0]) if samples else 0
     texts = [s.text for group in samples for s in group]
     specs = {verifier: inputs.rewards[verifier]}
-    scorer = Scorer(specs, RewardErrorPolicy.of(config), bind_reward_models(specs, inputs))
+    scorer = Scorer(specs, RewardErrorPolicy.of(config), bind_scorers(specs, inputs))
     component = scorer.score(texts, reward_columns(records, prompts, k)).components[0]
     failed = {index for index, _ in component.errors}
     return [score >= threshold and i not in failed for i, score in enumerate(component.scores)], component.errors

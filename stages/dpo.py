@@ -1,31 +1,8 @@
 """Stage kind ``dpo``: direct preference optimisation with TRL's ``DPOTrainer``.
 
-The policy starts from ``model``; the reference is ``reference`` (default: the same
-starting checkpoint), loaded once and frozen. With ``lora`` no reference is loaded: the
-policy trains LoRA adapters and TRL scores the reference with them disabled (the starting
-checkpoint itself, so ``reference`` must be left out); the checkpoint has the adapters
-merged in, the ``adapter`` output holds them alone (stages/models/lora.py). Pairs are rendered with the chat template;
-only the reply's tokens are scored. The loss is TRL's ``sigmoid`` DPO loss, -log
-sigmoid(beta * ((log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r)))) with
-sequence log-probs summed over reply tokens (stages/preference_math.py ``dpo_loss``
-restates it and tests/test_preferences.py checks the two agree); ``loss: ipo`` and
-``hinge`` select TRL's variants. Per logging step: ``rewards/chosen`` and
-``rewards/rejected`` (the implicit rewards beta * log-ratio), ``rewards/margin``,
-``rewards/accuracy`` (share of pairs whose chosen implicit reward is higher) and the
-reply log-probs. A seeded ``heldout_fraction`` of the pairs is kept out of training and
-reported as ``heldout_pairwise_accuracy`` / ``heldout_reward_margin`` at the end, pooled
-over all held-out pairs (TRL's own is a mean of per-batch means).
+Departs from the paper in the loss only when ``sft_weight > 0`` (RPO's NLL of the chosen replies).
 
-Departures from the paper: none in the loss by default; dropout is off in both models
-(TRL's default). ``sft_weight > 0`` adds a token-mean negative log-likelihood of the chosen
-replies (RPO, Pang et al. 2024): plain DPO on the tiny model lowers the chosen replies'
-likelihood along with the rejected ones' and moves mass to replies neither side holds
-(format errors 1% -> 14% in pipelines/dpo.yaml without it).
-
-Stage kind ``kto`` (stages/kto.py) is TRL's ``KTOTrainer`` on the same pairs (what the two
-share is in stages/preference_training.py): TRL unpairs
-them (chosen replies desirable, rejected ones undesirable) and estimates the KL reference
-point from mismatched completions within a batch, so ``batch_size`` must be above 1.
+Design notes, departures and why: docs/algorithms.md, section `stages/dpo.py`.
 """
 
 from __future__ import annotations

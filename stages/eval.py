@@ -1,22 +1,6 @@
 """Stage kind ``eval``: held-out evaluation at fixed sampling settings.
 
-k attempts per prompt are sampled in one batched call at a fixed temperature, top-p,
-token budget and seed. Reported: unbiased pass@k (Chen et al. 2021, eq. 1) for k = 1,
-powers of two and k = attempts; the mean combined reward; the format-error rate (the
-verifier could not parse an answer at all, kept apart from "wrong"); the truncation rate
-(hit the budget); the mean completion length. Beside each pass@k and the mean reward, its
-standard error over prompts (``se/pass_at_1``, ...: attempts clustered by prompt, a question
-the dataset holds twice clustered as one,
-``stages/intervals.py``), and the per-prompt scores as the table ``per_prompt.json``, so
-``posttrain compare`` can pair two evaluations prompt by prompt. The settings are logged beside the scores
-and hashed into the tag ``posttrain.eval_settings``: scores are comparable only within one
-hash. Prompts with no correct attempt are written as a failure-case JSONL a later round can
-train on.
-
-With ``select: reward_model`` (and ``reward_model: rm``) that reward model scores every attempt and, per
-prompt, the highest-scoring one is picked (best-of-N); ``best_of_n_accuracy`` is the share
-of prompts whose pick the verifier calls correct, reported beside pass@k. The selector and
-its checkpoint are part of the settings hash.
+Design notes, departures and why: docs/algorithms.md, section `stages/eval.py`.
 """
 
 from __future__ import annotations
@@ -40,8 +24,10 @@ from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.intervals import clustered_mean_and_se
 from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.environments import EnvironmentSpec
-from stages.rollout.generation import BackendName, EngineSettings, SamplingSettings, open_backend
-from stages.rewards.registry import RewardSpec, reward_columns
+from stages.rollout.generation import BackendName, EngineSettings, open_backend
+from stages.sampling import SamplingSettings
+from stages.rewards.scoring import reward_columns
+from stages.rewards.spec import RewardSpec
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 from stages.rewards.steps import process_metrics
 
@@ -236,9 +222,9 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
 def _bound_scorers(config: EvalConfig, inputs: StageInputs, episodes) -> dict:
     """Reward models and judges bound to their checkpoints, and, for an agent's episodes, ``environment``
     rewards bound to them (the environment's own score of each episode)."""
-    from stages.rewards.reward_model import bind_reward_models
+    from stages.scorers import bind_scorers
 
-    bound = bind_reward_models(inputs.rewards, inputs)
+    bound = bind_scorers(inputs.rewards, inputs)
     if episodes is not None:
         from stages.rollout.environments import build_environment
         from stages.rollout.episodes import environment_scorers

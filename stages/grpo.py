@@ -1,42 +1,10 @@
 """GRPO with TRL's ``GRPOTrainer``, configured from an ``rl`` stage.
 
-What we map, and where it departs from DeepSeekMath's GRPO:
-- ``advantage: group_centered`` is TRL's ``scale_rewards="none"``: reward minus the group
-  mean, not divided by the group's std (the seeds' unstandardised centring; Dr. GRPO
-  argues the std division biases toward easy and hard prompts). ``group_normalized`` is
-  ``scale_rewards="group"``, the paper's choice.
-- ``loss`` selects TRL's ``loss_type``: grpo (per-sequence mean, the paper), dr_grpo,
-  dapo (token-level normalisation over the batch; TRL's default) or cispo (clipped
-  importance-sampling weights, gradient through every token). CISPO's cap is absolute:
-  ``cispo_cap`` (default 5.0) is TRL's ``epsilon_high``, a weight min(ratio, cap); the other
-  losses clip the ratio to [1 - clip_epsilon, 1 + clip_epsilon].
-- ``kl_beta`` is TRL's ``beta``: the k3 KL estimate to the reference added to the loss
-  (not to the reward, unlike PPO/InstructGPT). 0 loads no reference model. Dropout is off
-  in policy and reference (TRL's ``disable_dropout`` plus ``turn_off_dropout`` for the
-  attention dropout transformers keeps as a float), so the KL measures how far the weights
-  moved, not dropout noise, and is 0 at the first step; LoRA's own dropout is off too.
-- With ``lora``, TRL computes the reference log-probs with the adapters disabled, so the
-  KL anchor is the policy's starting checkpoint (the validator refuses another reference);
-  the checkpoint has the adapters merged in, the ``adapter`` output holds them alone.
-- One generation per ``updates_per_batch`` optimizer steps (``prompts_per_step ×
-  group_size`` completions). With 1 (the default) training is on-policy and the importance
-  ratio is exactly 1; ``ratio/mean`` is logged either way and moves off 1 once samples
-  are reused.
+Departs from DeepSeekMath's GRPO: group-centred advantages without the std division by default
+(``group_normalized`` is the paper's); the loss is TRL's ``loss_type`` (grpo, dr_grpo, dapo, cispo); the
+k3 KL is in the loss; samples from another engine are weighted by a truncated pi_trainer / pi_sampler.
 
-Where posttrain's vLLM engine samples (``backend: vllm``, or ``auto`` where vLLM serves the model),
-the samples are not the float32 trainer's: each token's advantage is weighted by pi_trainer /
-pi_sampler, truncated at ``correction.cap`` (``correction``, default ``token_tis`` under vLLM, none
-when the training model samples its own rollouts), which is TRL's own vLLM correction, and the mismatch is
-logged every step (``correction/logp_diff_abs_mean``, ``correction/kl_sampler_trainer``,
-``correction/weight_mean``, ``correction/clipped_frac``).
-
-Rollouts sample with exactly the stage's settings: the checkpoint's generation_config.json
-(``min_p``, ``repetition_penalty``, ``suppress_tokens``, ...) is swapped for a neutral one
-while training (transformers would fill TRL's unset fields from it) and restored for saving.
-
-Each reward component is wrapped so parse failures and exceptions are counted per step
-(``reward/<name>/unparsed_frac``, ``reward/errors``) and the policy in
-``reward_errors`` is applied, instead of TRL seeing a silent number.
+Design notes, departures and why: docs/algorithms.md, section `stages/grpo.py`.
 """
 
 from __future__ import annotations
@@ -50,7 +18,8 @@ from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.generation import neutral_generation_config
 from stages.rollout.episodes import environment_scorers
 from stages.models.placement import check_devices, place, placement_params
-from stages.rewards.registry import ENVIRONMENT_FN, RewardSpec, reward_columns
+from stages.rewards.scoring import reward_columns
+from stages.rewards.spec import ENVIRONMENT_FN, RewardSpec
 from stages.rollout.training import rollout_backend
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
@@ -562,9 +531,9 @@ def _scorer(config, inputs: StageInputs, ctx) -> Scorer:
     bound to their checkpoints), its ``reward_errors`` policy, and judges audited against the verifiers
     every ``audit_every`` batches."""
     from stages.rewards.judge import batch_auditor
-    from stages.rewards.reward_model import bind_reward_models
+    from stages.scorers import bind_scorers
 
-    bound = bind_reward_models(inputs.rewards, inputs, config.placement.reward_model)
+    bound = bind_scorers(inputs.rewards, inputs, config.placement.reward_model)
     return Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, batch_auditor(inputs.rewards, bound, ctx))
 
 

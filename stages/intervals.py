@@ -1,25 +1,6 @@
 """Error bars for evaluations: how sure a score, and a difference of scores, is.
 
-The method is Miller 2024, "Adding Error Bars to Evals" (arXiv 2411.00640):
-
-- A score is a mean over prompts. Attempts at one prompt are not independent (an easy
-  prompt is solved by most of its attempts), so the unit is the prompt: each prompt's
-  score (its unbiased pass@k, or its mean reward) is one observation, and the standard
-  error is the standard deviation of those per-prompt scores over sqrt(prompts). With
-  every prompt sampled the same number of times this is the cluster-robust standard error
-  clustered by prompt (Miller, section 2.2); treating the n x k attempts as independent
-  would understate it.
-- Two evaluations on the same prompts are compared by the per-prompt differences (paired,
-  section 4): mean difference +- 1.96 x SE of the differences (the central limit theorem,
-  a z interval; with 200 prompts a t interval differs in the third decimal).
-- Over training seeds the seed is the unit: each seed's score (or paired difference) is
-  one observation, and the interval is a t interval with seeds - 1 degrees of freedom
-  (2 or 3 seeds give wide intervals; that is what 2 or 3 seeds know).
-- The minimum detectable difference at 80% power (two-sided, 5%) is (1.96 + 0.84) x SE of
-  the difference (section 5).
-
-Plain Python over lists: no posttrain, torch or numpy import, so both the eval stage and
-``posttrain compare`` use it and a test checks its coverage on synthetic tables.
+Design notes, departures and why: docs/algorithms.md, section `stages/intervals.py`.
 """
 
 from __future__ import annotations

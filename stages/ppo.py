@@ -1,77 +1,10 @@
 """posttrain's compact PPO with a critic (``kind: rl, algorithm: ppo``).
 
-TRL removed its PPOTrainer, so this module owns the loop, top to bottom: sample a rollout
-batch through the project's generation backend, score it with the declared rewards, turn
-reward minus a KL penalty into per-token rewards, estimate advantages with GAE(gamma,
-lambda) from a learned critic, then take ``ppo_epochs`` passes of minibatches with the
-clipped surrogate and the clipped value loss. The maths is in stages/rl_math.py.
+Departs from PPO and InstructGPT: no PPO-ptx term; a per-token k1 KL penalty in the reward; old
+log-probs recomputed by the trainer; a separate critic with its own optimiser (no vf_coef); token-level
+losses; advantages whitened, rewards not.
 
-Where this departs from PPO (Schulman et al. 2017) and InstructGPT (Ouyang et al. 2022):
-- No pretraining-mix term (InstructGPT's PPO-ptx): the only anchor is the KL penalty.
-- The KL penalty is the per-token k1 estimate, log pi(y_t) - log pi_ref(y_t), subtracted
-  from every token's reward; the task score is added at the last completion token only.
-  Both log-probs are of the tempered distributions (logits / temperature), the ones the
-  tokens were sampled from.
-- The importance ratio's denominator (the old log-prob) comes from a no-grad forward pass
-  of the rollout-time policy over the recorded tokens: the full tempered distribution, the
-  one the loss differentiates, so the first update starts at ratio 1 whatever ``top_p``.
-  With ``top_p`` 1 it equals the sampler's recorded log-prob to float error; with ``top_p
-  < 1`` the sampler's is the nucleus-renormalised one, higher by up to -log(top_p) per
-  token, and the samples come from the nucleus while the loss treats them as drawn from the
-  full distribution (as TRL's GRPO does). ``logprob/sampler_gap`` logs the largest
-  difference. The KL penalty uses the same recomputed log-probs.
-- Rollouts come from posttrain's generation backend: with ``backend: vllm`` (or ``auto``
-  where vLLM can serve the model) an in-process vLLM engine that receives the policy's
-  weights (LoRA merged) before every rollout batch, else HF generate on the policy itself.
-  The engine's log-probs are the recorded ones; ``logprob/sampler_abs_log_ratio`` is their
-  mean distance from the recomputed old log-probs (0 to float error in float32, top_p 1).
-  Where the engine samples (a bfloat16 vLLM engine is not the float32 trainer), each token's
-  surrogate is weighted by pi_trainer / pi_sampler, truncated (``correction``, default
-  ``token_tis`` at cap 3 under vLLM, none under HF generate; stages/rl_math.py
-  ``sampler_correction``); the mismatch is logged either way (``correction/*``).
-- The critic is a separate network (a copy of the policy's transformer backbone plus a
-  zero-initialised scalar head), initialised from the policy checkpoint; no shared trunk.
-  Each network has its own AdamW optimiser, so there is no ``vf_coef``: Adam is invariant
-  to a constant scale of the value loss, and a weight on it would change nothing (the
-  spec refuses one); ``critic_lr`` sets how fast the critic learns.
-- Losses are token-level means over the minibatch (every real completion token weighs the
-  same, DAPO-style), not per-sequence means.
-- Advantages are whitened over the whole rollout batch (``whiten_advantages``); rewards are
-  not normalised. No entropy bonus; the logged ``entropy`` is the rollout-time policy's,
-  measured in the same no-grad pass as the old log-probs, before any update. Dropout is off throughout (the policy stays in eval
-  mode) so the training forward pass reproduces the sampler's distribution.
-- Gradients are clipped to norm 1.0 for each network; no learning-rate schedule.
-- Adaptive KL (Ziegler et al. 2019) steers ``kl/sequence`` (mean summed k1 per completion,
-  the quantity the reward penalises) toward ``kl_target``. The logged ``kl`` is the
-  token-level mean of the k3 estimator, the same quantity the GRPO stage logs as ``kl``.
-- ``reward/errors`` is the cumulative count of reward-function exceptions in the stage.
-- A ``fn: reward_model`` reward scores rollouts with a trained reward model; with another
-  reward beside it (e.g. the verifier at weight 0), ``reward/<rm>/corr/<other>`` logs their
-  per-batch correlation. ``critic: rm`` starts the critic from that reward model's backbone
-  and score head instead of the policy's backbone and a zero head.
-- On several processes (``resources: {processes: N}``, stages/training/data_parallel.py) each process
-  samples and scores whole prompts of the step's batch (seeded as in the whole batch), whitens
-  advantages with the global batch's mean and variance, scales its losses by its share of
-  each global minibatch's tokens and sums the gradients before clipping: the update one
-  process would make on the same rollouts. Logged statistics are over the global batch,
-  except ``reward/<rm>/corr/<other>`` and the sample tables (rank 0's shard); a reward
-  model's ``normalize: running`` keeps running statistics per process.
-- With ``environment:`` a rollout is an agent's episode (stages/rollout/episodes.py: the model's turns
-  and the tools' observations, as ids appended turn by turn; ``attempts`` episodes per
-  prompt). The episode's ``env_mask`` is the action mask ``mask_B_T``: observation tokens
-  are attended to as context but weigh nothing in the policy loss, the value loss, the
-  importance ratios, the KL penalty, the advantage whitening and the logged statistics, and
-  get no advantage or return. GAE (stages/rl_math.py ``gae``) steps over them: the last
-  token of a turn bootstraps from the value of the next turn's first token, the state that
-  has read the observation, with one discount, exactly GAE over the model tokens alone; the
-  critic is never trained on an observation position. The rewards score the final answer
-  (an ``environment`` reward: the environment's own score of the episode), added at the
-  episode's last model token; a shortcut (``require_tool``) scores 0. ``env/*`` metrics are
-  logged per step (on several processes, rank 0's shard).
-- With ``lora`` the policy trains LoRA adapters only (PEFT; the optimiser sees nothing
-  else) and the KL reference is the policy with its adapters disabled, not a second copy:
-  its starting checkpoint, as without lora. The adapters' dropout never acts (the policy
-  stays in eval mode, see above). The critic is built and trained in full as without lora.
+Design notes, departures and why: docs/algorithms.md, section `stages/ppo.py`.
 """
 
 from __future__ import annotations
@@ -103,10 +36,12 @@ from stages.rollout.episodes import EpisodeRunner, environment_scorers, episode_
 from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, draw_offset
 from stages.rewards.judge import batch_auditor
 from stages.models.lora import AdaptersOff, save_trained, wrap
-from stages.models.loading import load_model_and_tokenizer
+from stages.models.critic import ValueModel
+from stages.models.loading import load_frozen_reference, load_model_and_tokenizer
 from stages.models.placement import check_devices, place, placement_params
-from stages.rewards.reward_model import bind_reward_models, reward_model_correlations
-from stages.rewards.registry import ScoredBatch, reward_columns
+from stages.rewards.reward_model import reward_model_correlations
+from stages.scorers import bind_scorers
+from stages.rewards.scoring import ScoredBatch, reward_columns
 from stages.rl_common import RLStageConfig, SamplerCorrection, log_curves, resolve_correction
 from stages.rl_math import (
     AdaptiveKLController,
@@ -114,10 +49,13 @@ from stages.rl_math import (
     gae,
     is_zero_variance,
     kl_estimators,
+    last_actions,
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
     sampler_correction,
+    token_entropy,
+    token_logprobs,
 )
 from stages.rollout.server import ServerBackend
 from stages.rollout.training import close_engine, open_stage_engine, sync_policy
@@ -127,55 +65,6 @@ from stages.rewards.steps import step_token_indices
 
 SAMPLE_TABLE_ROWS = 16
 MAX_GRAD_NORM = 1.0
-
-
-# ---------------------------------------------------------------- models
-
-
-class ValueModel(nn.Module):
-    """The critic: a transformer backbone and a scalar head, one value per position."""
-
-    def __init__(self, backbone: nn.Module, hidden_size: int):
-        super().__init__()
-        self.backbone = backbone
-        self.head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.head.weight)  # start at V = 0: early advantages are rewards-to-go
-        nn.init.zeros_(self.head.bias)
-
-    @classmethod
-    def from_policy_checkpoint(cls, path: Path, trust_remote_code: bool = False) -> "ValueModel":
-        """The policy's backbone (``model.model`` of a causal LM), without its LM head."""
-        from transformers import AutoModelForCausalLM
-
-        causal_lm = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return cls(causal_lm.base_model, causal_lm.config.hidden_size)
-
-    @classmethod
-    def from_reward_model(cls, path: Path, trust_remote_code: bool = False) -> "ValueModel":
-        """A reward model's backbone and score head: V starts as the reward model's score of the
-        prefix, which at the last token is the reward itself (before any offset or normalisation)."""
-        from stages.rewards.reward_model import load_sequence_scorer
-
-        scorer, _ = load_sequence_scorer(path, trust_remote_code=trust_remote_code)
-        critic = cls(scorer.base_model, scorer.config.hidden_size)
-        with torch.no_grad():
-            critic.head.weight.copy_(scorer.score.weight)
-            if getattr(scorer.score, "bias", None) is not None:
-                critic.head.bias.copy_(scorer.score.bias)
-        return critic
-
-    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids).last_hidden_state
-        return self.head(hidden).squeeze(-1)
-
-
-def load_frozen_reference(path: Path, trust_remote_code: bool = False) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
-    model.requires_grad_(False)
-    return model
 
 
 # ---------------------------------------------------------------- rollouts
@@ -263,15 +152,6 @@ def completion_values(critic: ValueModel, rollout: Rollout, rows) -> torch.Tenso
     return values_B_L[:, -width_T - 1 : -1].float()
 
 
-def token_logprobs(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits_B_T_V, dim=-1).gather(-1, ids_B_T.unsqueeze(-1)).squeeze(-1)
-
-
-def token_entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits_B_T_V, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 # ---------------------------------------------------------------- rewards and advantages
 
 
@@ -315,11 +195,6 @@ def compute_targets(policy, reference, critic, rollout: Rollout, scores: torch.T
     if config.whiten_advantages:
         advantages = masked_whiten(advantages, mask) if world_size() == 1 else whiten_over_processes(advantages, mask)
     return Targets(old_logprobs * mask, values, advantages, returns, k1 * mask, k3 * mask, entropy * mask)
-
-
-def last_actions(mask_B_T: torch.Tensor) -> torch.Tensor:
-    """Each row's last action (an episode's answer turn ends in one)."""
-    return mask_B_T.shape[1] - 1 - mask_B_T.flip(-1).argmax(-1)
 
 
 def step_credits(scores: list[float], rule: str, centre: float = 0.0) -> list[float]:
@@ -547,7 +422,7 @@ class PPORun:
             environment = build_environment(config.environment)
             environment.check()
             runner = EpisodeRunner(environment, config.environment, tokenizer)
-        bound = bind_reward_models(inputs.rewards, inputs, config.placement.reward_model)
+        bound = bind_scorers(inputs.rewards, inputs, config.placement.reward_model)
         auditor = batch_auditor(inputs.rewards, bound, ctx) if ctx is not None else None
         scorer = Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor)
         return cls(config, policy, tokenizer, reference, critic, optimizers, kl_control, scorer, seed, device,

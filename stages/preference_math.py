@@ -1,15 +1,6 @@
 """The maths of preference learning, as small functions checked against hand computations.
 
-- Bradley-Terry (reward models): P(chosen > rejected) = sigmoid(r_c - r_r); the loss is
-  -log sigmoid(r_c - r_r - margin), averaged over pairs (TRL ``RewardTrainer``'s loss).
-- DPO (Rafailov et al. 2023, eq. 7): implicit reward r = beta * (log pi(y|x) - log
-  pi_ref(y|x)) with sequence log-probs summed over completion tokens; the loss is
-  -log sigmoid(r_chosen - r_rejected) (TRL ``DPOTrainer``'s ``sigmoid`` loss).
-- Best-of-N: per prompt, the attempt a scorer ranks highest (the first on ties).
-- Online DPO's pairs: per prompt, its best and worst scored samples; a prompt whose samples all
-  score the same is a tie and gives no pair.
-- Running normalisation of reward-model scores and the Pearson correlation of two scores,
-  the first sign of reward hacking when a learned reward drifts from a verifier.
+Design notes, departures and why: docs/algorithms.md, section `stages/preference_math.py`.
 """
 
 from __future__ import annotations

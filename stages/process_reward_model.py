@@ -1,37 +1,8 @@
 """The ``reward_model`` stage at ``level: step``: a process reward model (PRM).
 
-Two heads (``step_head``). ``surprise`` (the default): the base or SFT checkpoint, a causal LM, stays
-frozen and reads each demonstration once; a small seeded MLP learns P(right) of each step from the LM's
-log-probabilities of the step's tokens and its hidden states at the step's last token and the one before
-(stages/rewards/step_surprise.py). ``token``: a token classifier (``AutoModelForTokenClassification``, two
-labels: wrong, right) starts from the checkpoint, its head new and seeded, the whole model trained. Where
-this departs from the PRM papers (Lightman et al. 2023, Wang et al. 2024 Math-Shepherd), which fine-tune the
-whole LM to predict a label token at each step's end: the surprise head trains only the small head, so a
-step is judged by what the frozen model expected there. Their training data are the demonstrations of
-``data`` (the last assistant turn of each conversation), their steps labelled by a process reward
-named in ``labels`` (a verifier such as ``chain_steps``: a step scoring at least 1 is right), so the
-labels come from a verifier, not from annotators; or a step-rated file in PRM800K's shape
-(``records: steps``: ``prompt``, ``steps``, ``ratings``), one step per line, +1 right and 0 or -1
-not (PRM800K's neutral 0 counted with the wrong, as a strict grader would). Each demonstration is read as the model will read
-a completion it scores (stages/rewards/reward_model.py ``step_model_inputs``: the prompt through
-the chat template, then the completion's own tokens), and the cross-entropy is taken only at each
-step's last token (stages/rewards/steps.py ``step_token_indices``), or the surprise head's at each step;
-every other token is ignored. With
-``step_class_weights: balanced`` each class weighs the inverse of its share of the training steps. With
-``counterfactual_steps: K`` each training demonstration also gives K copies with one step's last number
-moved by 1, relabelled by ``labels`` (``counterfactual_records``): pairs that differ only in a step's result,
-so the model must read the result against its operands to tell them apart.
-
-A seeded ``heldout_fraction`` of the demonstrations is never trained on: before and after training
-the stage reports ``heldout_step_accuracy`` (a step predicted right when P(right) > 0.5), beside
-``heldout_majority_accuracy`` (what always answering the commoner label scores) and
-``heldout_right_step_share``; ``heldout_wrong_step_recall`` and ``heldout_wrong_step_precision`` (of the
-steps it says are wrong, the share that are); and ``heldout_first_wrong_step_detection``: among held-out demonstrations with a wrong step, the share
-whose first step predicted wrong is the first wrong one.
-
-As a reward (``{fn: reward_model, stage: prm, kwargs: {split, delimiter}}``) it scores each step of
-a completion with P(right) (stages/rewards/reward_model.py ``StepRewardModel``): a process reward,
-which PPO's ``process_weight`` places at each step's last token.
+Two heads (``step_head``): ``surprise`` (the default), a small MLP over the frozen LM's log-probabilities
+of each step's tokens and its hidden states; ``token``, a token classifier trained whole. Design notes,
+departures and why: docs/algorithms.md, section `stages/process_reward_model.py`.
 """
 
 from __future__ import annotations
@@ -108,7 +79,7 @@ def counterfactual_records(examples: list[dict], copies: int, seed: int) -> list
 def step_labels(config, inputs: StageInputs, records: list[dict], completions: list[str]) -> list[list]:
     """Each demonstration's labelled steps (StepScores, 1.0 right): scored by the ``labels`` process reward, or
     read from a step-rated file's ratings (one step per line; +1 right, 0 and -1 not)."""
-    from stages.rewards.registry import reward_columns, score_component
+    from stages.rewards.scoring import reward_columns, score_component
     from stages.rewards.steps import StepScore, split_steps
 
     if config.labels is None:

@@ -29,8 +29,8 @@ def stage_runner(kind: str):
     """The ``run(config, inputs, ctx)`` function of a stage kind.
 
     ``POSTTRAIN_TORCH_THREADS`` caps torch's CPU threads for the stage: when several torch
-    processes share a small machine, spinning intra-op threads were seen to make a step
-    ~25x slower than with one thread each.
+    processes share a small machine, spinning intra-op threads slow every step down (measured:
+    docs/figures-from-code.md).
     """
     run = STAGE_KINDS[kind].run
     threads = os.environ.get("POSTTRAIN_TORCH_THREADS")

@@ -1,29 +1,7 @@
 """Stage kind ``reward_model``: a Bradley-Terry reward model with TRL's ``RewardTrainer``,
 and the trained model used as a reward by later stages.
 
-Training: a sequence classifier with one output (``AutoModelForSequenceClassification``,
-``num_labels=1``) starts from a base or SFT checkpoint; its score head is new and
-initialised from the stage seed. Each pair is rendered with the chat template (prompt plus
-reply) and the model's score is read at the last token; the loss is -log sigmoid(r_chosen -
-r_rejected) (stages/preference_math.py ``bradley_terry_loss``, the same expression TRL
-computes). A seeded ``heldout_fraction`` of the pairs is never trained on: the stage logs
-its pairwise accuracy (share of pairs ranked the right way; ties count as wrong; pooled
-over all held-out pairs, not a mean of per-batch means) and mean reward margin before training, every ``eval_every`` steps, and at the end, as
-``heldout_pairwise_accuracy`` and ``heldout_reward_margin``. With ``lora`` the backbone
-trains LoRA adapters (TRL wraps the classifier with PEFT, task ``SEQ_CLS``) while the new
-score head trains in full (PEFT's ``modules_to_save``); the checkpoint is the merged
-classifier, and the ``adapter`` output holds the adapters and the score head (stages/models/lora.py).
-
-As a reward (``rewards: {rm: {fn: reward_model, stage: rm}}``): ``RewardModelScorer``
-scores (prompt, completion) pairs in batches, rendered exactly as in training and padded
-on the right. Optional ``offset`` (subtracted), ``normalize: running`` (running mean and
-std over every score this stage has seen, the current batch included) or ``normalize:
-group`` (each score minus the mean score of its prompt's completions in the batch:
-Bradley-Terry training fixes scores only up to an offset per prompt, and across prompts
-that offset is noise a policy-gradient step would chase).
-``reward_model_correlations`` gives, per batch, the Pearson correlation between a reward
-model's scores and every other reward (e.g. a weight-0 verifier): when it falls while the
-learned reward climbs, the policy is exploiting the reward model.
+Design notes, departures and why: docs/algorithms.md, section `stages/reward_model.py`.
 """
 
 from __future__ import annotations
@@ -37,13 +15,12 @@ from stages.context import ExecutionLimits, StageInputs, StageKind, no_world_iss
 from stages.training.resume import Resumable
 from stages.spec_model import applies_when
 from stages.data.sources import read_materialized
+from stages.models.loading import load_sequence_scorer
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.rewards.reward_model import (  # re-exported: stages.reward_model is where callers look
     RewardModelReward,
     RewardModelScorer,
-    bind_reward_models,
     centre_per_prompt,
-    load_sequence_scorer,
     reward_model_correlations,
 )
 from stages.training.callbacks import metric_renamer, pooling_pair_metrics, schedule_arguments

@@ -1,14 +1,6 @@
 """Stage kind ``rl``: learning from rewards, with a KL anchor to a reference policy.
 
-``algorithm: grpo`` runs TRL's ``GRPOTrainer`` (stages/grpo.py); ``algorithm: ppo`` runs
-posttrain's own compact PPO with a critic (stages/ppo.py), since TRL removed its PPO
-trainer. Both log the same metric names, so runs compare across algorithms: ``reward/mean``,
-``reward/<component>/mean``, ``reward/zero_variance_group_frac``, ``kl``, ``entropy``,
-``clip_frac``, ``ratio/mean``, ``completion/mean_tokens``, ``completion/truncated_frac``,
-plus sample-completion tables every ``sample_every`` steps and a PNG of the reward and KL
-curves at the end. Both take ``lora`` (stages/models/lora.py): the policy trains low-rank adapters,
-its KL reference is itself with the adapters disabled, and the stage publishes the merged
-``checkpoint`` and the ``adapter`` alone.
+Design notes, departures and why: docs/algorithms.md, section `stages/rl.py`.
 """
 
 from __future__ import annotations
@@ -26,11 +18,12 @@ class RewardCheckFailed(RuntimeError):
 def verify_rewards(inputs: StageInputs, ctx, environment=None) -> None:
     """Run the declared reward cases, and ``environment``'s known episodes; refuse to train on any
     violation (logged as tables)."""
-    from stages.rewards.reward_model import bind_reward_models
-    from stages.rewards.registry import JUDGE_FN, check_reward_cases
+    from stages.scorers import bind_scorers
+    from stages.rewards.known_cases import check_reward_cases
+    from stages.rewards.spec import JUDGE_FN
 
     checked = {n: inputs.rewards[n] for n in inputs.reward_checks}
-    judges = bind_reward_models({n: s for n, s in checked.items() if s.fn == JUDGE_FN}, inputs)
+    judges = bind_scorers({n: s for n, s in checked.items() if s.fn == JUDGE_FN}, inputs)
     results = [r for name, cases in inputs.reward_checks.items()
                for r in check_reward_cases(name, inputs.rewards[name], cases, judges.get(name))]
     ctx.log_table([{"reward": r.reward, "case": r.case.case, "completion": r.completion_repr, "score": r.score,

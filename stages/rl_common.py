@@ -17,7 +17,8 @@ from stages.training.resume import Resumable
 from stages.difficulty import DifficultyFilter
 from stages.rollout.environments import EnvironmentSpec
 from stages.rollout.server import GenerationSettings, generation_rules
-from stages.rollout.generation import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, BackendName, EngineSettings, SamplingSettings
+from stages.rollout.generation import BackendName, EngineSettings
+from stages.sampling import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.models.placement import Placement
 from stages.spec_model import SpecModel, applies_when

@@ -1,16 +1,7 @@
 """The RL maths posttrain owns: advantages, masks, KL estimators, GAE, PPO losses, KL control,
 and the correction of samples drawn by a sampler other than the trainer.
 
-Small pure torch functions, each checked against hand-computed numbers in
-tests/test_rl_math.py. Shapes live in names: ``G`` a group of completions of one prompt,
-``B`` a batch of sequences, ``T`` completion tokens. Masks are 1 on real completion tokens
-and 0 on padding; sequences are right-padded (a completion's tokens come first).
-
-Conventions worth knowing before comparing numbers with another library:
-- ``group_advantages(normalize=True)`` divides by the unbiased (n - 1) standard deviation,
-  as TRL's GRPO does; ``masked_whiten`` uses the population variance.
-- KL estimators follow Schulman's note "Approximating KL divergence" (2020) with ``p`` the
-  policy being trained (the samples come from it) and ``q`` the reference.
+Design notes, departures and why: docs/algorithms.md, section `stages/rl_math.py`.
 """
 
 from __future__ import annotations
@@ -234,3 +225,20 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+
+# ---------------------------------------------------------------- log-probs and entropy
+
+
+def token_logprobs(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits_B_T_V, dim=-1).gather(-1, ids_B_T.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits_B_T_V, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def last_actions(mask_B_T: torch.Tensor) -> torch.Tensor:
+    """Each row's last action (an episode's answer turn ends in one)."""
+    return mask_B_T.shape[1] - 1 - mask_B_T.flip(-1).argmax(-1)

@@ -1,17 +1,6 @@
 """Stage kind ``sft``: supervised fine-tuning with TRL's ``SFTTrainer``.
 
-Conversations are rendered with the tokenizer's chat template; with ``assistant_only_loss``
-only the assistant's tokens (its end-of-turn token included) carry loss. With ``packing``
-the packing is ours (``stages/data/packing.py``), not TRL's: conversations are packed best-fit
-decreasing into ``batch_size x max_length`` rows whose documents cannot attend to each
-other (per-document positions, a block-diagonal causal mask). TRL's own default packing
-flattens a whole batch into one padding-free row, so with SDPA every layer attends over
-the whole batch's length: 0.14x a plain training loop's tokens/s on CPU; ours runs at
-~0.85x (``bench/sft_throughput.py``). Loss and learning rate are logged per logging step
-to the stage's run, and the checkpoint is saved into a staging dir the orchestrator
-publishes only when training finished. With ``lora`` only low-rank adapters train
-(TRL wraps the model with PEFT); the checkpoint has them merged in and the ``adapter``
-output holds them alone (stages/models/lora.py).
+Design notes, departures and why: docs/algorithms.md, section `stages/sft.py`.
 """
 
 from __future__ import annotations

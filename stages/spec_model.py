@@ -1,20 +1,6 @@
 """The base of every pipeline config model: each value has a type and a finite range.
 
-A pipeline's numbers reach optimisers, samplers and seeds that do not check them: NaN or
-infinity in a weight decay trains a NaN checkpoint, a 30-digit seed crashes numpy after
-the stages before it ran. So every model in a pipeline spec derives from ``SpecModel``,
-and the rules below hold for every field, including fields added later:
-
-- no NaN or infinity anywhere (pydantic's ``allow_inf_nan=False``, and the same for numbers
-  inside free-form mappings such as a reward's ``kwargs``);
-- numbers within ``±MAX_FLOAT`` / ``±MAX_INT`` (no count, size, step or weight posttrain
-  runs comes near; a larger one is a typo or an overflow waiting to happen);
-- a field named ``seed`` or ``*_seed`` is in ``[0, 2**32)``, what numpy, torch and vLLM take;
-- no empty string inside a list (an empty stop string ends every completion at once, an
-  empty reward or module name names nothing).
-
-Names that become file names, MLflow metric keys and Prefect task names match ``NAME_PATTERN``
-(a pipeline) or ``KEY_NAME_PATTERN`` (a stage, dataset or reward).
+Design notes, departures and why: docs/algorithms.md, section `stages/spec_model.py`.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ import torch
 from stages.data.sources import ArithmeticData, materialize
 from stages.rollout.environments import Environment, EnvironmentSpec, build_environment, execute_tool_call, parse_tool_calls
 from stages.rollout.episodes import EpisodeRunner, episode_metrics, observation_ids, replay
-from stages.rollout.generation import HFGenerateBackend, Sample, SamplingSettings
-from stages.rewards.registry import RewardSpec
+from stages.rollout.generation import HFGenerateBackend, Sample
+from stages.sampling import SamplingSettings
+from stages.rewards.spec import RewardSpec
 from stages.context import StageInputs
 
 CALL = '<tool_call>calculator("47*86")</tool_call>'
@@ -288,7 +289,9 @@ def test_ppo_loss_kl_and_gae_ignore_observation_tokens(tiny_checkpoint):
     losses as they were, and counting observations as actions changes them."""
     from stages.rollout.episodes import Episode
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import ValueModel, build_episode_rollout, compute_targets, load_frozen_reference, minibatch_losses
+    from stages.models.critic import ValueModel
+    from stages.models.loading import load_frozen_reference
+    from stages.ppo import build_episode_rollout, compute_targets, minibatch_losses
     from stages.rl_common import rl_stage_config
 
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import pytest
 from stages.training.alerts import AlertSettings, SilentFailureWatch
 from stages.context import StageInputs
 from stages.data.sources import ArithmeticData, materialize
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.rl_common import rl_stage_config
 
 ALERT = "posttrain.alert"
@@ -148,7 +148,7 @@ CHAIN_PROMPT = [{"role": "user", "content": "Compute 2+3-1"}]
 def pays_every_step(completions, **_):
     """A learned process reward that pays length: every step looks right to it (P(right) 0.9), as a PRM that
     has learnt little more than "steps are usually right"."""
-    from stages.rewards.registry import RewardOutput
+    from stages.rewards.spec import RewardOutput
     from stages.rewards.steps import StepScore, split_steps
 
     steps = [[StepScore(a, b, 0.9) for a, b in split_steps(text)] for text in completions]
@@ -167,7 +167,7 @@ def step_metrics(completions: list[str], learned_fn, step_credit: str) -> dict[s
     """The metrics a PPO step logs for these completions: the learned process reward ``prm`` (its credited
     pay under ``step_credit``, process_weight 1) and the verifier's step check ``steps``."""
     from stages.ppo import credited_means
-    from stages.rewards.registry import ComponentScores, ScoredBatch
+    from stages.rewards.scoring import ComponentScores, ScoredBatch
     from stages.rewards.steps import chain_steps
 
     learned, check = learned_fn(completions, prompts=[CHAIN_PROMPT] * 4), chain_steps(completions, [CHAIN_PROMPT] * 4)

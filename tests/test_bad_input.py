@@ -588,7 +588,7 @@ def test_pass_k_within_attempts_chooses_the_reported_k():
     """The control for k_above_attempts: k <= attempts is accepted and decides which pass@k are logged."""
     from stages.eval import EvalConfig, summarise
     from stages.rollout.generation import Sample
-    from stages.rewards.registry import ComponentScores, ScoredBatch
+    from stages.rewards.scoring import ComponentScores, ScoredBatch
 
     config = EvalConfig(kind="eval", model="sft", data="heldout", sampling={"attempts": 4}, pass_k=[4, 1, 1])
     assert config.pass_k == [1, 4]

@@ -11,7 +11,7 @@ import pytest
 from conftest import QUICKSTART, run_cli, torch_threads, write
 from stages.data.sources import read_materialized
 from stages.difficulty import DifficultyFilterEmpty, filter_prompts
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 

@@ -146,7 +146,8 @@ def test_ppo_update_on_two_processes_equals_one_process_on_the_same_rollout(tiny
     import torch
     import torch.multiprocessing as mp
 
-    from stages.rollout.generation import HFGenerateBackend, SamplingSettings, prompt_token_ids
+    from stages.rollout.generation import HFGenerateBackend, prompt_token_ids
+    from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint)

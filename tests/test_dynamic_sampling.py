@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import run_cli, write
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 

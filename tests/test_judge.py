@@ -14,8 +14,9 @@ import judges
 from conftest import run_cli, write
 from stages.context import StageInputs
 from stages.rewards.judge import audit_judges, read_judgement
-from stages.rewards.reward_model import bind_reward_models
-from stages.rewards.registry import RewardSpec, score_completions
+from stages.scorers import bind_scorers
+from stages.rewards.scoring import score_completions
+from stages.rewards.spec import RewardSpec
 
 RUBRIC = "Question: {prompt}\nReference: {answer}\nIs the reply correct? Answer yes or no.\nReply: {completion}"
 
@@ -35,7 +36,7 @@ def _batch(tmp_path, judge_fn="judges:scripted", scale="yes_no"):
     completions = ["7", "8", "seven", "6 or 7", "7", "5"]
     prompts = [[{"role": "user", "content": "What is 3+4?"}]] * len(completions)
     columns = {"answer": ["7"] * len(completions), "prompts": prompts}
-    bound = bind_reward_models(rewards, StageInputs(judge_cache=tmp_path / "judge-cache"))
+    bound = bind_scorers(rewards, StageInputs(judge_cache=tmp_path / "judge-cache"))
     return rewards, bound, score_completions(rewards, completions, columns, bound), prompts, completions
 
 

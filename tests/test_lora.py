@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import torch_threads
 from stages.data.sources import ArithmeticData, ArithmeticPreferenceData, materialize
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.context import StageInputs
 
 LORA = {"r": 4, "alpha": 8}

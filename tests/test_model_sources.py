@@ -106,7 +106,8 @@ def test_chatml_template_gets_generation_markers_that_render_nothing(tiny_checkp
 
 
 def test_hf_backend_samples_carry_ids_logprobs_and_stop_strings(tiny_checkpoint):
-    from stages.rollout.generation import HFGenerateBackend, SamplingSettings, open_backend, resolve_backend
+    from stages.rollout.generation import HFGenerateBackend, open_backend, resolve_backend
+    from stages.sampling import SamplingSettings
 
     backend = open_backend("auto", tiny_checkpoint)
     # no GPU here, and vLLM's CPU kernels do not take this model's head size (16): HF generate
@@ -176,7 +177,7 @@ def test_use_vllm_is_refused_with_its_replacement(tmp_path, capsys):
 
 def test_eval_settings_hash_is_unchanged_by_an_unset_stop_list(tmp_path):
     from stages.eval import EvalConfig, settings_hash
-    from stages.rewards.registry import RewardSpec
+    from stages.rewards.spec import RewardSpec
 
     base = dict(kind="eval", model="base", data="d", rewards=["c"], sampling={"attempts": 4})
     rewards = {"c": RewardSpec(fn="exact_answer")}

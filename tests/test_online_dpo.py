@@ -13,7 +13,7 @@ import torch
 from conftest import torch_threads
 from stages.context import StageInputs
 from stages.online_dpo import OnlineDPOStageConfig
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 
 
 def digit_share(completions, **_):

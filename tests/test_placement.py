@@ -72,7 +72,7 @@ def test_a_device_the_machine_lacks_is_refused_before_anything_loads(tiny_checkp
 
 def test_a_placed_reference_and_reward_model_compute_what_they_compute_on_the_policy_device(tiny_checkpoint):
     from stages.models.placement import place, resident_devices
-    from stages.ppo import load_frozen_reference
+    from stages.models.loading import load_frozen_reference
     from stages.rewards.reward_model import RewardModelScorer
 
     device = torch.device("cpu")  # the policy's device on this machine

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.rl_common import rl_stage_config
 from stages.context import StageInputs
 
@@ -104,9 +104,11 @@ def test_ppo_fails_when_reward_errors_pass_the_limit(tiny_checkpoint, prompts_fi
 
 def test_rollouts_are_built_from_recorded_token_ids(tiny_checkpoint):
     """Training log-probs of the unchanged policy reproduce the sampler's, at temperature 0.7."""
-    from stages.rollout.generation import HFGenerateBackend, SamplingSettings
+    from stages.rollout.generation import HFGenerateBackend
+    from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import build_rollout, completion_logits, token_logprobs
+    from stages.ppo import build_rollout, completion_logits
+    from stages.rl_math import token_logprobs
     from stages.rollout.generation import prompt_token_ids
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
@@ -158,9 +160,11 @@ def with_generation_config(checkpoint: Path, target: Path, **fields) -> Path:
 def test_the_checkpoints_generation_config_does_not_leak_into_sampling(tiny_checkpoint, tmp_path):
     """min_p, repetition_penalty and top_k in a checkpoint's generation_config.json are not our settings
     (not hashed, ignored by vLLM): the sampler's log-probs must be the tempered distribution's."""
-    from stages.rollout.generation import HFGenerateBackend, SamplingSettings
+    from stages.rollout.generation import HFGenerateBackend
+    from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import build_rollout, completion_logits, token_logprobs
+    from stages.ppo import build_rollout, completion_logits
+    from stages.rl_math import token_logprobs
     from stages.rollout.generation import prompt_token_ids
 
     checkpoint = with_generation_config(tiny_checkpoint, tmp_path / "leaky", min_p=0.2, repetition_penalty=1.3,
@@ -215,9 +219,12 @@ def test_ppo_advantages_by_hand_with_and_without_whitening(tiny_checkpoint, whit
     """With the reference equal to the policy (KL 0) and the critic's zero head (values 0), each token's reward
     is the task score at the last action, so GAE(gamma 1, lambda 0.95) gives advantage 0.95^(last - t) * score;
     ``whiten_advantages: false`` keeps exactly that, ``true`` whitens it over the batch's actions."""
-    from stages.rollout.generation import HFGenerateBackend, SamplingSettings
+    from stages.rollout.generation import HFGenerateBackend
+    from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
-    from stages.ppo import ValueModel, build_rollout, compute_targets, load_frozen_reference
+    from stages.models.critic import ValueModel
+    from stages.models.loading import load_frozen_reference
+    from stages.ppo import build_rollout, compute_targets
     from stages.rollout.generation import prompt_token_ids
     from stages.rl_math import masked_whiten
 

@@ -20,7 +20,7 @@ from stages.preference_math import (
     pairwise_accuracy,
     pearson,
 )
-from stages.rewards.registry import exact_answer
+from stages.rewards.builtin_rewards import exact_answer
 
 # ---------------------------------------------------------------- maths
 

@@ -11,7 +11,9 @@ import torch
 
 from conftest import ROOT, run_cli
 from stages.data.sources import ArithmeticData, generate_arithmetic
-from stages.rewards.registry import ComponentScores, RewardCase, RewardSpec, ScoredBatch, check_reward_cases
+from stages.rewards.known_cases import RewardCase, check_reward_cases
+from stages.rewards.scoring import ComponentScores, ScoredBatch
+from stages.rewards.spec import RewardSpec
 from stages.rewards.steps import StepScore, chain_steps, chain_terms, process_metrics, split_steps
 from stages.rl_math import gae
 
@@ -250,7 +252,7 @@ def test_ppo_with_process_rewards_trains_and_refuses_rewards_without_steps(tiny_
 def flagged_steps(completions, **_):
     """A process reward for the tests: a step of two letters is wrong when they are the same ("bb"), right when
     they differ ("ab"): the label at a step's last letter depends on the letter before it."""
-    from stages.rewards.registry import RewardOutput
+    from stages.rewards.spec import RewardOutput
 
     steps = [[StepScore(a, b, 0.0 if len(set(text[a:b])) == 1 else 1.0) for a, b in split_steps(text)]
              for text in completions]

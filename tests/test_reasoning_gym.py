@@ -19,7 +19,8 @@ from conftest import run_cli, write
 from stages.data.sources import ReasoningGymData, data_key, load_records, materialize, read_materialized
 from stages.data.failures import failure_training_records
 from stages.data.reasoning_gym import DEFAULT_INSTRUCTIONS, demonstration, last_boxed
-from stages.rewards.registry import RewardError, RewardSpec, reward_columns, score_completions
+from stages.rewards.scoring import reward_columns, score_completions
+from stages.rewards.spec import RewardError, RewardSpec
 from stages.context import StageInputs
 
 ONE_DIGIT_SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}

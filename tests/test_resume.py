@@ -27,7 +27,7 @@ import torch
 from conftest import torch_threads
 from stages.context import StageInputs
 from stages.data.sources import ArithmeticData, ArithmeticPreferenceData, materialize
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 
 pytestmark = pytest.mark.slow
 

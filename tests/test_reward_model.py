@@ -11,7 +11,7 @@ import torch
 
 from conftest import torch_threads
 from stages.data.sources import ArithmeticData, ArithmeticPreferenceData, materialize, read_materialized
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from dataclasses import replace
 from stages.context import StageInputs
 
@@ -75,7 +75,8 @@ def test_reward_model_training_raises_heldout_accuracy(tiny_checkpoint, ctx_fact
 
 
 def test_the_reward_model_as_ppo_reward_and_critic(tiny_checkpoint, ctx_factory, home, tmp_path):
-    from stages.ppo import ValueModel, train_ppo
+    from stages.models.critic import ValueModel
+    from stages.ppo import train_ppo
     from stages.reward_model import RewardModelReward, RewardModelScorer, load_sequence_scorer
     from stages.rl_common import rl_stage_config
 

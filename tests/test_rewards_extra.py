@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from stages.rewards.registry import RewardSpec, score_completions
+from stages.rewards.scoring import score_completions
+from stages.rewards.spec import RewardSpec
 from stages.rewards.code_tests import code_tests, extract_code
 from stages.rewards.math_answer import math_answer
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from stages.rewards.registry import RewardError, RewardSpec, reward_columns, score_component
+from stages.rewards.scoring import reward_columns, score_component
+from stages.rewards.spec import RewardError, RewardSpec
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
 # A power tower: math-verify evaluates it as a big-integer power inside one C call, which holds the GIL
@@ -115,7 +116,8 @@ def test_max_seconds_is_refused_on_rewards_the_stage_runs_itself_and_never_hashe
 
 WORKER_THEN_DIE = """
 import os, signal, sys
-from stages.rewards.registry import RewardSpec, score_component
+from stages.rewards.scoring import score_component
+from stages.rewards.spec import RewardSpec
 from stages.rewards.worker import worker
 score_component("m", RewardSpec(fn="exact_answer"), ["3"], {"answer": ["3"]})
 print(worker().process.pid, flush=True)

@@ -218,7 +218,8 @@ def marker_code(marker: Path) -> str:
 
 
 def test_code_reward_refuses_without_bubblewrap(no_bwrap, tmp_path):
-    from stages.rewards.registry import RewardError, RewardSpec, score_completions
+    from stages.rewards.scoring import score_completions
+    from stages.rewards.spec import RewardError, RewardSpec
 
     marker = tmp_path / "model-code-ran"
     with pytest.raises(RewardError) as caught:
@@ -235,7 +236,7 @@ def test_eval_stage_fails_rather_than_scoring_zero_without_bubblewrap(no_bwrap, 
     from stages import eval as eval_stage
     from stages.data.sources import FileData, materialize
     from stages.eval import EvalConfig
-    from stages.rewards.registry import RewardError, RewardSpec
+    from stages.rewards.spec import RewardError, RewardSpec
 
     (home / "code.jsonl").parent.mkdir(parents=True, exist_ok=True)
     (home / "code.jsonl").write_text(json.dumps({"prompt": "Write add(a, b).", "answer": ADD_TESTS}) + "\n")
@@ -249,7 +250,8 @@ def test_eval_stage_fails_rather_than_scoring_zero_without_bubblewrap(no_bwrap, 
 
 
 def test_explicit_opt_out_runs_with_limits_a_throwaway_dir_and_a_scrubbed_environment(no_bwrap, tmp_path, monkeypatch):
-    from stages.rewards.registry import RewardSpec, score_completions
+    from stages.rewards.scoring import score_completions
+    from stages.rewards.spec import RewardSpec
     from stages.rewards.sandbox import run_sandboxed
 
     spec = RewardSpec(fn="code_tests", kwargs={"sandbox": "rlimits-only"})

@@ -22,7 +22,7 @@ import torch
 from conftest import SMOLLM2_GGUF, torch_threads
 from stages.data.sources import ReasoningGymData, materialize, read_materialized
 from stages.models.loading import GGUFModelSpec
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from test_lora import LORA, assert_base_plus_low_rank_delta, load_causal_lm
 from stages.context import StageInputs
 

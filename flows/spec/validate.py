@@ -57,17 +57,8 @@ from stages.models.pretrained import (
 )
 from stages.rollout.environments import EnvironmentLoadError, has_own_score, load_environment_class
 from stages.registry import STAGE_KINDS
-from stages.rewards.registry import (
-    BUILTIN_REWARDS,
-    ENVIRONMENT_FN,
-    JUDGE_FN,
-    REASONING_GYM_FN,
-    REWARD_MODEL_FN,
-    RewardError,
-    RewardSpec,
-    import_dotted,
-    load_reward_fn,
-)
+from stages.rewards.registry import BUILTIN_REWARDS, import_dotted, load_reward_fn
+from stages.rewards.spec import ENVIRONMENT_FN, JUDGE_FN, REASONING_GYM_FN, REWARD_MODEL_FN, RewardError, RewardSpec
 from stages.rewards.schemas import RECORD_READERS, kwargs_issues, record_problem
 from stages.rewards.sandbox import ISOLATION_MODES
 from stages.spec_model import (

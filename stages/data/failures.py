@@ -1,25 +1,6 @@
 """Failure sets as training data: what round r of an ``iterate:`` pipeline trains on.
 
-An eval stage writes the prompts none of whose attempts the verifier accepted to
-``failures.jsonl`` (one case per line: the prompt ``messages``, the expected ``answer``,
-every attempt and its rewards). This module turns such a file into training records and
-mixes them with the stage's original data:
-
-- For ``sft`` a failure becomes a demonstration whose assistant reply is the expected
-  answer itself, the verifier's truth, not any of the model's attempts. That is exactly
-  right where a demonstration is the bare answer (the arithmetic generator's are: ``"7"``
-  for "What is 3+4?"); for data whose replies carry reasoning or a format around the
-  answer, iterate an ``rl`` stage instead, which learns from the verifier. A reasoning_gym
-  entry's demonstration is its answer in the dataset's ``answer_format`` (``<answer>7</answer>``).
-- For ``rl`` a failure is its prompt and expected answer: the verifier is the teacher.
-- A reasoning_gym entry keeps its ``task``, from which the ``reasoning_gym`` reward regenerates it.
-
-``mix`` is the share of the round's training examples drawn from the failure set; the
-rest are drawn from the original data, and the total stays the size of the original
-dataset (so ``max_steps`` and ``epochs`` mean what they meant in round 1). When there
-are fewer failures than failure slots they are repeated, each as evenly as possible
-(floor or ceiling of slots / failures times); with no failures the round trains on the
-original data unchanged. All draws use one seeded ``random.Random``.
+Design notes, departures and why: docs/algorithms.md, section `stages/data/failures.py`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
 """Hugging Face datasets (``data: {hub: ID, ...}`` or ``{folder: DIR, ...}``): where they come from,
 what identifies them, and how their columns become posttrain's records.
 
-Where from, never hanging offline. A ``hub:`` dataset is the snapshot the local Hugging Face
-cache holds (``$HF_HOME/hub``, huggingface_hub's layout: ``datasets--ORG--NAME/snapshots/COMMIT``,
-the revision resolved through ``refs/``), read with ``datasets.load_dataset`` on that folder. Only
-when the cache lacks it, ``HF_HUB_OFFLINE`` is unset and the hub's host accepts a connection within
-3 s is the snapshot downloaded; otherwise the dataset is refused with what to do (a ``DataError``,
-which ``posttrain validate`` reports with exit 2 before anything runs). A ``folder:`` is a
-``save_to_disk`` folder (``datasets.load_from_disk``) or a repository's folder of data files.
-
-Identity. A hub dataset is ``hub:ID@COMMIT`` (the resolved commit, not a moving branch name); a
-folder is the SHA-256 of its files' paths and bytes. That identity is part of the dataset's cache
-key (so a new revision in the cache reruns the stages that read it) and of the run's MLflow
-dataset record.
-
-Records. Rows are streamed (``n`` set: the dataset is not read past its first n rows) and mapped
-by ``columns`` to posttrain's record fields; ``answer_from`` extracts a benchmark's reference
-answer (GSM8K's ``#### 72``, the last ``\\boxed{}``). Preference rows follow the hub's conventions:
-chosen / rejected as strings, or as message lists that repeat the prompt (UltraFeedback binarized:
-the shared turns become the prompt), or as HH-RLHF transcripts (``\\n\\nHuman: ... \\n\\nAssistant:
-...``, split into turns). Every mapping error names the dataset, the record and the column.
+Design notes, departures and why: docs/algorithms.md, section `stages/data/hub.py`.
 """
 
 from __future__ import annotations

@@ -1,39 +1,6 @@
 """Packed SFT rows that keep documents apart: tokenise, pack best-fit decreasing, collate.
 
-Why we own this. Profiled on the quickstart's 0.34M-param Llama (4000 arithmetic chats of
-~17 tokens, batch 32 x 128, CPU, SDPA, gradient checkpointing off): TRL's default packing
-(`packing_strategy="bfd"`) is padding-free, and its collator concatenates the whole batch
-into ONE row (here 1 x 4032 tokens) with `position_ids` / `cu_seq_lens`. Those serve
-flash-attention's varlen kernels; with SDPA or eager, transformers turns them into a
-4032 x 4032 mask, so each layer attends over (32*128)^2 pairs instead of 32*128^2 (32x
-the work) and rebuilds that mask on every forward. torch.profiler, one thread: 1.38 s per
-step, of which SDPA backward 47%, SDPA forward 25%, building the mask (where / and / eq /
-le over 4032^2) ~15%, every matmul of the model 6%. Rows of 128 tokens with the mask
-below: 0.24 s per step, attention 17% of it. bench/sft_throughput.py: TRL's packing ran at
-0.14x the tokens/s of a plain PyTorch loop over the same tokens; this path at ~0.85x
-(the rest is mostly TRL's fused LM head, which the stage keeps for its metrics).
-TRL's `"wrapped"` packing keeps rows short but lets attention cross document boundaries.
-
-What this module does instead:
-- Tokenise each conversation with the chat template. Labels are the token ids on the
-  assistant's tokens (the template's `{% generation %}` span, its end-of-turn token
-  included) and -100 elsewhere when `assistant_only_loss`; else every token but the first.
-- Pack documents into rows of at most `max_length` tokens with TRL's own best-fit
-  decreasing (`trl.pack_dataset(strategy="bfd")`): a document is never split, and one
-  longer than `max_length` is truncated (as TRL does); a document left with no trained
-  token is dropped.
-- Collate `batch_size` rows into fixed `batch_size x max_length` tensors:
-  `position_ids` restart at 0 for every document (rotary positions as if it were alone);
-  the label of each document's first token is -100 (it must not be predicted from the
-  previous document's last token), as are padding labels; for SDPA, a block-diagonal
-  causal mask `[B, 1, T, T]` (True = may attend) built once per batch here, which
-  transformers passes to every layer as-is. Other attention implementations get
-  `position_ids` alone, from which transformers derives the same blocks (flash-attention
-  uses them as varlen boundaries) when the forward runs without a cache, as trainers call
-  it (`use_cache=False`). Padding at a row's end is a block of its own.
-
-So the loss over a packed batch equals the token-weighted loss of its documents run one
-by one (tests/test_sft_packing.py checks this, and that no document sees another).
+Design notes, departures and why: docs/algorithms.md and docs/figures-from-code.md, section `stages/data/packing.py`.
 """
 
 from __future__ import annotations

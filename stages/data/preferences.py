@@ -1,22 +1,6 @@
 """Preference data: prompt / chosen / rejected pairs for reward-model training and DPO.
 
-Every pair is materialised in one canonical, conversational form::
-
-    {"prompt": [{"role": "user", "content": ...}, ...],
-     "chosen": [{"role": "assistant", "content": ...}],
-     "rejected": [{"role": "assistant", "content": ...}],
-     "answer": str | None}
-
-which is what TRL's ``RewardTrainer`` and ``DPOTrainer`` take as a conversational
-preference dataset. A file may hold plain strings instead (``"prompt": "What is 3+4?",
-"chosen": "7"``); they become a user turn and an assistant turn, so a chat model is
-trained on text rendered the way it is later sampled and scored. A record with a field
-missing, an empty chosen or rejected reply, or chosen equal to rejected is refused with
-its file and line.
-
-``generate_arithmetic_preferences`` builds pairs for the quickstart's arithmetic world:
-candidate replies are drawn (the right sum, near misses off by 1 or 2, far misses, and
-malformed replies) and the exact-answer verifier decides which is preferred.
+Design notes, departures and why: docs/algorithms.md, section `stages/data/preferences.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +8,7 @@ from __future__ import annotations
 import random
 
 from stages.data.specs import ArithmeticPreferenceData, DataError
-from stages.rewards.registry import exact_answer
+from stages.rewards.builtin_rewards import exact_answer
 
 FIELDS = ("prompt", "chosen", "rejected")
 

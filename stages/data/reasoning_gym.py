@@ -1,36 +1,6 @@
 """reasoning-gym tasks: their records, their answer formats, and the ``reasoning_gym`` reward.
 
-reasoning-gym (the optional extra ``posttrain[reasoning]``) generates over a hundred
-procedural tasks, each with its own answer check, ``score_answer``. The task owns both
-halves here: a ``reasoning_gym:`` dataset writes entry i of
-``create_dataset(name, seed=seed, size=n, **config)`` as a record, and the reward
-regenerates that entry from the record's ``task`` column and scores with the task's own
-``score_answer`` -- never a re-implementation of it, so partial credit (e.g. the default
-``len(answer) / len(reply)`` when the reply merely contains the answer) is reasoning-gym's.
-
-The ``reasoning_gym`` reward:
-- extracts the answer per the record's ``answer_format``: ``answer_tags`` with
-  reasoning-gym's own ``extract_answer`` (the last ``<answer>...</answer>``), ``boxed`` the
-  last ``\\boxed{...}`` (braces balanced), ``whole`` the stripped reply; empty tags or an
-  empty box are a format error (unparsed), not an answer;
-- ``kwargs: {binary: true}`` pays 1.0 at full credit and 0.0 otherwise. Without it the
-  score is reasoning-gym's, partial credit included: for chain_sum "4 - 1 =" the replies
-  13, 33, 30 and -3 each earn 0.5 (they contain the 3), a shortcut RL would learn, so
-  training stages should use ``binary``;
-- a reply with nothing to extract is *unparsed* (``parsed=False``) and gets what
-  ``score_answer(None, entry)`` gives (0.0 for most tasks, 0.01 for a few); so is an
-  extracted answer on which the task's own ``score_answer`` raises (a few tasks' parsers do,
-  e.g. prime_factorization on ``"2 x 3"``): the task could not read it, which is not a
-  broken reward;
-- refuses (RewardError) data without a ``task`` column, and a record whose answer differs
-  from the regenerated entry's: the installed reasoning-gym then generates other data than
-  the materialised dataset was built with (the version is part of the dataset's cache key,
-  so a rebuilt pipeline regenerates its data);
-- caches datasets and entries per (task, config, seed, size), so k attempts per prompt
-  regenerate an entry once.
-
-A few tasks (e.g. rubiks_cube, rush_hour) have no single reference answer (``answer`` is
-None) and check a reply by simulating it; their records carry no demonstration.
+Design notes, departures and why: docs/algorithms.md, section `stages/data/reasoning_gym.py`.
 """
 
 from __future__ import annotations
@@ -44,7 +14,7 @@ import re
 from typing import Any
 
 from stages.data.specs import DataError, ReasoningGymData
-from stages.rewards.registry import RewardError, RewardOutput
+from stages.rewards.spec import RewardError, RewardOutput
 
 INSTALL_HINT = ("reasoning-gym is not installed; it is an optional extra: pip install reasoning-gym "
                 "(or pip install 'posttrain[reasoning]')")

@@ -299,3 +299,28 @@ def load_model_and_tokenizer(path: Path, *, for_generation: bool = False, trust_
         tokenizer.padding_side = "left"
         model.eval()
     return model, tokenizer
+
+
+def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
+    """(model, tokenizer): a one-output sequence classifier from any causal-LM or reward checkpoint.
+
+    From a causal LM the score head is new (random); ``pad_token_id`` is set in the config
+    because the classifier reads its score at the last token that is not padding.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
+                                                               trust_remote_code=trust_remote_code)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def load_frozen_reference(path: Path, trust_remote_code: bool = False) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
+    model.requires_grad_(False)
+    return model

@@ -1,21 +1,6 @@
 """Optional LoRA adapters (PEFT) for every training stage.
 
-A stage with ``lora:`` trains low-rank adapters instead of all weights: each targeted
-linear layer's weight W stays frozen and the layer computes W x + (alpha / r) B A x, with
-B initialised to zero (so training starts exactly at the base model). What a stage
-publishes (``save_trained``):
-- ``checkpoint``: the adapters merged into the base weights (W + (alpha / r) B A), so every
-  downstream stage (evaluation, the next round of training) reads an ordinary Hugging Face
-  checkpoint, as without ``lora``;
-- ``adapter``: the adapters alone, as PEFT saves them (``adapter_config.json`` and
-  ``adapter_model.safetensors``), loadable with ``PeftModel.from_pretrained`` onto the
-  stage's starting checkpoint.
-
-The KL reference of a stage trained with LoRA is the policy with its adapters disabled
-(its own starting weights): TRL's DPO, KTO and GRPO trainers do that when given a PEFT
-model and no reference model, and so does posttrain's PPO (stages/ppo.py). No second copy
-of the model is loaded. A reward model's score head is new, so it is trained in full and
-saved with the adapters (PEFT's ``modules_to_save`` for a ``SEQ_CLS`` task).
+Design notes, departures and why: docs/algorithms.md, section `stages/models/lora.py`.
 """
 
 from __future__ import annotations

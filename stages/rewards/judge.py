@@ -1,27 +1,6 @@
 """LLM-as-judge (``fn: judge``) and the audit of a judge against a verifier or a reward model.
 
-A judge is a generative model (``stage: base`` or a stage's checkpoint; the base may be a
-converted GGUF or a hub snapshot) or a function with the same contract (``judge_fn:
-pkg.mod:fn``, ``fn(conversations) -> replies``). Each (prompt, completion) is written into the
-YAML's ``rubric`` (``{prompt}``, ``{completion}``, ``{answer}``), sent as one user turn, and
-answered once at the reward's fixed ``sampling`` (greedy by default) through the generation
-backend (stages/rollout/generation.py: vLLM where it can serve the judge, else HF generate; the model
-is loaded only when a reply is not cached). The reply is read onto the declared ``scale``:
-``yes_no`` (1 / 0) or ``LOW-HIGH`` (the first number n, scored (n - LOW) / (HIGH - LOW), so
-every judge scores in [0, 1]). A reply that cannot be read is an error of the judge: it is
-reported in the reward's ``errors`` (``reward/<name>/errors``, the RL stages' ``reward_errors``
-policy), never passed off as a score.
-
-Replies are cached on disk, one JSONL per (judge identity, sampling settings, backend), keyed by
-the rendered rubric (which holds the rubric, the prompt and the completion): a rerun does not
-pay twice. A model judge's identity is its checkpoint path and its files' sizes and times; a
-function judge's is its dotted name.
-
-The audit (``audit_judges``) compares each judge with each verifier (exact_answer, math_answer,
-code_tests, reasoning_gym: passed at score >= 0.5) and reward model (passed at score > 0) that
-scored the same completions: agreement rate and confusion counts, over the completions the
-judge could score (a judge pass is a score >= 0.5), and the disagreeing examples for a person
-to read.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/judge.py`.
 """
 
 from __future__ import annotations
@@ -34,16 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from stages.context import StageInputs
-from stages.rewards.registry import (
-    ComponentScores,
-    JUDGE_FN,
-    JUDGE_SCALE,
-    REWARD_MODEL_FN,
-    RewardOutput,
-    RewardSpec,
-    ScoredBatch,
-    import_dotted,
-)
+from stages.rewards.registry import import_dotted
+from stages.rewards.scoring import ComponentScores, ScoredBatch
+from stages.rewards.spec import JUDGE_FN, JUDGE_SCALE, REWARD_MODEL_FN, RewardOutput, RewardSpec
 
 JUDGE_PASS = 0.5  # a judge's (scaled) score at or above this is a pass
 VERIFIER_FNS = {"exact_answer": 0.5, "math_answer": 0.5, "code_tests": 0.5, "reasoning_gym": 0.5,
@@ -129,27 +101,6 @@ class JudgeReward:
         return RewardOutput([v.score if v.score is not None else 0.0 for v in self.last], [True] * n, errors)
 
 
-class ModelJudge:
-    """``conversations -> replies`` by a checkpoint through the generation backend, loaded on first use."""
-
-    def __init__(self, spec: RewardSpec, checkpoint: Path, trust_remote_code: bool = False):
-        self.spec, self.checkpoint, self.trust_remote_code = spec, checkpoint, trust_remote_code
-        self.backend = None
-
-    def __call__(self, conversations: list[list[dict]]) -> list[str]:
-        from stages.rollout.episodes import complete
-        from stages.rollout.generation import EngineSettings, checkpoint_dtype, open_backend
-
-        if self.backend is None:
-            # in the checkpoint's own dtype on any machine: a judge's greedy verdict is a score, and bfloat16's
-            # rounding changes greedy replies (docs/benchmarks.md, "The engine on a CPU")
-            self.backend = open_backend(self.spec.backend, self.checkpoint, keep_logprobs=False,
-                                        trust_remote_code=self.trust_remote_code,
-                                        prompt_batch_size=self.spec.batch_size,
-                                        engine=EngineSettings(dtype=checkpoint_dtype(self.checkpoint)))
-        return [group[0].text for group in complete(self.backend, conversations, self.spec.sampling)]
-
-
 def model_identity(checkpoint: Path) -> str:
     """A checkpoint's path and its files' sizes and modification times: new weights, a new identity."""
     files = sorted(p for p in Path(checkpoint).iterdir() if p.is_file())
@@ -157,11 +108,12 @@ def model_identity(checkpoint: Path) -> str:
                                                           for p in files]])
 
 
-def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs) -> dict[str, JudgeReward]:
+def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs,
+                open_model_judge: Callable | None = None) -> dict[str, JudgeReward]:
     """The reward function of every ``fn: judge`` reward; ``inputs`` carries each model judge's checkpoint
-    (``scorer_checkpoints``) and the reply cache's directory (``judge_cache``, None: no cache)."""
-    from stages.rollout.generation import resolve_backend
-
+    (``scorer_checkpoints``) and the reply cache's directory (``judge_cache``, None: no cache);
+    ``open_model_judge(spec, checkpoint, trust_remote_code) -> (ask, backend)`` opens a model judge
+    (stages/rollout/model_judge.py, handed in by stages/scorers.py)."""
     cache_dir = inputs.judge_cache
     bound = {}
     for name, spec in rewards.items():
@@ -172,8 +124,11 @@ def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs) -> dict[str
         else:
             checkpoint = inputs.scorer_checkpoint(name, f"is judged by {spec.stage or 'its model'!r}")
             trusted = getattr(spec.model, "trust_remote_code", False) if spec.model else inputs.trust_remote_code
-            ask = ModelJudge(spec, checkpoint, bool(trusted))
-            identity = f"{model_identity(checkpoint)} backend {resolve_backend(spec.backend, checkpoint)[0]}"
+            if open_model_judge is None:
+                raise ValueError(f"reward {name!r} is judged by a model, and nothing was given to open one: bind "
+                                 "judges with stages/scorers.py bind_scorers")
+            ask, backend = open_model_judge(spec, checkpoint, bool(trusted))
+            identity = f"{model_identity(checkpoint)} backend {backend}"
         key = hashlib.sha256(json.dumps([identity, spec.sampling.model_dump(mode="json")]).encode()).hexdigest()[:20]
         bound[name] = JudgeReward(spec, ask, ReplyCache(cache_dir, key))
     return bound

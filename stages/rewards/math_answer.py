@@ -1,24 +1,6 @@
 """``math_answer``: is the completion's final answer mathematically equal to the reference?
 
-Both sides go through Hugging Face's ``math-verify``: ``parse`` extracts the answer
-(``\\boxed{...}``, ``$...$``, or the last plain expression/number) and turns it into a
-SymPy object; ``verify`` compares them numerically and symbolically, so
-``\\boxed{\\frac{1}{2}}`` matches the reference ``0.5``. A completion from which no answer
-can be parsed ("no idea") is *unparsed*, not wrong.
-
-Both sides are parsed alike (``parse_answer``): a bare expression -- one line, no ``$``,
-no ``\\boxed``, no word of two or more letters outside LaTeX commands -- is parsed as LaTeX
-math, i.e. as ``$text$``, so ``(1, 2)`` is an interval rather than "the last number, 2",
-``x^2+1``, ``\\sqrt{2}`` and ``\\pi`` parse, and ``2x`` is 2x, not 2. Anything else (prose
-such as "I think it is 3") goes to math-verify's extraction as it is. A reference that the
-shared rule cannot read is still tried as ``$reference$``.
-
-Timeouts: math-verify bounds each parse/compare with ``signal.alarm``, which only works in
-the main thread, and cannot stop a long C call (``9^{9^{9^{9}}}`` is a big-integer power
-that holds the GIL for minutes). A stage never calls this in its own process: like every
-named reward it runs in the reward worker (stages/rewards/worker.py), in that process's
-main thread (so these timeouts work), and the worker is killed once a call passes the
-reward's ``max_seconds``, which makes the completion a reward error.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/math_answer.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +10,7 @@ import threading
 
 from math_verify import parse, verify
 
-from stages.rewards.registry import RewardOutput
+from stages.rewards.spec import RewardOutput
 
 
 def math_answer(completions: list[str], answer: list[str | None], timeout_s: int = 5, **_) -> RewardOutput:

@@ -10,24 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from stages.context import StageInputs
-from stages.rewards.registry import REWARD_MODEL_FN, RewardSpec, ScoredBatch
-
-
-def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
-    """(model, tokenizer): a one-output sequence classifier from any causal-LM or reward checkpoint.
-
-    From a causal LM the score head is new (random); ``pad_token_id`` is set in the config
-    because the classifier reads its score at the last token that is not padding.
-    """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
-                                                               trust_remote_code=trust_remote_code)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+from stages.models.loading import load_sequence_scorer
+from stages.rewards.scoring import ScoredBatch
+from stages.rewards.spec import REWARD_MODEL_FN, RewardSpec
 
 
 def right_padded(sequences: list[list[int]], pad_id: int):
@@ -200,7 +185,7 @@ class StepRewardModel:
         return grouped
 
     def __call__(self, completions: list[str], prompts: list[list[dict]] | None = None, **_):
-        from stages.rewards.registry import RewardOutput
+        from stages.rewards.spec import RewardOutput
         from stages.rewards.steps import StepScore, split_steps
 
         if prompts is None:
@@ -212,7 +197,8 @@ class StepRewardModel:
                             steps=steps)
 
 
-def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy") -> dict:
+def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy",
+                       open_model_judge=None) -> dict:
     """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once (placed
     where ``where`` says: stages/models/placement.py), and of every ``fn: judge`` reward (stages/rewards/judge.py: its
     judge is loaded only when a reply is not cached)."""
@@ -230,7 +216,7 @@ def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, wher
         if path not in loaded:
             loaded[path] = RewardModelScorer(path, spec.batch_size, inputs.trust_remote_code, where)
         bound[name] = RewardModelReward(loaded[path], spec)
-    return {**bound, **bind_judges(rewards, inputs)}
+    return {**bound, **bind_judges(rewards, inputs, open_model_judge)}
 
 
 def reward_model_correlations(scored: ScoredBatch, rewards: dict[str, RewardSpec]) -> dict[str, float]:

@@ -1,59 +1,6 @@
 """Run untrusted, model-written Python in a bubblewrap (``bwrap``) sandbox.
 
-``run_sandboxed(code, ...)`` writes ``code`` to a throwaway directory, runs it with the
-base interpreter (stdlib only: ``-S``, no site-packages) inside ``bwrap``, and returns a
-``SandboxResult``. There is no silent fallback: without ``bwrap`` it raises
-``SandboxUnavailable``, unless the caller explicitly asks for ``isolation="rlimits-only"``
-(the last section below).
-
-What is isolated
-- Network: a fresh network namespace with only loopback, so neither the host's services
-  on 127.0.0.1 nor any outside address can be reached ("Network is unreachable").
-- Filesystem: a read-only empty root with read-only binds of /usr (plus the /bin, /lib,
-  /lib64, /sbin links) and the interpreter's prefix; a fresh /proc for the sandbox's own
-  pid namespace, a minimal read-only /dev, size-capped tmpfs /tmp and /dev/shm, and the
-  throwaway working dir at /sandbox (read-write, deleted afterwards). No /etc, no home
-  directory, no repository, no virtualenv: nothing else of the host is visible or writable.
-- Environment: cleared (``--clearenv``); only PATH, LANG, HOME=/sandbox,
-  PYTHONDONTWRITEBYTECODE and PYTHONHASHSEED are set, so no secret of the parent leaks in.
-- Processes: new pid, IPC and UTS namespaces and a new session (no TIOCSTI into the
-  parent's terminal). When the program ends or is killed, its pid namespace dies with
-  every process it started, and ``run_sandboxed`` returns only after they are gone.
-- Privileges: when the parent is root, bwrap builds the sandbox without a user namespace
-  and ``setpriv`` then drops to a fresh unprivileged uid with no capabilities, so that
-  RLIMIT_NPROC (which root ignores) applies; when the parent is not root, bwrap uses an
-  unprivileged user namespace with uid 65534 inside.
-- Limits (``prlimit``): address space (``memory_mb``), CPU seconds, processes/threads
-  (``max_processes``), file size (``max_file_mb``, also caps stdout/stderr, which go to
-  files), open files, no core dumps; plus a wall-clock timeout that kills the whole pid
-  namespace. At most ``max_output_bytes`` of each stream are read back (head and tail).
-
-What is not isolated (known gaps)
-- CPU and memory bandwidth are shared with the host; a run can slow its neighbours
-  until its CPU/wall limit hits. No cgroup is used, so memory is capped per process
-  (RLIMIT_AS), not per sandbox: up to ``max_processes`` processes may each use
-  ``memory_mb``.
-- The kernel is shared and there is no seccomp filter: the full syscall surface is
-  reachable (kernel exploits are out of scope), and the code can create nested
-  namespaces. /proc still shows host-wide facts such as /proc/meminfo and /proc/cpuinfo.
-- Only the standard library is importable (no numpy); /usr is readable, so programs and
-  files installed there (other Pythons, /usr/share) are visible, read-only.
-- Disk use is capped per file (``max_file_mb``), not in total: within its time limit a
-  program can write many files into its working dir (deleted afterwards).
-- When the parent is not root, RLIMIT_NPROC is counted across all of that user's
-  processes on the host, so the limit is set to "tasks the user already has +
-  max_processes"; concurrent sandboxes as root each get their own uid.
-- Timing side channels and the clock are the host's.
-
-The explicit opt-out: ``isolation="rlimits-only"``
-For hosts where bubblewrap cannot run, and only when the pipeline says so (a reward's
-``kwargs: {sandbox: rlimits-only}``). The code still runs with the base interpreter and
-``-S -E``, under the same ``prlimit`` limits and wall-clock timeout, in a fresh throwaway
-working dir (its cwd and HOME, deleted afterwards), with a scrubbed environment (the same
-five variables), in its own session; as root it runs as a fresh unprivileged uid and every
-process of that uid is killed at the end. What it does *not* get: no namespaces, so the
-network is reachable, the host's world-readable files can be read, world-writable places
-(/tmp) can be written, and (as a normal user) a process that leaves the session survives.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/sandbox.py`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """What each reward function accepts and reads, so a pipeline is checked before anything runs.
 
-- ``kwargs``: every built-in declares its keyword arguments as a ``SpecModel``
-  (``KWARGS_SCHEMAS``); a user function may declare one as ``fn.kwargs_schema``, else its
-  signature is the schema (its keyword parameters; anything when it takes ``**kwargs``).
-  An unknown key gets a did-you-mean, a bad value the allowed ones.
-- records: what a built-in reads from each record (``record_problem``): ``exact_answer``
-  an integer ``answer``, ``math_answer`` a non-empty one, ``code_tests`` tests that compile
-  (the ``answer`` column unless a ``tests`` kwarg is given). A dataset that lacks them would
-  score every attempt 0, or raise at scoring time, after the training budget is spent.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/schemas.py`.
 """
 
 from __future__ import annotations

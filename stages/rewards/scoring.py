@@ -1,29 +1,198 @@
 """The one scorer: how every stage turns sampled completions into rewards.
 
-Eval, GRPO (each TRL reward function), PPO, online DPO and the difficulty filter all score
-through here, so three things are written once:
-
-- the columns a reward function reads beside the completions: ``reward_columns`` of
-  stages/rewards/registry.py, where the reward contract is (every caller builds them through it).
-- ``RewardErrorPolicy``: a stage's ``reward_errors`` / ``max_reward_errors``. Every
-  exception a reward raised (stages/rewards/registry.py isolates it to the completion that caused
-  it, and a call past its time bound is one too) is counted across the whole stage; under
-  ``fail`` the stage stops once the count passes the limit, naming the reward, its error
-  and the completion; under ``score`` the completion scores 0 and the count is logged. An error
-  carried on (under ``score``, or within the limit) is written to the stage's log with its
-  completion (the first 20): a judge's unreadable reply is such an error, the reply quoted.
-- ``Scorer``: scores a batch with the stage's rewards and bound scorers (reward models,
-  judges, an environment's own score), applies the policy, and hands judged batches to
-  the judge auditor (stages/rewards/judge.py) so judges are audited against verifiers wherever
-  they score.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/scoring.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from stages.rewards.registry import ComponentScores, RewardSpec, ScoredBatch, score_component, score_completions
+from stages.rewards.registry import load_reward_fn
+from stages.rewards.spec import BOUND_ONLY_FNS, SELF_BOUNDED_FNS, RewardError, RewardOutput, RewardSpec
+
+
+@dataclass
+class ComponentScores:
+    name: str
+    weight: float
+    scores: list[float]
+    parsed: list[bool]
+    errors: list[tuple[int, str]] = field(default_factory=list)
+    steps: list[list] | None = None  # a process reward's StepScores per completion ([] where it raised)
+
+
+@dataclass
+class ScoredBatch:
+    components: list[ComponentScores]
+    total: list[float]
+
+    @property
+    def error_count(self) -> int:
+        return sum(len(c.errors) for c in self.components)
+
+
+def _normalise_output(name: str, result: Any, expected: int) -> RewardOutput:
+    if isinstance(result, RewardOutput):
+        output = result
+    elif isinstance(result, tuple) and len(result) == 2:
+        output = RewardOutput(list(result[0]), [bool(p) for p in result[1]])
+    else:
+        scores = list(result)
+        output = RewardOutput(scores, [True] * len(scores))
+    if len(output.scores) != expected or len(output.parsed) != expected:
+        raise RewardError(f"reward {name!r} returned {len(output.scores)} scores for {expected} completions")
+    scores = []
+    for value in output.scores:
+        value = float(value)
+        if math.isnan(value):
+            raise RewardError(f"reward {name!r} returned NaN")
+        scores.append(value)
+    bad = [index for index, _ in output.errors if not 0 <= index < expected]
+    if bad:
+        raise RewardError(f"reward {name!r} reported errors at indices {bad} of {expected} completions")
+    return RewardOutput(scores, output.parsed, list(output.errors), _checked_steps(name, output.steps, expected))
+
+
+def _checked_steps(name: str, steps, expected: int) -> list[list] | None:
+    """A process reward's steps: one list per completion of StepScores (stages/rewards/steps.py: spans within
+    the completion, in order, not overlapping; finite scores), else a RewardError saying what is wrong."""
+    if steps is None:
+        return None
+    steps = list(steps)
+    if len(steps) != expected:
+        raise RewardError(f"reward {name!r} returned steps for {len(steps)} completions, not {expected}")
+    for index, scored in enumerate(steps):
+        end = 0
+        for step in scored:
+            if not _is_step(step) or not (end <= step.start <= step.end) or not math.isfinite(step.score):
+                raise RewardError(f"reward {name!r}: completion {index}'s steps must be StepScore(start, end, score) "
+                                  f"in order, not overlapping, with finite scores; got {step!r}")
+            end = step.end
+    return [list(scored) for scored in steps]
+
+
+def score_component(name: str, spec: RewardSpec, completions: list[str], columns: dict[str, list],
+                    fn: Callable[..., Any] | None = None) -> ComponentScores:
+    """Score a batch; if the function raises (or passes its time bound), isolate the failing samples one by one.
+
+    ``fn`` is a bound scorer (a loaded reward model, a judge, an environment's score), called in this
+    process, as is ``code_tests`` (each completion in its own sandboxed process, under its own time limit).
+    Every other reward runs in the stage's reward worker (stages/rewards/worker.py) under the wall-clock
+    bound ``spec.max_seconds`` per call, in chunks of ``CHUNK`` completions."""
+    if fn is None and spec.fn not in BOUND_ONLY_FNS + SELF_BOUNDED_FNS:
+        from stages.rewards.worker import CHUNK
+
+        call, chunk = _bounded_call(spec), CHUNK
+    else:
+        fn = fn or load_reward_fn(spec.fn)
+
+        def call(texts, cols):
+            return fn(texts, **cols, **spec.kwargs)
+
+        chunk = max(len(completions), 1)
+    scores, parsed, errors, steps = [], [], [], []
+    for start in range(0, len(completions), chunk):
+        part = slice(start, start + chunk)
+        output = _score_chunk(name, call, completions[part], {key: values[part] for key, values in columns.items()})
+        scores += output.scores
+        parsed += output.parsed
+        errors += [(start + index, message) for index, message in output.errors]
+        steps += output.steps if output.steps is not None else [None] * len(output.scores)
+    return ComponentScores(name, spec.weight, scores, parsed, errors, _process_steps(steps))
+
+
+def _bounded_call(spec: RewardSpec) -> Callable[[list[str], dict[str, list]], Any]:
+    """``spec.fn`` on a chunk in the reward worker, bounded by ``spec.max_seconds``: a broken reward
+    (a ``RewardError`` in the worker) raises ``RewardError`` here; any other exception, and a call
+    past its bound, raises an exception whose message names what happened."""
+    from stages.rewards.worker import RewardRaised, RewardTimeout, worker
+
+    def call(texts, cols):
+        try:
+            return worker().call(spec.fn, texts, cols, spec.kwargs, spec.max_seconds)
+        except RewardRaised as error:
+            if error.contract:
+                raise RewardError(str(error)) from None
+            raise RewardFailed(f"{error.kind}: {error}") from None
+        except RewardTimeout:
+            raise RewardFailed(f"took longer than {spec.max_seconds:g} s (the reward's max_seconds) and was "
+                               "stopped") from None
+
+    return call
+
+
+class RewardFailed(Exception):
+    """A reward's exception or time-out in the worker, described as the stage reports it."""
+
+
+def _describe(error: Exception) -> str:
+    return str(error) if isinstance(error, RewardFailed) else f"{type(error).__name__}: {error}"
+
+
+def _score_chunk(name: str, call, completions: list[str], columns: dict[str, list]) -> RewardOutput:
+    try:
+        return _normalise_output(name, call(completions, columns), len(completions))
+    except RewardError:
+        raise
+    except Exception as error:
+        if len(completions) == 1:  # nothing to isolate: this completion is the culprit
+            return RewardOutput([0.0], [False], [(0, _describe(error))])
+    scores, parsed, errors, steps = [], [], [], []
+    for i, text in enumerate(completions):
+        single = {key: [values[i]] for key, values in columns.items()}
+        try:
+            output = _normalise_output(name, call([text], single), 1)
+            scores.append(output.scores[0])
+            parsed.append(output.parsed[0])
+            errors += [(i, message) for _, message in output.errors]
+            steps.append(output.steps[0] if output.steps is not None else None)
+        except RewardError:
+            raise
+        except Exception as error:  # counted and reported, scored 0 and marked unparsed
+            errors.append((i, _describe(error)))
+            scores.append(0.0)
+            parsed.append(False)
+            steps.append(None)
+    return RewardOutput(scores, parsed, errors, _process_steps(steps))
+
+
+def _is_step(step) -> bool:
+    """A StepScore (stages/rewards/steps.py), told by its fields."""
+    return all(isinstance(getattr(step, name, None), int) for name in ("start", "end")) and \
+        isinstance(getattr(step, "score", None), (int, float))
+
+
+def _process_steps(steps: list) -> list[list] | None:
+    """Per completion its steps ([] where the reward raised on it), or None: no completion has steps."""
+    return [s or [] for s in steps] if any(s is not None for s in steps) else None
+
+
+def reward_columns(records: list[dict], prompts: list, attempts: int) -> dict[str, list]:
+    """The columns a reward reads beside ``attempts`` completions of each record, prompt-major: the
+    reference ``answer``, the ``prompts`` (chat messages) and, when any record answers a generated task
+    (reasoning_gym data), ``task``; data without one hands rewards exactly ``answer`` and ``prompts``.
+    Every stage, and ``check-reward``, builds its columns here."""
+    columns: dict[str, list] = {
+        "answer": [r.get("answer") for r in records for _ in range(attempts)],
+        "prompts": [p for p in prompts for _ in range(attempts)],
+    }
+    tasks = [r.get("task") for r in records for _ in range(attempts)]
+    if any(t is not None for t in tasks):
+        columns["task"] = tasks
+    return columns
+
+
+def score_completions(
+    specs: dict[str, RewardSpec], completions: list[str], columns: dict[str, list],
+    fns: dict[str, Callable[..., Any]] | None = None,
+) -> ScoredBatch:
+    """Every component on one batch; ``fns``: bound scorers by reward name (reward models)."""
+    fns = fns or {}
+    components = [score_component(name, spec, completions, columns, fns.get(name)) for name, spec in specs.items()]
+    total = [sum(c.weight * c.scores[i] for c in components) for i in range(len(completions))]
+    return ScoredBatch(components, total)
 
 
 @dataclass

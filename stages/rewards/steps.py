@@ -1,16 +1,6 @@
 """Process rewards: scores of a completion's steps, not only of its end.
 
-A process reward returns, beside the completion's score, the steps it scored: per completion a
-list of ``StepScore(start, end, score)``, the step's character span in the completion and its
-score (``RewardOutput.steps``, stages/rewards/registry.py). Steps are split by a declared rule
-(``split_steps``): ``lines`` (one step per non-empty line), ``delimiter`` (a string between
-steps, ``", "`` by default) or ``tags`` (each ``<step>...</step>``).
-
-``chain_steps`` is a verifiable process reward: chain arithmetic written as running results
-("12+5=17, 17+8=25, 25-3=22", the ``arithmetic_chain`` generator's format), each step checked by
-arithmetic against the chain in the prompt, so step labels come from a verifier, not from
-annotators. PPO places each step's score at the step's last token (stages/ppo.py
-``placed_scores``, ``process_weight``).
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/steps.py`.
 """
 
 from __future__ import annotations
@@ -100,7 +90,7 @@ def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delim
     """The verifiable process reward of chain arithmetic: each step checked (``check_chain``), the
     completion's score the share of the chain's steps done right (a missing step counts as wrong, an
     extra one too). A completion with no step of the form "a op b = c" is unparsed."""
-    from stages.rewards.registry import RewardError, RewardOutput
+    from stages.rewards.spec import RewardError, RewardOutput
 
     scores, parsed, steps = [], [], []
     for text, messages in zip(completions, prompts):

@@ -1,30 +1,6 @@
 """Reward functions under a wall-clock bound that holds in any thread: a worker process.
 
-A reward is user code or a parser over model output (math-verify, SymPy, regexes), and
-one pathological completion can make it run for minutes. Signals cannot bound it:
-``signal.alarm`` only works in the main thread, and Prefect runs stages in worker threads
-(math-verify's own timeouts are off there); a thread cannot be stopped, and a long C call
-(a big-integer power inside SymPy) holds the GIL. So every named reward (a built-in or a
-dotted path; not the bound scorers: reward models, judges, environments) runs in one
-worker process per stage process, started on first use, and a call that passes its bound
-kills the worker:
-
-- a batch is sent in chunks of ``CHUNK`` completions, each chunk bounded by the reward's
-  ``max_seconds`` from the moment the worker starts scoring it (starting the worker and importing
-  the reward's module, math-verify and SymPy for ``math_answer``, are bounded apart by
-  ``START_SECONDS``); a chunk that raises or passes the bound is retried one completion at a
-  time, each bounded by ``max_seconds`` too, so a completion that hangs is a reward error
-  named with that completion ("took longer than 5 s"), counted under the stage's
-  ``reward_errors`` policy, while the rest of its batch is scored;
-- the worker runs the reward in its main thread, so math-verify's own timeouts work there;
-- the worker exits when its stage process goes (its stdin closes), and is killed with it.
-
-The worker process (stages/rewards/worker_process.py) imports the reward by name from the
-stage process's ``sys.path`` and runs it in that process's environment variables (both sent
-with every call); a reward keeps module-level state per worker (it lives as long as the
-stage's process), not per call.
-``code_tests`` is not run here: it runs every completion in its own sandboxed process
-under its own time limit already.
+Design notes, departures and why: docs/algorithms.md, section `stages/rewards/worker.py`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ import signal
 import sys
 
 from stages.rewards.worker import receive, send
-from stages.rewards.registry import RewardError, load_reward_fn
+from stages.rewards.registry import load_reward_fn
+from stages.rewards.spec import RewardError
 
 
 def _die_with_parent() -> None:

@@ -2,9 +2,9 @@
 
 The episode runner every sample is drawn by (``episodes``): a single completion is a one-turn episode,
 an agent's episode is model turns and environment observations, as token ids with an observation mask;
-one sampling schema and the generation engines under it (HF generate, the in-process vLLM engine, with
+the generation engines under the one sampling schema (``stages.sampling``) (HF generate, the in-process vLLM engine, with
 its context budget and version: ``generation``); rollouts for a training stage, with the policy's
-weights synced into the engine after each optimizer step (``training``); the environments they run
+weights synced into the engine after each optimizer step (``training``); a judge model's replies (``model_judge``); the environments they run
 against (``environments``) and their known-episode checks (``episode_checks``); generation apart from
 training: a vLLM server of the stage's own in processes of its own (``server``, kept from outliving its
 stage by ``guard``, taking each batch in whole through ``server_routes``) and GRPO's

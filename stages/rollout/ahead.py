@@ -1,39 +1,6 @@
 """GRPO's rollouts from a generation server, drawn up to ``max_staleness`` optimizer steps ahead of training.
 
-``ServedRollouts`` is the TRL ``rollout_func`` of an rl stage with ``generation: {mode: server}``
-(stages/rollout/server.py). After every optimizer step it pushes the policy's weights to the server as a new
-version (version k: the weights after k updates). With ``max_staleness: 0`` each step's rollouts are drawn
-when TRL asks for them, by the weights being trained: synchronous, on-policy up to the server's numerics.
-
-With ``max_staleness: S > 0`` a producer thread draws the next steps' rollouts while the trainer trains.
-Which prompts those are is known in advance: TRL's ``RepeatSampler`` is a pure function of its seed, so a
-second copy of it (``planned_batches``) yields the batches the trainer's dataloader will yield, in order;
-the rollouts TRL asks for are checked against the plan prompt for prompt, and a batch the plan got wrong is
-drawn again on the spot (counted, ``ahead/mispredicted``). The batch of generation call ``c``, trained at
-step ``c * updates_per_batch``, is drawn by exactly version ``max(first, c * updates_per_batch - S)``, so a
-rerun draws by the same weights with the same seeds whatever the timing: at most S steps stale, and with
-S = 1 generation of step k+1's rollouts overlaps training on step k's. The staleness bound is checked again
-when the batch is used; a batch past it would be dropped, counted (``ahead/dropped_samples``) and drawn
-again by the current weights, which the pinned versions above never need.
-
-The samples are the same too: the server takes each batch in whole and one batch at a time, scheduled in the
-batch's order (stages/rollout/server.py), so the producer's batch and one the trainer draws again never share the
-engine's steps. Taking requests as they arrived, reruns could part: on SmolLM2, seed 6, 8 steps at S = 1, two of
-three runs trained alike to five digits, the third's sampler log-probs differed from its first step.
-
-A resumed stage draws as the stage never stopped would (by the same versions and seeds). A checkpoint at step k
-keeps the batches already planned to be drawn by versions older than k (``save_drawn``: the next S - 1 or S
-batches, waited for when not drawn yet, as ``drawn-ahead.pkl``: token ids, log-probs, episodes; kilobytes, where
-the weights of those versions would be the model's size each), and the resumed execution trains on them before it
-draws anything (``restore_drawn``); every later batch is drawn by version k or newer, which it has. So each of its
-batches is drawn by the uninterrupted stage's version with its seeds, from its first one, in full fine-tuning, with
-LoRA adapters and with merged LoRA alike.
-
-Logged every step: ``ahead/staleness_mean`` and ``ahead/staleness_max`` (optimizer steps between the
-weights that drew a sample and the weights it trains), ``ahead/dropped_samples``, ``ahead/sync_seconds``
-(pushing the weights to the server) and ``ahead/wait_seconds`` (the trainer waiting for rollouts). The
-sampler is not the trainer (another process, its own numerics, older weights): the stage's ``correction``
-weighs each token by pi_trainer / pi_sampler (stages/grpo.py ``sampler_corrected``), on by default.
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/ahead.py`.
 """
 
 from __future__ import annotations

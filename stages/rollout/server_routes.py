@@ -2,13 +2,7 @@
 ``--middleware``): one route, ``/posttrain/registered?prefix=P``, answering how many requests whose id starts
 with ``P`` the server has taken in.
 
-Each batch is drawn as one (``ServerBackend`` with ``whole_batches``): the client pauses the
-scheduler (``/pause?mode=keep``), sends every request of the batch, and resumes it only once this route counts
-them all. vLLM's API process registers a request and hands it to its engine in one stretch, with nothing awaited
-between the two (vllm/v1/engine/async_llm.py ``_add_request``, for requests with ``n: 1``), and the resume
-goes down the same ordered socket after them; so the engine holds the whole batch when it schedules its first
-step, and orders it by each request's ``priority`` (the server runs with ``--scheduling-policy priority``), not
-by when it arrived. A batch's steps are then the same on every run, and so are its samples.
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/server_routes.py`.
 """
 
 from __future__ import annotations

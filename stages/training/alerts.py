@@ -1,29 +1,6 @@
 """Silent failures named: an RL or online DPO stage that learns nothing says why, while it runs.
 
-Seed 000's advice when every reward is zero: check the verifier, the output parsing and the
-token budget first. A stage that samples and scores (``rl``, ``online_dpo``) feeds each
-step's logged metrics to a ``SilentFailureWatch``; when one of these holds for
-``alerts.after_steps`` steps in a row, the stage is told once, with the likely cause:
-
-- the token budget: ``completion/truncated_frac`` >= ``alerts.truncated_frac`` (checked
-  first: a reply cut short is also one the verifier cannot parse);
-- the output parsing: a reward's ``reward/<name>/unparsed_frac`` >= ``alerts.unparsed_frac``
-  (the model does not write the format the reward reads);
-- the verifier: every reward equal to 0 (``reward/mean`` 0 and no group whose rewards differ),
-  so there is no signal to learn from.
-
-A stage that trains on a learned reward (``fn: reward_model``, a PRM among them, or ``fn: judge``)
-beside a verifiable check of the same samples (any other reward of the stage, weight 0 included) is
-also watched for reward hacking (``RewardHackingWatch``): the steps are cut into windows of
-``alerts.hacking_window`` steps, and when the learned reward's window mean rose while the check's
-fell, window after window, ``alerts.hacking_windows`` times in a row, the stage alerts, naming both
-rewards and their first and last window means. Both are already logged at every step
-(``reward/<name>/mean``; for a process reward under PPO's step credit, what it pays the policy,
-``reward/<name>/credited``, is the learned side).
-
-An alert is the stage run's MLflow tag ``posttrain.alert`` (every alert so far, one per
-line), a warning line above the stage's live line, and a line under ``posttrain run``'s
-summary. It never stops the stage: the user decides.
+Design notes, departures and why: docs/algorithms.md, section `stages/training/alerts.py`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """A stage trained by several processes at once (``resources: {processes: N}``, flows/execution/distributed.py).
 
-torchrun (CPU, gloo) or ``accelerate launch`` (GPUs) start N copies of the stage, with
-``WORLD_SIZE`` and ``RANK`` in their environment. The Hugging Face trainers form the process
-group and shard each global batch themselves; posttrain's own PPO loop uses the helpers here:
-every rank samples and scores its share of the step's prompts, and the sums that must be
-global (advantage whitening, loss normalisation, gradients, logged statistics) are added up
-over the group. With one process every helper is the identity, so the single-process path
-computes exactly what it did before.
+Design notes, departures and why: docs/algorithms.md, section `stages/training/data_parallel.py`.
 """
 
 from __future__ import annotations

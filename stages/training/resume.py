@@ -1,21 +1,6 @@
 """A training stage that stops (Ctrl-C, kill -9, its time limit) continues where it stopped.
 
-Every ``save_steps`` optimizer steps, and when it is stopped gracefully, a stage writes a
-checkpoint of everything its next step depends on into the stage's resume dir (kept until
-the stage is published; keyed by fingerprint, so the next execution of the same stage finds
-it): the trainer's own (weights, optimizer and scheduler state, the RNG states, the step
-counter and the data position it implies) and the stage's (``stage_state.json``: the run that wrote it, what
-posttrain's code keeps across steps, such as GRPO's curves and its rollout seed counter, and
-the sum of the losses so far). The next execution resumes from the newest complete one, says so
-(the ``resumed_from`` param, the ``posttrain.resumed_from`` tag naming the step and the run that
-stopped, ``resumed_from_step``, and a line under the run's summary), and ends with the same weights
-and metrics as an execution never stopped (tests/test_resume.py).
-
-A checkpoint is complete once the trainer's ``trainer_state.json`` is written, which it
-writes last; the stage's state is written into the checkpoint's folder before the trainer
-writes its own files, so a complete checkpoint always has it. Stages that run their own loop
-(PPO, online DPO) use ``train_loop`` and ``LoopCheckpoints`` instead: the same promise, with
-the weights, optimizer and RNG states they hand over.
+Design notes, departures and why: docs/algorithms.md, section `stages/training/resume.py`.
 """
 
 from __future__ import annotations
