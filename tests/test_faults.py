@@ -164,6 +164,54 @@ def test_ctrl_c_stops_cleanly_marks_killed_and_keeps_the_checkpoint(home, prefec
     assert stage_runs(client, "faults", "eval_sft") == []
 
 
+def test_a_sweep_stopped_by_ctrl_c_resumes_where_it_stopped(home, tmp_path):
+    """Ctrl-C in the second of two variants, then the same command again: the first variant's stages are cache
+    hits, the stopped SFT resumes from the checkpoint it wrote on the interrupt, and the sweep finishes with the
+    same optimizer steps as one never stopped."""
+    from mlflow.tracking import MlflowClient
+
+    path = write(tmp_path / "faults.yaml", PIPELINE + "sweep: {seeds: [0, 1]}\n")
+    home.mkdir()
+    log = tmp_path / "sweep-stopped.log"
+    proc = launch(home, "sweep", str(path), log=log)
+    db = home / "mlflow.db"
+
+    def second_sft_running():  # seed 0's SFT and eval finished, seed 1's SFT past its first logged loss
+        if not db.exists() or not list(home.glob("work/*")):
+            return False
+        client = MlflowClient(f"sqlite:///{db}")
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  "tags.`posttrain.stage` = 'sft' and tags.`posttrain.seed` = '1' and metrics.loss > 0")
+        return bool(runs) and runs[0].info.status == "RUNNING"
+
+    wait_for(second_sft_running, proc, log, timeout=400, what="the second variant's SFT logging its loss")
+    os.killpg(proc.pid, signal.SIGINT)
+    assert finish(proc, log, timeout=120) == 130, log.read_text()[-3000:]
+    assert "run the same command again to resume" in log.read_text()
+
+    client = MlflowClient(f"sqlite:///{db}")
+    experiment = client.get_experiment_by_name("faults").experiment_id
+    (stopped_sweep,) = client.search_runs([experiment], "tags.`posttrain.role` = 'sweep'")
+    assert stopped_sweep.info.status == "KILLED"
+    first, stopped = stage_runs(client, "faults", "sft")
+    assert (first.info.status, first.data.tags["posttrain.seed"]) == ("FINISHED", "0")
+    assert (stopped.info.status, stopped.data.tags["posttrain.seed"]) == ("KILLED", "1")
+    assert [r.data.tags["posttrain.seed"] for r in stage_runs(client, "faults", "eval_sft")] == ["0"]
+
+    log = tmp_path / "sweep-resumed.log"
+    assert finish(launch(home, "sweep", str(path), log=log), log) == 0, log.read_text()[-3000:]
+    assert "stage executions: 2 ran, 2 cached" in log.read_text()  # seed 1's SFT and eval; seed 0's from cache
+    runs = stage_runs(client, "faults", "sft")
+    assert [r.info.run_id for r in runs[:2]] == [first.info.run_id, stopped.info.run_id]  # no seed-0 SFT again
+    resumed = runs[2]
+    assert (resumed.info.status, resumed.data.tags["posttrain.seed"]) == ("FINISHED", "1")
+    assert 0 < resumed.data.metrics["resumed_from_step"] < STEPS
+    assert resumed.data.metrics["steps"] == STEPS
+    assert json.loads(resumed.data.tags["posttrain.resumed_from"])["run"] == stopped.info.run_id
+    sweeps = client.search_runs([experiment], "tags.`posttrain.role` = 'sweep'", order_by=["attributes.start_time ASC"])
+    assert [s.info.status for s in sweeps] == ["KILLED", "FINISHED"]
+
+
 def test_unreachable_tracking_server_is_refused_before_anything_runs(home, tmp_path, monkeypatch, capsys):
     path = write(tmp_path / "faults.yaml", PIPELINE)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
