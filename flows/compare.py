@@ -164,9 +164,11 @@ def evaluated_checkpoints(client, experiment_id: str, register_missing: bool = T
         if not settings:
             continue
         stage = params.get("model", "base")
-        checkpoint_run_id = json.loads(tags.get(TAG_UPSTREAM, "{}")).get(stage)
-        key = (checkpoint_run_id or f"base:{run.data.tags.get('posttrain.stage')}:{tags.get(TAG_SEED)}", settings)
-        if key in seen:  # an older evaluation of the same checkpoint under the same settings
+        upstream = json.loads(tags.get(TAG_UPSTREAM, "{}"))  # the checkpoint's run, and a selector's
+        checkpoint_run_id = upstream.get(stage)
+        models = tuple(sorted(upstream.items())) or f"base:{run.data.tags.get('posttrain.stage')}:{tags.get(TAG_SEED)}"
+        key = (models, settings)
+        if key in seen:  # an older evaluation of the same checkpoint(s) under the same settings
             continue
         seen.add(key)
         row = Row(stage, tags.get(TAG_STAGE, "?"), run.info.run_id, checkpoint_run_id, settings,

@@ -137,11 +137,11 @@ def pass_k_values(attempts: int) -> list[int]:
 
 
 def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, RewardSpec],
-                  selector_path: str | None = None, engine: dict | None = None) -> str:
-    """Everything that changes a score except the checkpoint itself (the selector's checkpoint
-    is named by its published folder, which holds the run id). ``engine`` is the resolved
-    backend's identity: empty for HF generate (so older hashes stay valid), vLLM's version,
-    device and dtype otherwise."""
+                  engine: dict | None = None) -> str:
+    """Everything that changes a score except the models evaluated: the checkpoint, and a best-of-N selector's
+    checkpoint, which a pipeline trains per seed as it trains the policy, so one seed's evaluations compare with
+    another's. ``engine`` is the resolved backend's identity: empty for HF generate (so older hashes stay valid),
+    vLLM's version, device and dtype otherwise."""
     payload = {
         "sampling": config.sampling.identity(),
         "data": Path(data_path).name,  # content-keyed file name
@@ -151,9 +151,7 @@ def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, Reward
         "success_threshold": config.success_threshold,
     }
     if config.select is not None:
-        selector = Path(selector_path) if selector_path else None
-        payload["select"] = {"by": config.select, "reward_model": config.reward_model,
-                             "checkpoint": f"{selector.parent.name}/{selector.name}" if selector else None}
+        payload["select"] = {"by": config.select, "reward_model": config.reward_model}
     if engine:
         payload["engine"] = engine
     if config.environment is not None:  # turns, budgets and tools change scores: absent, older hashes stay valid
@@ -253,8 +251,7 @@ def _sample(config: EvalConfig, inputs: StageInputs, ctx, records: list[dict], v
                                prompt_batch_size=config.prompt_batch_size, engine=config.engine)
         try:
             # the hash is known once the backend is: what the engine changes about samples is part of it
-            settings_id = settings_hash(config, inputs.data, inputs.rewards, inputs.reward_model,
-                                        backend.identity())
+            settings_id = settings_hash(config, inputs.data, inputs.rewards, backend.identity())
             ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
             ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id,
                             "resolved_backend": backend.name, "backend_reason": backend.why,

@@ -119,11 +119,14 @@ def test_the_reward_model_as_ppo_reward_and_critic(tiny_checkpoint, ctx_factory,
     assert result["metrics"]["steps"] == 2
 
 
-def test_eval_reports_best_of_n_and_hashes_the_selector(tiny_checkpoint, ctx_factory, home):
+def test_eval_reports_best_of_n_and_hashes_the_selection_not_the_selectors_checkpoint(tiny_checkpoint, ctx_factory,
+                                                                                      home):
     from stages import eval as eval_stage
     from stages.eval import EvalConfig
 
-    _, outputs = train_reward_model(tiny_checkpoint, ctx_factory("rm"), preference_file(home, n=160), max_steps=5)
+    prefs = preference_file(home, n=160)
+    _, outputs = train_reward_model(tiny_checkpoint, ctx_factory("rm"), prefs, max_steps=5)
+    _, other_outputs = train_reward_model(tiny_checkpoint, ctx_factory("rm-other"), prefs, max_steps=5, lr=1e-3)
     heldout = materialize(ArithmeticData(generator="arithmetic", n=6, seed=9, role="heldout"), Path("."),
                           home / "data")
     sampling = {"temperature": 1.0, "max_tokens": 4, "attempts": 4, "seed": 1}
@@ -141,8 +144,14 @@ def test_eval_reports_best_of_n_and_hashes_the_selector(tiny_checkpoint, ctx_fac
     assert best <= selected["metrics"]["pass_at_4"] and (best * 6) == pytest.approx(round(best * 6))
     assert selected["metrics"]["pass_at_1"] == plain["metrics"]["pass_at_1"]  # same samples, same pass@k
     assert "best_of_n_accuracy" not in plain["metrics"]
-    settings = [ctx.client.get_run(c.run_id).data.tags["posttrain.eval_settings"] for c in (plain_ctx, ctx)]
-    assert settings[0] != settings[1]  # a selector changes what is measured: another settings hash
+    other_ctx = ctx_factory("eval-best-of-n-other")
+    other = eval_stage.run(config, replace(inputs, reward_model=Path(other_outputs["checkpoint"])), other_ctx)
+    assert other["metrics"]["pass_at_1"] == plain["metrics"]["pass_at_1"]
+    settings = [ctx.client.get_run(c.run_id).data.tags["posttrain.eval_settings"] for c in (plain_ctx, ctx, other_ctx)]
+    assert settings[0] != settings[1]  # selecting best-of-N changes what is measured: another settings hash
+    # another selector checkpoint (another seed's reward model) is another model evaluated, not another protocol:
+    # one seed's best-of-N compares with another's
+    assert settings[1] == settings[2]
     failures = [json.loads(line) for line in Path(selected["failures"]).read_text().splitlines()]
     assert all(0 <= case["best_of_n_pick"] < 4 for case in failures)
 
