@@ -17,9 +17,8 @@ from pydantic import ConfigDict, Field
 
 from stages.spec_model import SpecModel
 
-# Config fields that change how a stage executes, never what it computes: left out of the
-# fingerprint, so raising a time limit or checkpointing more often keeps the cache (and the
-# resume state, which is keyed by fingerprint).
+# How a stage executes, never what it computes: left out of the fingerprint, so changing them keeps
+# the cache and the resume state.
 EXECUTION_FIELDS = frozenset({"save_steps", "time_limit_minutes", "resources", "placement", "alerts"})
 # The tag a stage sets when it is learning nothing and why (stages/training/alerts.py): the orchestrator shows it
 ALERT_TAG = "posttrain.alert"
@@ -56,7 +55,6 @@ class Resources(SpecModel):
                        "runs it as an indexed Job of `nodes` pods joined by torchrun's rendezvous on pod 0.")
 
     def per_node(self) -> int:
-        """Training processes on each node."""
         return max(self.processes, self.gpus, 1)
 
     def world_size(self) -> int:
@@ -77,17 +75,15 @@ class ExecutionLimits(SpecModel):
     )
 
 
-# The stage fields that name another stage's checkpoint (``references()``), plus ``failures``:
-# the failure set an ``iterate:`` round trains on.
+# Fields naming another stage's checkpoint (``references()``), and an ``iterate:`` round's failure set
 CHECKPOINT_INPUTS = ("model", "policy", "reference", "critic", "reward_model", "failures")
 SCORER_PREFIX = "rewards."  # ``rewards.<name>``: the checkpoint a reward scores or judges with
 
 
 @dataclass(frozen=True)
 class StageKind:
-    """One kind of stage, declared once, in its own module (``KIND = StageKind(...)``), and listed in
-    ``stages/registry.py``: everything the orchestrator needs to know about it and cannot read from a
-    config instance (references, datasets and rewards are the config's methods)."""
+    """One kind of stage (``KIND`` in its own module, listed in stages/registry.py): what the orchestrator
+    needs to know of it and cannot read from a config instance."""
 
     name: str  # the `kind:` a pipeline writes
     config: Any  # its config model, or a discriminated union of them (rl: one model per algorithm)
@@ -97,15 +93,14 @@ class StageKind:
     trains: bool = True  # reads training data: a heldout dataset is refused, a failure set may feed it
     evaluates: bool = False  # scores a checkpoint: its runs are ranked by `posttrain compare` and linked to the model
     reads: Literal["demonstrations", "prompts"] | None = None  # what it needs of a conversation record
-    # Why it cannot train on `world` processes of `resources` (the generic rules are the orchestrator's);
-    # None: it runs on one process only.
+    # (config, world, resources) -> why it cannot train on `world` processes; None: one process only
     world_issues: Any = None
 
-    # For a union config: the model a raw stage mapping validates into (their common base when it names none)
+    # a union config's chooser: raw stage mapping -> its model (the common base when it names none)
     choose: Any = None
 
     def config_models(self) -> tuple[type, ...]:
-        """Its config models: the one, or each member of its union (Annotated[Union[Annotated[M, Tag]...], ...])."""
+        """Its config model, or each member of its union."""
         if isinstance(self.config, type):
             return (self.config,)
         union = typing.get_args(self.config)[0]
@@ -123,8 +118,7 @@ def no_world_issues(config, world: int, resources) -> list[str]:
 
 @dataclass(frozen=True)
 class StageInputs:
-    """Everything a stage reads, as local paths and typed specs; built by the orchestrator
-    (``flows.execute.resolve_inputs``) before the stage runs, the same on every rank."""
+    """Everything a stage reads, as local paths and typed specs, the same on every rank."""
 
     trust_remote_code: bool = False  # the pipeline's trust in its model's own code (off unless it says so)
     datasets: Mapping[str, Path] = field(default_factory=dict)  # what it reads, by declared name, as JSONL
@@ -140,7 +134,7 @@ class StageInputs:
     reward_checks: Mapping[str, list] = field(default_factory=dict)  # reward name -> its known cases
     base_dir: Path | None = None  # the pipeline file's folder, where a stage's own relative paths point
 
-    def __post_init__(self):  # paths as Path, whatever the caller passed
+    def __post_init__(self):
         for name in _PATH_FIELDS:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
@@ -219,8 +213,6 @@ class StageContext(Protocol):
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
         """A table (e.g. sample completions) shown in MLflow's artifact view."""
 
-    def log_figure(self, figure: Any, name: str) -> None:
-        """A matplotlib figure, saved as PNG and logged."""
+    def log_figure(self, figure: Any, name: str) -> None: ...
 
-    def progress(self, description: str, total: int) -> AbstractContextManager[Progress]:
-        """A progress bar for long work."""
+    def progress(self, description: str, total: int) -> AbstractContextManager[Progress]: ...

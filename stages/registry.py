@@ -1,8 +1,5 @@
-"""The stage kinds posttrain knows, one line each: every kind declares itself once, as ``KIND`` in its
-own module (stages/context.py's ``StageKind``: config model, ``run``, headline metrics, what its
-checkpoint becomes, what it reads, how it trains on several processes).
-
-Adding a kind: its module (config, ``run``, ``KIND``), its tests, and one line below.
+"""The stage kinds posttrain knows, one line each (each declares its ``KIND``, a ``StageKind``, in its
+own module). Adding a kind: its module (config, ``run``, ``KIND``), its tests, and one line below.
 """
 
 from __future__ import annotations
@@ -26,12 +23,8 @@ STAGE_KINDS: dict[str, StageKind] = {kind.name: kind for kind in (
 
 
 def stage_runner(kind: str):
-    """The ``run(config, inputs, ctx)`` function of a stage kind.
-
-    ``POSTTRAIN_TORCH_THREADS`` caps torch's CPU threads for the stage: when several torch
-    processes share a small machine, spinning intra-op threads slow every step down (measured:
-    docs/figures-from-code.md).
-    """
+    """The ``run(config, inputs, ctx)`` of a stage kind, torch's CPU threads capped by
+    ``POSTTRAIN_TORCH_THREADS`` (several torch processes on a small machine: docs/figures-from-code.md)."""
     run = STAGE_KINDS[kind].run
     threads = os.environ.get("POSTTRAIN_TORCH_THREADS")
     if not threads:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import torch
 
-# ---------------------------------------------------------------- group advantages
-
-
 def group_advantages(rewards_G: torch.Tensor, normalize: bool, eps: float = 1e-6) -> torch.Tensor:
     """Reward minus the group mean; with ``normalize`` also divided by the group std (+ eps).
 
@@ -28,9 +25,6 @@ def group_advantages(rewards_G: torch.Tensor, normalize: bool, eps: float = 1e-6
 def is_zero_variance(rewards_G: torch.Tensor, atol: float = 1e-9) -> bool:
     """True when every completion of the group got the same reward: no within-group signal."""
     return bool((rewards_G.max() - rewards_G.min()).abs() <= atol)
-
-
-# ---------------------------------------------------------------- masks
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -60,9 +54,6 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
-# ---------------------------------------------------------------- KL to the reference
-
-
 def kl_estimators(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token estimators of KL(p || q) from tokens sampled from p (policy), q the reference.
 
@@ -76,25 +67,14 @@ def kl_estimators(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> tuple[t
     return k1, k2, k3
 
 
-# ---------------------------------------------------------------- GAE
-
-
 def gae(
     rewards_B_T: torch.Tensor, values_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over the positions where ``mask`` is 1.
 
-    delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next, where "next" is
-    the next masked-in position of the row, and the value after a row's last one is 0 (the
-    episode ends there). Masked-out positions are skipped, not steps: padding after the end,
-    and, in an agent's episode, the environment's observation tokens between two model turns.
-    There the last token of a turn bootstraps from the value of the next turn's first token
-    (a state that has read the observation), discounted once: the observation is the
-    environment's transition, not actions of the policy, so it gets no advantage, no return
-    and no discount of its own. On a row whose mask is contiguous this is the textbook
-    recursion; on any row it equals GAE over the masked-in positions alone, the others
-    dropped (tests/test_rl_math.py, tests/test_agent.py). Returns (advantages_B_T, returns_B_T
-    = advantages + values), both 0 where the mask is 0.
+    "Next" is the next masked-in position of the row; masked-out positions (padding, an agent's
+    observation tokens) are skipped, not steps; the value past a row's last one is 0. Returns
+    (advantages_B_T, returns_B_T = advantages + values), both 0 where the mask is 0.
     """
     keep_B_T = mask_B_T.bool()
     mask_B_T = mask_B_T.to(values_B_T.dtype)
@@ -112,9 +92,6 @@ def gae(
         advantages[t] = here_B * mask_B_T[:, t]
     advantages_B_T = torch.stack(advantages, dim=1)
     return advantages_B_T, (advantages_B_T + values_B_T) * mask_B_T
-
-
-# ---------------------------------------------------------------- PPO losses
 
 
 def ppo_policy_loss(
@@ -154,24 +131,12 @@ def ppo_value_loss(
     return loss, masked_mean((clipped > unclipped).to(values.dtype), mask).detach()
 
 
-# ---------------------------------------------------------------- a sampler other than the trainer
-
-
 def sampler_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
                        kind: str, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """(per-token weights B x T, mismatch metrics) for samples a sampler drew (a bfloat16 vLLM engine, a
-    server, older weights) but the trainer learns from: the importance weight pi_trainer / pi_sampler.
-
-    ``token_tis``: each token's weight exp(logp_trainer - logp_sampler), truncated at ``cap`` (truncated
-    importance sampling, as TRL's ``token_truncate``); ``sequence_mask``: each sequence's weight is the
-    product over its tokens, and a sequence whose weight is above ``cap`` is dropped (weight 0), as
-    TRL's ``sequence_mask``; ``none``: weight 1, the mismatch only measured. A token the sampler gave no
-    log-prob (NaN) weighs 1. The weight multiplies the token's policy-gradient term, never its KL term.
-
-    Metrics over real tokens: ``correction/logp_diff_abs_mean`` (mean |logp_trainer - logp_sampler|),
-    ``correction/kl_sampler_trainer`` (KL(sampler || trainer) per token, the k1 estimate over the
-    sampler's own draws: mean of logp_sampler - logp_trainer), ``correction/weight_mean`` and
-    ``correction/clipped_frac`` (tokens truncated, or sequences dropped).
+    """(weights_B_T, mismatch metrics) for samples another sampler drew (vLLM, a server, older weights):
+    the importance weight pi_trainer / pi_sampler, per ``kind`` (``token_tis``: per token, truncated at
+    ``cap``; ``sequence_mask``: per sequence, 0 above ``cap``; ``none``: 1). A NaN sampler log-prob weighs
+    1. The weight multiplies the policy-gradient term, never the KL term. Design: docs/algorithms.md.
     """
     mask = mask.to(trainer_logprobs.dtype)
     diff = torch.nan_to_num((trainer_logprobs - sampler_logprobs.to(trainer_logprobs)) * mask, nan=0.0)
@@ -193,9 +158,6 @@ def sampler_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
                "correction/kl_sampler_trainer": masked_mean(-diff, mask),
                "correction/weight_mean": masked_mean(weights, mask), "correction/clipped_frac": clipped}
     return weights.detach(), {name: float(value) for name, value in metrics.items()}
-
-
-# ---------------------------------------------------------------- KL coefficient
 
 
 class FixedKLController:
@@ -225,9 +187,6 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
-
-
-# ---------------------------------------------------------------- log-probs and entropy
 
 
 def token_logprobs(logits_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:

@@ -11,15 +11,8 @@ from stages.spec_model import SpecModel
 
 
 class SamplingSettings(SpecModel):
-    """How completions are sampled: the one schema of every ``sampling:`` a pipeline declares.
-
-    An eval stage takes it as it is. The other places that sample take it with their own defaults
-    for the fields a pipeline leaves out and refuse what they cannot honour (``sampling_with``):
-    rl and online_dpo rollouts (``ROLLOUT_SAMPLING``), a reward's judge (``JUDGE_SAMPLING``:
-    greedy, one reply) and a difficulty filter (every field it leaves out is
-    its stage's rollout setting). ``seeded`` is the one conversion from declared settings to what
-    a backend is asked for.
-    """
+    """How completions are sampled: the one schema of every ``sampling:`` a pipeline declares. Eval takes
+    it as it is; rollouts and judges take it through ``sampling_with`` (their defaults and rules)."""
 
     model_config = ConfigDict(extra="forbid")
 

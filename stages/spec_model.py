@@ -171,20 +171,15 @@ class SpecModel(BaseModel):
         return value
 
 
-# ------------------------------------------------------------------ fields that apply only under a condition
-
 APPLIES_WHEN = "applies_when"  # the key of a field's ``json_schema_extra`` that holds its condition
 
 
 def applies_when(*alternatives: dict, why: str) -> dict:
-    """``Field(json_schema_extra=...)`` of a field that means something only under a condition of the entry
-    (stage, dataset or reward) it belongs to, declared once next to the field.
+    """``Field(json_schema_extra=...)`` of a field that applies only under a condition of its entry.
 
-    Each alternative maps a dotted path from the entry's root (``generation.mode``, ``lora``, ``fn``) to
-    what it must be: a value, a list of values, ``{"set": True/False}`` (is / is not None), ``{"not": [...]}``
-    or ``{"min": x}``; every path of one alternative must hold, and one alternative is enough.
-    flows/spec/validate.py ``not_applicable_issues`` refuses the field where it is set and none holds,
-    saying ``why``; the schema and the reference page show the condition.
+    Each alternative maps dotted paths from the entry's root to a value, a list of values,
+    ``{"set": bool}``, ``{"not": [...]}`` or ``{"min": x}``; all paths of one alternative must hold,
+    and one alternative is enough. Elsewhere the field is refused, saying ``why``.
     """
     return {APPLIES_WHEN: {"any_of": [dict(a) for a in alternatives], "why": why}}
 

@@ -22,8 +22,7 @@ from stages.context import RESUMED_TAG, StageTimeLimit
 from stages.spec_model import SpecModel
 
 STATE_FILE = "stage_state.json"
-# what TRL's trainers count across steps outside the trainer state a checkpoint holds (TRL 1.16: the tokens
-# trained on, logged as ``num_tokens``, restart from 0 on a resumed run otherwise)
+# TRL counters outside its checkpointed trainer state (TRL 1.16: ``num_tokens`` would restart from 0)
 TRL_COUNTERS = ("_total_train_tokens",)
 
 
@@ -38,8 +37,7 @@ class Resumable(SpecModel):
 
 
 def resumable_arguments(resume_dir: Path, save_steps: int | None) -> dict:
-    """Trainer arguments that write resumable checkpoints (model, optimizer, scheduler, RNG
-    states; only the latest kept) into the stage's resume dir every ``save_steps`` steps."""
+    """Trainer arguments that write a resumable checkpoint (only the latest kept) every ``save_steps``."""
     return {
         "output_dir": str(resume_dir),
         "save_strategy": "steps" if save_steps else "no",
@@ -49,10 +47,8 @@ def resumable_arguments(resume_dir: Path, save_steps: int | None) -> dict:
 
 
 def last_checkpoint(resume_dir: Path) -> str | None:
-    """The newest complete trainer checkpoint an earlier, interrupted execution left, if any. A checkpoint
-    whose writing was cut short (kill -9 while the trainer wrote it) has no ``trainer_state.json``, which
-    the trainer writes last, or only part of it: it is passed over for the one before it, which the
-    trainer deletes only once the newer one is written."""
+    """The newest complete trainer checkpoint in ``resume_dir``, or None. One cut short by a kill has no
+    readable ``trainer_state.json`` (written last) and is passed over for the one before it."""
     if not resume_dir.is_dir():
         return None
     found = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in resume_dir.glob("checkpoint-*")
@@ -67,13 +63,10 @@ def last_checkpoint(resume_dir: Path) -> str | None:
 
 
 class StageState:
-    """What posttrain's code keeps across a trainer's steps: ``save()`` gives it as JSON-able values,
-    ``restore(saved)`` puts it back on resume. The default keeps nothing of the stage's own.
-    ``every``: checkpoints only at multiples of this step (GRPO reusing one batch of rollouts for several
-    updates: the batch is not in a checkpoint, so one is written only where a fresh batch is due).
-    ``save_files(folder)`` / ``restore_files(folder)``: what the stage keeps as files (GRPO drawing ahead: the
-    adapters of the versions its next batches are drawn by), written into the checkpoint's folder and read
-    back from it."""
+    """What posttrain's code keeps across a trainer's steps: ``save()`` as JSON-able values, ``restore(saved)``
+    on resume; ``save_files`` / ``restore_files`` for what it keeps as files in the checkpoint's folder.
+    ``every``: checkpoint only at multiples of this step (where GRPO draws a fresh batch of rollouts, which
+    no checkpoint holds)."""
 
     def __init__(self, save: Callable[[], dict[str, Any]] = dict, restore: Callable[[dict], None] = lambda saved: None,
                  every: int = 1, save_files: Callable[[Path], None] | None = None,
@@ -83,12 +76,9 @@ class StageState:
 
 
 def train_resumably(trainer, ctx, state: StageState | None = None) -> tuple[Any, int]:
-    """``trainer.train()``, resumed from the newest checkpoint in ``ctx.resume_dir`` if an earlier execution
-    left one, stopping gracefully with a checkpoint on Ctrl-C and at the time limit
-    (``stop_gracefully``). Returns the train output, with ``training_loss``
-    the mean over every step since the stage began (not only those of this execution), and the step it
-    resumed from (0: from the start). The trainer's ``output_dir`` must be ``ctx.resume_dir``
-    (``resumable_arguments``)."""
+    """``trainer.train()``, resumed from the newest checkpoint in ``ctx.resume_dir`` (its ``output_dir``) and
+    stopped gracefully on Ctrl-C or at the time limit. Returns (the train output, its ``training_loss`` the
+    mean since the stage began; the step it resumed from, 0 from the start)."""
     state = state or StageState()
     resume_from = last_checkpoint(ctx.resume_dir)
     saved = _read_state(resume_from) if resume_from else {}
@@ -119,10 +109,8 @@ def _read_state(checkpoint: str) -> dict:
 
 
 def _state_writer(trainer, state: StageState, loss_sum_before: float, run_id: str | None):
-    """A callback that writes the stage's state into each checkpoint's folder as the trainer decides to save
-    it (before the trainer's own files, so a checkpoint with ``trainer_state.json`` has it), and keeps the
-    final step from writing one: a finished stage is published, not resumed. (Under data parallelism the
-    loss sum is the writing process's: the trainer averages its logged losses over processes.)"""
+    """A callback writing the stage's state into each checkpoint's folder before the trainer's own files,
+    and none at the final step (a finished stage is published, not resumed)."""
     from transformers import TrainerCallback
 
     class StateWriter(TrainerCallback):
@@ -133,8 +121,7 @@ def _state_writer(trainer, state: StageState, loss_sum_before: float, run_id: st
                 return control
             folder = Path(args.output_dir) / f"checkpoint-{train_state.global_step}"
             folder.mkdir(parents=True, exist_ok=True)
-            # the loss sum since the stage began: the trainer's own sums only cover this execution's steps
-            # (``_tr_loss`` holds the steps since the last log, already including this one)
+            # the trainer's sums cover this execution only; ``_tr_loss`` holds the steps since the last log
             loss_sum = loss_sum_before + trainer._total_loss_scalar + float(trainer._tr_loss)
             if state.save_files is not None:
                 state.save_files(folder)
@@ -149,9 +136,8 @@ def _state_writer(trainer, state: StageState, loss_sum_before: float, run_id: st
 
 
 class StopRequest:
-    """Ctrl-C and the stage's time limit as a request to stop after the step in progress: ``due()`` after each
-    step says whether to stop there (every process agrees), ``stop(done, total)`` then raises what stops the
-    stage (KeyboardInterrupt, or StageTimeLimit saying how far it got)."""
+    """Ctrl-C or the time limit as a request to stop after the current step: ``due()`` (agreed by every
+    process), then ``stop(done, total)`` raises KeyboardInterrupt or StageTimeLimit."""
 
     def __init__(self, ctx):
         self.deadline = getattr(ctx, "deadline", None)
@@ -175,9 +161,8 @@ class StopRequest:
 
 @contextmanager
 def stop_requests(ctx) -> Iterator[StopRequest]:
-    """A ``StopRequest`` for the block: the first Ctrl-C asks to stop after the step in progress, a second
-    one interrupts at once. Signal handlers can only be set from the main thread; elsewhere Ctrl-C
-    interrupts at once and the last periodic checkpoint is what a later run resumes from."""
+    """A ``StopRequest`` for the block; a second Ctrl-C interrupts at once. Off the main thread no handler
+    can be set: Ctrl-C interrupts at once and a later run resumes from the last periodic checkpoint."""
     request = StopRequest(ctx)
 
     def handler(signum, frame):
@@ -198,9 +183,7 @@ def stop_requests(ctx) -> Iterator[StopRequest]:
 
 @contextmanager
 def stop_gracefully(trainer, ctx):
-    """Stop ``trainer.train()`` between optimizer steps with a resumable checkpoint (the trainer writes to
-    the stage's resume dir): on Ctrl-C (then raise KeyboardInterrupt) and at the stage's deadline (then
-    raise StageTimeLimit, saying how far it got)."""
+    """Stop ``trainer.train()`` between optimizer steps with a checkpoint on Ctrl-C or at the deadline."""
     from transformers import TrainerCallback
 
     with stop_requests(ctx) as request:
@@ -221,11 +204,9 @@ def stop_gracefully(trainer, ctx):
 
 
 class LoopCheckpoints:
-    """Resumable checkpoints of a training loop posttrain writes itself (PPO): ``checkpoint-N/`` in the
-    stage's resume dir holding ``tensors.pt`` (weights, optimizer states, RNG states: whatever the loop
-    hands over) and ``stage_state.json`` (JSON-able state, and the run that wrote it). A checkpoint is
-    written to a temporary folder and renamed into place whole, then the older one goes, so a kill at any
-    moment leaves the last complete checkpoint readable. Written by one process (rank 0)."""
+    """Checkpoints of a loop posttrain runs itself: ``checkpoint-N/`` holding ``tensors.pt`` and
+    ``stage_state.json``, written by rank 0 to a temporary folder and renamed into place whole, so a kill
+    at any moment leaves the last complete one."""
 
     def __init__(self, ctx, save_steps: int | None):
         self.dir, self.save_steps, self.run_id = Path(ctx.resume_dir), save_steps, getattr(ctx, "run_id", None)
@@ -243,8 +224,7 @@ class LoopCheckpoints:
         return step, torch.load(folder / "tensors.pt", weights_only=False), saved
 
     def due(self, step: int, stopping: bool, last: bool) -> bool:
-        """Whether to write a checkpoint after ``step``: every ``save_steps``, and when the stage is stopping,
-        never after the last step (a finished stage is published, not resumed)."""
+        """Every ``save_steps`` and when stopping; never after the last step."""
         return not last and (stopping or bool(self.save_steps and step % self.save_steps == 0))
 
     def save(self, step: int, tensors: dict, state: dict) -> None:
@@ -273,16 +253,14 @@ class LoopCheckpoints:
 
 
 def announce_resume(ctx, step: int, run: str | None, checkpoint: str) -> None:
-    """Say on the stage's run that it resumed from ``step`` of ``run``: the ``resumed_from`` param (the
-    checkpoint) and the ``posttrain.resumed_from`` tag, which the orchestrator's summary reads."""
+    """The ``resumed_from`` param and tag on the stage's run (the orchestrator's summary reads the tag)."""
     ctx.log_params({"resumed_from": checkpoint})
     ctx.set_tags({RESUMED_TAG: json.dumps({"step": step, "run": run, "checkpoint": checkpoint})})
 
 
 class LoopState:
-    """What a stage's own loop (PPO, online DPO) hands to its checkpoints: ``save()`` gives (tensors,
-    JSON-able state) of everything the next step depends on besides the loop's record, ``restore(tensors,
-    state)`` puts it back, ``skip(n)`` moves the prompt batches past the ``n`` steps already done."""
+    """What a stage's own loop checkpoints: ``save()`` -> (tensors, JSON-able state), ``restore(tensors,
+    state)``, and ``skip(n)`` to move the prompt batches past the ``n`` steps done."""
 
     def __init__(self, save: Callable[[], tuple[dict, dict]], restore: Callable[[dict, dict], None],
                  skip: Callable[[int], None]):
@@ -291,12 +269,9 @@ class LoopState:
 
 def train_loop(ctx, name: str, config, step: Callable[[int], tuple[dict[str, float], list[dict]]],
                state: LoopState, watch) -> tuple[list[dict], int]:
-    """Steps 1..``config.max_steps`` of a stage's own loop, resumable: each step's metrics logged at its
-    step and kept for the curves, the silent-failure ``watch`` told, a sample table every
-    ``config.sample_every`` steps (and at the first and last), a checkpoint every ``config.save_steps`` and
-    on Ctrl-C or at the time limit (then the stage stops: KeyboardInterrupt, StageTimeLimit). An earlier
-    execution's newest checkpoint is resumed first. Returns (the record of every step, the step it resumed
-    from: 0 when it started afresh)."""
+    """Steps 1..``config.max_steps`` of a stage's own loop, resumed from the newest checkpoint: metrics
+    logged and told to ``watch``, samples every ``sample_every`` steps, checkpoints as ``LoopCheckpoints``.
+    Returns (every step's record, the step it resumed from, 0 when afresh)."""
     checkpoints, history, done = LoopCheckpoints(ctx, config.save_steps), [], 0
     found = checkpoints.latest()
     if found is not None:
