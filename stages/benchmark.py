@@ -70,8 +70,7 @@ class BenchmarkConfig(ExecutionLimits):
         return []
 
     def here_problems(self, base_dir: Path, runs_here: bool = True) -> list[tuple[str, str]]:
-        """(field, why) this stage cannot run: its task folder missing; and where it runs on this machine, the
-        harness or its backend missing, or a task the harness does not know."""
+        """(field, why) this stage cannot run (``harness_problem``)."""
         problem = harness_problem(self.lm_eval, base_dir, runs_here)
         return [problem] if problem else []
 
@@ -81,8 +80,7 @@ class BenchmarkConfig(ExecutionLimits):
         return [("lm_eval", note)] if note else []
 
     def file_identity(self, base_dir: Path) -> dict:
-        """What the stage reads beside its config: the task folder's files, the harness version, and the
-        commit of each task dataset the Hugging Face cache holds (a new snapshot reruns the stage)."""
+        """What the stage reads beside its config: task files, harness version, each cached dataset's commit."""
         identity = {"lm_eval": harness_version()}
         if self.lm_eval.include_path:
             folder = Path(base_dir) / self.lm_eval.include_path
@@ -103,12 +101,8 @@ def harness_version() -> str | None:
 
 
 def harness_problem(spec: LmEvalSpec, base_dir: Path, runs_here: bool = True) -> tuple[str, str] | None:
-    """(field, why) the harness cannot run this spec, checked before anything runs; else None.
-
-    The task folder is the pipeline's. A stage that runs on this machine needs the harness and its backend
-    here; its task names and generation keys are checked against the harness installed here, also for a stage
-    sent to a work pool (workers install the same pinned harness), which ``unchecked_here`` names where this
-    machine has no harness to check them with."""
+    """(field, why) the harness cannot run this spec, else None: task folder, harness and backend here, task
+    names and generation keys (also for a stage sent to a work pool, whose workers pin the same harness)."""
     if spec.include_path and not (Path(base_dir) / spec.include_path).is_dir():
         return "lm_eval.include_path", f"{str(Path(base_dir) / spec.include_path)!r} is not a folder"
     if importlib.util.find_spec("lm_eval") is None:
@@ -146,17 +140,14 @@ def harness_problem(spec: LmEvalSpec, base_dir: Path, runs_here: bool = True) ->
     return None
 
 
-# what the harness itself reads from gen_kwargs before the backend sees the rest (lm_eval/models/utils.py
-# normalize_gen_kwargs; the hf backend also pops max_length)
+# gen_kwargs the harness reads itself (lm_eval/models/utils.py normalize_gen_kwargs; hf also pops max_length)
 HARNESS_GEN_KEYS = ("until", "do_sample", "temperature", "max_gen_toks", "max_new_tokens", "max_tokens",
                     "max_completion_tokens")
 
 
 def gen_kwargs_problem(spec: LmEvalSpec) -> str | None:
-    """Why a key of ``gen_kwargs`` would fail the first request (None when every key is taken). The harness
-    passes the keys it does not read itself to the backend: transformers' ``generate`` (GenerationConfig's
-    fields) or vLLM's ``SamplingParams``, which refuse the others at the first request; checked only where
-    the backend's package is installed here."""
+    """Why a key of ``gen_kwargs`` would fail the first request, or None: a key the harness does not read
+    must be a field of the backend's GenerationConfig or SamplingParams (checked where that is installed)."""
     if spec.backend == "hf":
         from transformers import GenerationConfig
 
@@ -187,9 +178,8 @@ def unchecked_here(spec: LmEvalSpec) -> str | None:
 
 
 def task_manager(spec: LmEvalSpec, base_dir: Path, extra: Path | None = None):
-    """The harness's task index with the pipeline's task folder, then ``extra``'s tasks (which replace shipped
-    ones of the same name). Built once per folders' content: indexing every shipped task takes seconds, and
-    validation, fingerprint and each benchmark stage need it."""
+    """The harness's task index with the pipeline's task folder, then ``extra``'s tasks (replacing shipped
+    ones of the same name); built once per folders' content (indexing takes seconds)."""
     folders = ([Path(base_dir) / spec.include_path] if spec.include_path else []) + ([extra] if extra else [])
     return _task_manager(tuple((str(f), folder_digest(f) if f.is_dir() else None) for f in folders))
 
@@ -205,9 +195,8 @@ DATA_SUFFIXES = {".parquet", ".json", ".jsonl", ".csv", ".arrow", ".txt"}
 
 
 def task_datasets(spec: LmEvalSpec, base_dir: Path) -> dict[str, tuple[str, str | None]]:
-    """{task: (hub dataset id, its snapshot folder in the Hugging Face cache or None)} for each named task (not
-    group) whose dataset is a hub id; a snapshot counts only if it holds data files (``datasets`` run online
-    leaves one with the dataset card alone)."""
+    """{task: (hub dataset id, its cached snapshot folder or None)} for each named task on a hub dataset; a
+    snapshot counts only if it holds data files (not the dataset card alone)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval 0.4.13 (pinned): a task YAML with its includes
@@ -234,9 +223,8 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def cached_datasets(spec: LmEvalSpec, base_dir: Path, folder: Path) -> dict[str, str]:
-    """Where the hub does not answer: {snapshot folder: hub id} for each task whose hub dataset the Hugging Face
-    cache holds, each written into ``folder`` as a task YAML that includes the task's own and reads the snapshot
-    (lm-eval registers it under the same name, in place of the shipped one). Empty where the hub answers."""
+    """Where the hub does not answer: {snapshot folder: hub id} for each task whose dataset is cached, each
+    written into ``folder`` as a task YAML of the same name reading the snapshot. Empty where the hub answers."""
     import yaml
 
     if hub_answers():
@@ -273,8 +261,7 @@ def task_metrics(results: dict) -> dict[str, float]:
 
 
 def portable_config(config: dict, redirected: dict[str, str]) -> dict:
-    """A task's configuration as it ran, less what depends on this machine: the path of the YAML it came from,
-    and a hub dataset read from a cached snapshot (``cached_datasets``) named by its hub id."""
+    """A task's configuration as it ran, less what depends on this machine (a YAML path, a snapshot path)."""
     config = dict(config)
     if isinstance(config.get("metadata"), dict):
         config["metadata"] = {k: v for k, v in config["metadata"].items() if k != "config_source"}

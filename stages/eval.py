@@ -106,7 +106,6 @@ class EvalConfig(ExecutionLimits):
             refs["reward_model"] = self.reward_model
         return refs
 
-    # references that must name a reward_model stage (the spec checks the kind)
     reward_model_references: ClassVar[tuple[str, ...]] = ("reward_model",)
 
     def dataset_names(self) -> list[str]:
@@ -138,13 +137,12 @@ def pass_k_values(attempts: int) -> list[int]:
 
 def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, RewardSpec],
                   engine: dict | None = None) -> str:
-    """Everything that changes a score except the models evaluated: the checkpoint, and a best-of-N selector's
-    checkpoint, which a pipeline trains per seed as it trains the policy, so one seed's evaluations compare with
-    another's. ``engine`` is the resolved backend's identity: empty for HF generate (so older hashes stay valid),
-    vLLM's version, device and dtype otherwise."""
+    """Everything that changes a score except the models evaluated (the checkpoint and a best-of-N
+    selector's, trained per seed). ``engine``: the resolved backend's identity (empty for HF generate, so
+    older hashes stay valid)."""
     payload = {
         "sampling": config.sampling.identity(),
-        "data": Path(data_path).name,  # content-keyed file name
+        "data": Path(data_path).name,
         "max_prompts": config.max_prompts,
         "rewards": {name: spec.identity() for name, spec in rewards.items()},
         "verifier": config.verifier or config.rewards[0],
@@ -160,7 +158,6 @@ def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, Reward
 
 
 def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
-    """Sample, score and summarise; returns the failure-case file and the metrics."""
     rewards: dict[str, RewardSpec] = inputs.rewards
     records = read_materialized(inputs.data)
     if config.max_prompts:
@@ -218,8 +215,7 @@ def run(config: EvalConfig, inputs: StageInputs, ctx) -> dict:
 
 
 def _bound_scorers(config: EvalConfig, inputs: StageInputs, episodes) -> dict:
-    """Reward models and judges bound to their checkpoints, and, for an agent's episodes, ``environment``
-    rewards bound to them (the environment's own score of each episode)."""
+    """Reward models and judges bound to their checkpoints, ``environment`` rewards to the episodes."""
     from stages.scorers import bind_scorers
 
     bound = bind_scorers(inputs.rewards, inputs)
@@ -232,8 +228,7 @@ def _bound_scorers(config: EvalConfig, inputs: StageInputs, episodes) -> dict:
 
 
 def _audit(ctx, rewards: dict[str, RewardSpec], scored, bound: dict, prompts: list, texts: list[str]) -> dict:
-    """Judges against verifiers and reward models on these samples: agreement and confusion counts as
-    metrics, the disagreeing examples as tables (stages/rewards/judge.py)."""
+    """Judges against verifiers and reward models on these samples: agreement metrics, disagreements as tables."""
     from stages.rewards.judge import JudgeReward, audit_judges, log_audits
 
     judges = {name: fn for name, fn in bound.items() if isinstance(fn, JudgeReward)}
@@ -241,8 +236,8 @@ def _audit(ctx, rewards: dict[str, RewardSpec], scored, bound: dict, prompts: li
 
 
 def _sample(config: EvalConfig, inputs: StageInputs, ctx, records: list[dict], verifier: str):
-    """``attempts`` samples (or episodes, with an environment) per prompt through the engine, its settings hash
-    tagged; (samples, seconds, the episodes in prompt-major order or None)."""
+    """``attempts`` samples (or episodes) per prompt, the settings hash tagged; (samples, seconds, episodes
+    prompt-major or None)."""
     sampling = config.sampling
     prompts = start_messages(config, records)
     with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
@@ -359,8 +354,7 @@ def per_prompt_scores(prompts: list, records: list[dict], correct: list[bool], r
 
 
 def standard_errors(per_prompt: list[dict]) -> dict[str, float]:
-    """``se/<score>`` for each pass@k and the mean reward: the SE over prompts (attempts clustered by prompt, and
-    a question the dataset holds several times clustered as one)."""
+    """``se/<score>`` for each pass@k and the mean reward: the SE over prompts, a repeated question one cluster."""
     names = [name for name in per_prompt[0] if name.startswith("pass_at_") or name == "reward_mean"]
     questions = [row["prompt"] for row in per_prompt]
     return {f"se/{name}": clustered_mean_and_se([row[name] for row in per_prompt], questions)[1] for name in names}

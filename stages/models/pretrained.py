@@ -19,9 +19,8 @@ from pathlib import Path
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "posttrain_source.json"  # what a converted checkpoint was made from
 
-# The message line of ChatML templates, and the same line with assistant content marked
-# for TRL's assistant-only loss (the end-of-turn token inside the markers: the model
-# must learn to stop).
+# ChatML's message line, and the same with assistant content marked for TRL's assistant-only loss
+# (the end-of-turn token inside the markers: the model must learn to stop)
 _CHATML_LINE = "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
 _CHATML_TRAINING_LINE = (
     "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
@@ -38,8 +37,6 @@ _PROBE_CONVERSATIONS = [
 class ModelSourceError(ValueError):
     """A base model that cannot be found or loaded, said in terms of the pipeline's `model:`."""
 
-
-# ---------------------------------------------------------------- GGUF
 
 
 def pip_name(package: str) -> str:
@@ -90,11 +87,8 @@ def file_sha256(path: Path) -> str:
 
 
 def training_chat_template(template: str, render) -> str | None:
-    """``template`` with ChatML assistant turns marked for assistant-only loss, or None when it
-    already has markers, is not ChatML, or the patched one would render any probe differently.
-
-    ``render(template, messages, add_generation_prompt)`` renders with the tokenizer.
-    """
+    """``template`` with ChatML assistant turns marked for assistant-only loss, or None when it already has
+    markers, is not ChatML, or would ``render(template, messages, add_generation_prompt)`` a probe differently."""
     if "{% generation %}" in template:
         return None
     # GGUF metadata may carry the template's "\\n" escapes as real newlines: match either spelling
@@ -113,8 +107,7 @@ def training_chat_template(template: str, render) -> str | None:
 
 
 def set_padding_side(tokenizer, side: str) -> None:
-    """Set the padding side so that it also survives save_pretrained (transformers 5 drops the
-    attribute itself on save; init_kwargs is what gets written)."""
+    """Set the padding side in init_kwargs too: transformers 5 saves those, not the attribute."""
     tokenizer.padding_side = side
     tokenizer.init_kwargs["padding_side"] = side
 
@@ -133,8 +126,7 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    # The weights are already dequantized; what remains of "quantized" is a marker that
-    # stops save_pretrained (transformers will not re-serialise GGUF quantization).
+    # dequantized already: the "quantized" marker left only stops save_pretrained
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
@@ -155,9 +147,8 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
 
 
 def machine_cache_dir() -> Path | None:
-    """posttrain's cache on this machine, shared by every home: ``$POSTTRAIN_CACHE_DIR`` (empty: none), else
-    ``$XDG_CACHE_HOME/posttrain``, else ``~/.cache/posttrain``. It holds what depends only on installed
-    versions or on bytes (GGUF conversions here; flows/servers/db_templates.py's database templates)."""
+    """posttrain's cache on this machine, shared by every home, for what depends only on installed versions
+    or bytes: ``$POSTTRAIN_CACHE_DIR`` (empty: none), else ``$XDG_CACHE_HOME/posttrain``, else ``~/.cache/posttrain``."""
     configured = os.environ.get("POSTTRAIN_CACHE_DIR")
     if configured is not None:
         return Path(configured) if configured else None
@@ -166,11 +157,8 @@ def machine_cache_dir() -> Path | None:
 
 
 def converted_gguf_checkpoint(path: Path, cache_dir: Path) -> Path:
-    """The converted checkpoint of a GGUF file in ``cache_dir`` (a home's), converting it on first use
-    (atomically). A conversion is also kept in the machine's cache (``machine_cache_dir``), keyed by the
-    same bytes and transformers version, so another home on the machine links it instead of converting
-    again (SmolLM2: about 25 s on 2 cores); that copy is an optimisation only, ignored where it cannot
-    be read or written."""
+    """The converted checkpoint of a GGUF file in ``cache_dir`` (a home's), converted atomically on first use
+    and also kept in ``machine_cache_dir`` for other homes (an optimisation only, ignored where it fails)."""
     sha = file_sha256(path)
     name = f"gguf-{sha[:16]}"
     target = cache_dir / name
@@ -215,8 +203,8 @@ def _publish(staging: Path, target: Path) -> None:
 
 
 def _publish_copy(source: Path, target: Path) -> Path:
-    """``source``'s files at ``target`` (hard links where the file system allows, else copies), built aside and
-    renamed into place, the source file last so a reader never takes half a copy."""
+    """``source``'s files at ``target`` (hard links, else copies), built aside and renamed into place with
+    the source file last, so a reader never takes half a copy."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".linking-", dir=target.parent))
     try:
@@ -230,8 +218,6 @@ def _publish_copy(source: Path, target: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
-
-# ---------------------------------------------------------------- hub
 
 
 def cached_hub_snapshot(repo_id: str, revision: str | None) -> Path | None:

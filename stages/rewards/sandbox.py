@@ -65,13 +65,10 @@ def run_sandboxed(
     max_output_bytes: int = 1_000_000,
     isolation: str = "bubblewrap",
 ) -> SandboxResult:
-    """Run ``code`` as /sandbox/main.py in the sandbox; ``files`` are written beside it.
+    """Run ``code`` as /sandbox/main.py in the sandbox, ``files`` beside it. ``isolation="rlimits-only"``
+    is the explicit opt-out for hosts without bubblewrap (weaker: docs/algorithms.md), never chosen silently.
 
-    ``isolation="rlimits-only"`` is the explicit opt-out for hosts without bubblewrap (see
-    the module docstring for what it keeps and what it gives up); never chosen silently.
-
-    Raises ``SandboxUnavailable`` when the sandbox cannot run here; whatever the code does
-    (crash, hang, exhaust memory) is reported in the result, never raised.
+    Raises ``SandboxUnavailable`` when the sandbox cannot run here; whatever the code does is in the result.
     """
     if timeout_s <= 0 or memory_mb <= 0 or max_processes <= 0:
         raise ValueError(
@@ -112,8 +109,6 @@ def run_sandboxed(
     reason = _killed_reason(returncode, stderr, timed_out, timeout_s)
     return SandboxResult(returncode, stdout, stderr, timed_out, reason)
 
-
-# ---------------------------------------------------------------- setup
 
 
 @dataclass(frozen=True)
@@ -260,7 +255,7 @@ def _tasks_of_user(uid: int) -> int:
 
 
 def _write_files(work: Path, files: dict[str, str], owner: int | None) -> None:
-    """Create the working dir with ``files``, owned by the sandbox's uid when we are root."""
+    """The working dir with ``files``, owned by the sandbox's uid when we are root."""
     work.mkdir()
     for name, content in files.items():
         relative = PurePosixPath(name)
@@ -284,16 +279,12 @@ def _drop_to_uid(tools: _Tools, uid: int | None) -> list[str]:
             "--inh-caps=-all", "--bounding-set=-all", "--"]
 
 
-# ---------------------------------------------------------------- running
-
 
 def _execute(command: Callable[[int], list[str]], std_files: tuple, timeout_s: float) -> tuple[int, bool]:
     """Run the sandbox until it exits or ``timeout_s`` passes; return (status, timed_out).
 
-    bwrap's monitor process returns as soon as the program exits, while the rest of the
-    sandbox's processes may still be alive for a moment. They all die with the sandbox's
-    pid 1 (the kernel kills a pid namespace whole, and pid 1 finishes exiting only after
-    the last of them), so we hold a pidfd on pid 1 and return only once it has exited.
+    Returns only once the sandbox's pid 1 has exited (held by a pidfd): bwrap returns when the program
+    exits, but the namespace's other processes die only with pid 1.
     """
     stdin_file, stdout_file, stderr_file = std_files
     info_read, info_write = os.pipe()  # bwrap writes {"child-pid": <host pid of pid 1>} here
@@ -324,11 +315,8 @@ def _execute(command: Callable[[int], list[str]], std_files: tuple, timeout_s: f
 
 def _execute_unisolated(argv: list[str], work: Path, std_files: tuple, timeout_s: float,
                         uid: int | None) -> tuple[int, bool]:
-    """rlimits-only: run in its own session in ``work``; on exit or timeout kill what it left.
-
-    As root the code runs as a fresh uid, so every process of that uid is the run's own and is
-    killed; as a normal user, the session's process group is (a process that left it survives).
-    """
+    """rlimits-only: run in its own session in ``work``; on exit or timeout kill every process of its
+    fresh uid (as root) or its process group (otherwise: a process that left it survives)."""
     stdin_file, stdout_file, stderr_file = std_files
     process = subprocess.Popen(argv, cwd=work, stdin=stdin_file, stdout=stdout_file, stderr=stderr_file,
                                start_new_session=True, env={**_SANDBOX_ENV, "HOME": str(work)})
@@ -408,8 +396,7 @@ def _wait_for_exit(pidfd: int, timeout_s: float) -> None:
 
 
 def _read_capped(path: Path, limit: int) -> str:
-    """The stream as text; past ``limit`` bytes keep its head and its tail (where the
-    traceback or a final verdict is) and say how much was cut."""
+    """The stream as text; past ``limit`` bytes its head and tail (the traceback) and how much was cut."""
     size = path.stat().st_size
     with open(path, "rb") as stream:
         if size <= limit:

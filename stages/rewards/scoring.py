@@ -56,8 +56,8 @@ def _normalise_output(name: str, result: Any, expected: int) -> RewardOutput:
 
 
 def _checked_steps(name: str, steps, expected: int) -> list[list] | None:
-    """A process reward's steps: one list per completion of StepScores (stages/rewards/steps.py: spans within
-    the completion, in order, not overlapping; finite scores), else a RewardError saying what is wrong."""
+    """A process reward's steps, one list of StepScores per completion (spans in order, not overlapping,
+    finite scores), else a RewardError saying what is wrong."""
     if steps is None:
         return None
     steps = list(steps)
@@ -77,10 +77,8 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
                     fn: Callable[..., Any] | None = None) -> ComponentScores:
     """Score a batch; if the function raises (or passes its time bound), isolate the failing samples one by one.
 
-    ``fn`` is a bound scorer (a loaded reward model, a judge, an environment's score), called in this
-    process, as is ``code_tests`` (each completion in its own sandboxed process, under its own time limit).
-    Every other reward runs in the stage's reward worker (stages/rewards/worker.py) under the wall-clock
-    bound ``spec.max_seconds`` per call, in chunks of ``CHUNK`` completions."""
+    A bound ``fn`` and ``code_tests`` (sandboxed per completion) run in this process; every other reward
+    in the reward worker, ``spec.max_seconds`` per chunk of ``CHUNK`` completions."""
     if fn is None and spec.fn not in BOUND_ONLY_FNS + SELF_BOUNDED_FNS:
         from stages.rewards.worker import CHUNK
 
@@ -104,9 +102,8 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
 
 
 def _bounded_call(spec: RewardSpec) -> Callable[[list[str], dict[str, list]], Any]:
-    """``spec.fn`` on a chunk in the reward worker, bounded by ``spec.max_seconds``: a broken reward
-    (a ``RewardError`` in the worker) raises ``RewardError`` here; any other exception, and a call
-    past its bound, raises an exception whose message names what happened."""
+    """``spec.fn`` on a chunk in the reward worker, bounded by ``spec.max_seconds``; a ``RewardError``
+    there raises one here, anything else (a time-out included) an exception naming what happened."""
     from stages.rewards.worker import RewardRaised, RewardTimeout, worker
 
     def call(texts, cols):
@@ -159,7 +156,6 @@ def _score_chunk(name: str, call, completions: list[str], columns: dict[str, lis
 
 
 def _is_step(step) -> bool:
-    """A StepScore (stages/rewards/steps.py), told by its fields."""
     return all(isinstance(getattr(step, name, None), int) for name in ("start", "end")) and \
         isinstance(getattr(step, "score", None), (int, float))
 
@@ -170,10 +166,8 @@ def _process_steps(steps: list) -> list[list] | None:
 
 
 def reward_columns(records: list[dict], prompts: list, attempts: int) -> dict[str, list]:
-    """The columns a reward reads beside ``attempts`` completions of each record, prompt-major: the
-    reference ``answer``, the ``prompts`` (chat messages) and, when any record answers a generated task
-    (reasoning_gym data), ``task``; data without one hands rewards exactly ``answer`` and ``prompts``.
-    Every stage, and ``check-reward``, builds its columns here."""
+    """The columns a reward reads beside ``attempts`` completions of each record, prompt-major: ``answer``,
+    ``prompts`` and, when any record has a generated task (reasoning_gym), ``task``."""
     columns: dict[str, list] = {
         "answer": [r.get("answer") for r in records for _ in range(attempts)],
         "prompts": [p for p in prompts for _ in range(attempts)],
@@ -188,7 +182,7 @@ def score_completions(
     specs: dict[str, RewardSpec], completions: list[str], columns: dict[str, list],
     fns: dict[str, Callable[..., Any]] | None = None,
 ) -> ScoredBatch:
-    """Every component on one batch; ``fns``: bound scorers by reward name (reward models)."""
+    """Every component on one batch; ``fns``: bound scorers by reward name."""
     fns = fns or {}
     components = [score_component(name, spec, completions, columns, fns.get(name)) for name, spec in specs.items()]
     total = [sum(c.weight * c.scores[i] for c in components) for i in range(len(completions))]
@@ -206,7 +200,6 @@ class RewardErrorPolicy:
 
     @classmethod
     def of(cls, config) -> "RewardErrorPolicy":
-        """The policy a stage config declares (``reward_errors``, ``max_reward_errors``)."""
         return cls(config.reward_errors, config.max_reward_errors)
 
     def count_reward_errors(self, components: Iterable[ComponentScores], completions: list[str]) -> None:
@@ -233,8 +226,7 @@ class RewardErrorPolicy:
         self.count, self.shown = saved["count"], saved["shown"]
 
     def _show(self, errors: list[tuple[str, str, str]]) -> None:
-        """Each error counted and carried on (a judge's unreadable reply, a reward's exception) goes to the
-        stage's log with its completion, the first SHOWN_ERRORS of the stage; the rest are counted only."""
+        """The stage's first SHOWN_ERRORS errors go to its log with their completion; the rest are counted."""
         for name, message, completion in errors:
             self.shown += 1
             if self.shown <= SHOWN_ERRORS:
@@ -248,11 +240,8 @@ SHOWN_ERRORS = 20
 
 
 class Scorer:
-    """A stage's rewards over batches of completions, under its ``reward_errors`` policy.
-
-    ``fns``: bound scorers by reward name (reward models, judges, environment scores), used instead
-    of the named function; ``auditor``: stages/rewards/judge.py's ``BatchAuditor`` (RL stages), fed every
-    scored batch."""
+    """A stage's rewards over batches of completions, under its ``reward_errors`` policy; ``fns``: bound
+    scorers by reward name; ``auditor``: a judge's ``BatchAuditor``, fed every scored batch."""
 
     def __init__(self, specs: dict[str, RewardSpec], policy: RewardErrorPolicy,
                  fns: dict[str, Callable[..., Any]] | None = None, auditor=None):
@@ -264,8 +253,8 @@ class Scorer:
 
     def score(self, completions: list[str], columns: dict[str, list],
               fns: dict[str, Callable[..., Any]] | None = None) -> ScoredBatch:
-        """Every reward on one batch (the weighted total beside each component); ``fns`` override the
-        bound scorers for this batch (an environment's score of this batch's episodes)."""
+        """Every reward on one batch (the weighted total beside each component); ``fns`` override the bound
+        scorers for this batch."""
         scored = score_completions(self.specs, completions, columns, {**self.fns, **(fns or {})})
         self.policy.count_reward_errors(scored.components, completions)
         if self.auditor is not None:
@@ -274,8 +263,7 @@ class Scorer:
 
     def score_one(self, name: str, completions: list[str], columns: dict[str, list],
                   fn: Callable[..., Any] | None = None) -> ComponentScores:
-        """One reward on one batch (TRL calls each reward function on its own); ``fn`` overrides the
-        bound scorer for this call (an environment's score of this batch's episodes)."""
+        """One reward on one batch (TRL calls each reward function on its own); ``fn`` overrides its scorer."""
         component = score_component(name, self.specs[name], completions, columns, fn or self.fns.get(name))
         self.policy.count_reward_errors([component], completions)
         if self.auditor is not None:
