@@ -1,8 +1,5 @@
-"""The ``reward_model`` stage at ``level: step``: a process reward model (PRM).
-
-Two heads (``step_head``): ``surprise`` (the default), a small MLP over the frozen LM's log-probabilities
-of each step's tokens and its hidden states; ``token``, a token classifier trained whole. Design notes,
-departures and why: docs/algorithms.md, section `stages/process_reward_model.py`.
+"""The ``reward_model`` stage at ``level: step``: a process reward model (PRM), with a ``surprise``
+head over the frozen LM (default) or a whole ``token`` classifier. Design: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -17,9 +14,9 @@ from stages.data.sources import read_materialized
 
 
 def step_examples(config, inputs: StageInputs, tokenizer, records: list[dict] | None = None) -> list[dict]:
-    """One example per demonstration whose labelling reward found steps: input ids (prompt, completion) and
-    labels (1 right, 0 wrong at each step's last token; -100 elsewhere), with the step labels kept apart, the
-    record, its steps' spans and each step's (first, last) token index. ``records``: these demonstrations instead of the stage data's."""
+    """One example per demonstration with labelled steps: input ids and labels (1 right, 0 wrong at each step's
+    last token, -100 elsewhere), the record, its step spans and (first, last) token indices. ``records``
+    replace the stage data's."""
     from stages.rewards.reward_model import step_model_inputs
     from stages.rewards.steps import step_token_indices
 
@@ -57,9 +54,8 @@ TRAILING_NUMBER = re.compile(r"(-?\d+)$")
 
 
 def counterfactual_records(examples: list[dict], copies: int, seed: int) -> list[dict]:
-    """For each example, ``copies`` demonstrations that differ from it in one step: that step's last number
-    moved by 1 up or down (a step ending in no number is left alone; a number never goes below 0 unless it
-    was). The step and the ones after it are relabelled by the stage's labelling reward, never assumed wrong."""
+    """For each example, ``copies`` demonstrations with one step's last number moved by 1, relabelled by the
+    stage's labelling reward (never assumed wrong)."""
     rng = random.Random(seed)
     made = []
     for example in examples:
@@ -77,8 +73,8 @@ def counterfactual_records(examples: list[dict], copies: int, seed: int) -> list
 
 
 def step_labels(config, inputs: StageInputs, records: list[dict], completions: list[str]) -> list[list]:
-    """Each demonstration's labelled steps (StepScores, 1.0 right): scored by the ``labels`` process reward, or
-    read from a step-rated file's ratings (one step per line; +1 right, 0 and -1 not)."""
+    """Each demonstration's labelled steps (StepScores, 1.0 right), by the ``labels`` reward or a step-rated
+    file's ratings (+1 right, 0 and -1 not)."""
     from stages.rewards.scoring import reward_columns, score_component
     from stages.rewards.steps import StepScore, split_steps
 
@@ -112,9 +108,8 @@ def heldout_metrics(model, tokenizer, examples: list[dict]) -> dict[str, float]:
 
 
 def step_metrics(probabilities: list[list[float]], examples: list[dict]) -> dict[str, float]:
-    """Given P(right) of each step of each example: step accuracy (a step predicted right when P(right) > 0.5)
-    beside the majority baseline (always answering the commoner label), the share of right steps, precision
-    and recall on wrong steps (the ones a PRM exists to catch), and the first-wrong-step detection rate."""
+    """From each step's P(right): accuracy (right when > 0.5) beside the majority baseline, the share of right
+    steps, precision and recall on wrong steps, and the first-wrong-step detection rate."""
     correct = total = right_steps = detected = with_wrong = 0
     flagged = flagged_wrong = 0  # steps predicted wrong, and of those the truly wrong
     for right, example in zip(probabilities, examples):
@@ -139,8 +134,8 @@ def step_metrics(probabilities: list[list[float]], examples: list[dict]) -> dict
 
 
 def class_weights(config, train: list[dict]) -> list[float] | None:
-    """(wrong, right) weights of the cross-entropy: with ``step_class_weights: balanced`` each label weighs
-    total / (2 x its count) over the training steps, so both classes weigh the same in all; else None."""
+    """(wrong, right) cross-entropy weights, total / (2 x count) each under ``step_class_weights: balanced``;
+    else None."""
     if config.step_class_weights == "none":
         return None
     right = sum(sum(e["step_labels"]) for e in train)
@@ -153,8 +148,7 @@ def class_weights(config, train: list[dict]) -> list[float] | None:
 
 
 def weighted_token_loss(weights: list[float]):
-    """A Trainer ``compute_loss_func``: the token classifier's cross-entropy with per-class weights, averaged
-    over the labelled tokens by their weights (torch's weighted mean)."""
+    """A Trainer ``compute_loss_func``: class-weighted cross-entropy over the labelled tokens."""
     import torch
 
     def loss(outputs, labels, num_items_in_batch=None):
@@ -188,8 +182,6 @@ def _training_data_params(train: list[dict], counterfactuals: list[dict], weight
 
 
 def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
-    """The stage at ``level: step``: the step examples, held-out and counterfactual ones apart, then the head
-    ``step_head`` names trained on them."""
     from transformers import AutoTokenizer
 
     from stages.data.preferences import split_heldout
@@ -211,8 +203,7 @@ def train_step_scorer(config, inputs: StageInputs, ctx) -> dict:
 
 
 def train_token_classifier(config, inputs: StageInputs, ctx, tokenizer, train: list[dict], heldout: list[dict]) -> dict:
-    """``step_head: token``: the whole token classifier trained by TRL's Trainer, cross-entropy at each step's
-    last token."""
+    """``step_head: token``: the whole token classifier trained by TRL's Trainer."""
     from datasets import Dataset
     from transformers import DataCollatorForTokenClassification, Trainer, TrainingArguments
 
@@ -274,7 +265,6 @@ def _surprise_features(lm, tokenizer, examples: list[dict], batch_size: int = 32
 
 
 def _per_example(probabilities_S: list[float], examples: list[dict]) -> list[list[float]]:
-    """Flat step probabilities, regrouped by example."""
     grouped, at = [], 0
     for example in examples:
         grouped.append(probabilities_S[at:at + len(example["step_tokens"])])
@@ -283,10 +273,8 @@ def _per_example(probabilities_S: list[float], examples: list[dict]) -> list[lis
 
 
 def train_surprise_head(config, inputs: StageInputs, ctx, tokenizer, train: list[dict], heldout: list[dict]) -> dict:
-    """``step_head: surprise``: the stage's model, frozen, reads every demonstration once; a small head learns
-    P(right) from each step's features (stages/rewards/step_surprise.py) by cross-entropy, ``max_steps`` steps
-    of ``batch_size`` labelled steps drawn in a seeded order, AdamW at ``lr`` on ``lr_schedule``. It takes
-    seconds, so it does not checkpoint to resume."""
+    """``step_head: surprise``: the frozen model reads every demonstration once, then a small head learns
+    P(right) from each step's features. Seconds long, so it does not checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM, get_scheduler
 

@@ -24,8 +24,6 @@ from stages.data.specs import (  # the declarations, read here and by flows/spec
     holds_preferences,
 )
 
-# ---------------------------------------------------------------- generators
-
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -54,10 +52,8 @@ def generate_arithmetic(spec: ArithmeticData) -> list[dict]:
 
 
 def generate_chains(spec: ArithmeticData) -> list[dict]:
-    """Chains of ``spec.terms`` numbers to compute step by step, demonstrated as running results ("12+5=17,
-    17+8=25, 25-3=22"). An imperfect demonstrator (``demo_error_rate``) writes one step's result off by 1 or 2;
-    half the time the next step carries on from the wrong value (the final answer is wrong), half the time
-    from the right one (a slip: the final answer is right, reached through a wrong step)."""
+    """Chains of ``spec.terms`` numbers computed step by step ("12+5=17, 17+8=25"); with ``demo_error_rate``
+    one step is off by 1 or 2, carried on (a wrong answer) or not (a right answer through a wrong step)."""
     rng = random.Random(spec.seed)
     records = []
     for _ in range(spec.n):
@@ -80,8 +76,6 @@ def generate_chains(spec: ArithmeticData) -> list[dict]:
                         "answer": str(answer)})
     return records
 
-
-# ---------------------------------------------------------------- files
 
 
 def normalise_record(raw, where: str) -> dict:
@@ -161,8 +155,8 @@ def resolve_path(spec: FileData, base_dir: Path) -> Path:
 
 
 def mix_datasets(spec: MixtureData, sources: dict[str, list[dict]]) -> tuple[list[dict], dict[str, int]]:
-    """(records, realised count per source): each record's source drawn with the declared
-    probabilities, then the next record of that source's shuffled order (reshuffled when used up)."""
+    """(records, realised count per source): sources drawn with the declared probabilities, each read in a
+    shuffled order."""
     empty = [name for name in spec.mixture if not sources.get(name)]
     if empty:
         raise DataError(f"mixture component(s) {', '.join(empty)} hold no records")
@@ -199,8 +193,7 @@ def load_records(spec, base_dir: Path, datasets: dict | None = None) -> list[dic
 
 
 def located_file_records(spec: FileData | HubData, base_dir: Path) -> list[tuple[str, dict]]:
-    """(``file:line``, ``file: row i`` or ``dataset record i``, canonical record) for a dataset read from files
-    (a JSONL / parquet file, or a Hugging Face dataset); DataError names what is wrong."""
+    """(where, canonical record) for a dataset read from files or the hub; DataError names what is wrong."""
     if isinstance(spec, HubData):
         from stages.data.hub import located_hub_records
 
@@ -264,10 +257,8 @@ def _component(spec: MixtureData, name: str, datasets: dict | None):
 
 
 def data_key(spec, base_dir: Path, datasets: dict | None = None) -> str:
-    """Content key of a dataset: its spec, plus the file's bytes for file datasets, a Hugging Face dataset's
-    resolved commit or folder digest (stages/data/hub.py), the installed
-    reasoning-gym version for reasoning-gym tasks (an upgrade may generate other entries), and the
-    components' keys for a mixture (``datasets``: every declared dataset by name)."""
+    """Content key of a dataset: its spec, plus what else decides its records (a file's bytes, a hub commit,
+    the reasoning-gym version, a mixture's components' keys)."""
     digest = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode())
     if isinstance(spec, MixtureData):
         digest.update(json.dumps({name: _materialized_key(_component(spec, name, datasets), base_dir, datasets)
@@ -280,7 +271,7 @@ def data_key(spec, base_dir: Path, datasets: dict | None = None) -> str:
         path = resolve_path(spec, base_dir)
         if path.is_file():
             digest.update(hashlib.sha256(path.read_bytes()).digest())
-    if isinstance(spec, HubData):  # the resolved commit or the folder's content: a new revision, a new key
+    if isinstance(spec, HubData):
         from stages.data.hub import identity
 
         digest.update(str(identity(spec, base_dir)).encode())
@@ -298,11 +289,8 @@ def _materialized_key(spec, base_dir: Path, datasets: dict | None) -> str:
 
 
 def materialize(spec, base_dir: Path, cache_dir: Path, datasets: dict | None = None) -> Path:
-    """Write the dataset's canonical JSONL once (atomically) and return its path.
-
-    ``datasets`` holds every declared dataset by name: those named in the spec's ``exclude``
-    have their prompts dropped from this one (their content keys are part of its key); a
-    mixture draws from its components' materialised records."""
+    """Write the dataset's canonical JSONL once (atomically) and return its path; ``datasets`` (by name) give
+    the prompts to ``exclude`` and a mixture's components."""
     if isinstance(spec, MixtureData):
         return _materialize_mixture(spec, base_dir, cache_dir, datasets)
     excluded = {name: datasets[name] for name in getattr(spec, "exclude", [])} if datasets else {}
@@ -343,7 +331,6 @@ def _materialize_mixture(spec: MixtureData, base_dir: Path, cache_dir: Path, dat
 
 
 def mixture_report_path(materialized: Path) -> Path:
-    """Where a materialised mixture's recipe and realised counts are written."""
     return materialized.with_name(materialized.stem + ".mixture.json")
 
 

@@ -1,9 +1,5 @@
-"""Base models: a tiny Llama-style model built locally from a seed, any local checkpoint, a
-GGUF file (converted once, stages/models/pretrained.py) or a Hugging Face hub id.
-
-The tiny model uses a character-level tokenizer with a chat template, so a pipeline can
-fine-tune, sample and evaluate a real transformers checkpoint with no network and in
-seconds on a CPU. Nothing here downloads anything.
+"""Base models: a tiny Llama-style model built from a seed (a character-level tokenizer: a real
+checkpoint in seconds on a CPU, no network), a local checkpoint, a GGUF file or a hub id.
 """
 
 from __future__ import annotations
@@ -21,9 +17,8 @@ from pydantic import ConfigDict, Discriminator, Field, Tag
 from stages.models.pretrained import set_padding_side
 from stages.spec_model import HUB_ID_PATTERN, HubRevision, SpecModel
 
-# The assistant's end-of-turn token is inside {% generation %} so assistant-only loss
-# teaches the model to stop (TRL checks for exactly this). Tools passed as `tools=` are
-# named in a system line (an agent's episodes, stages/rollout/episodes.py); tool results are `tool` turns.
+# The end-of-turn token inside {% generation %}: assistant-only loss teaches the model to stop.
+# `tools=` are named in a system line; tool results are `tool` turns.
 TINY_CHAT_TEMPLATE = (
     "{%- if tools -%}<|system|>tools: {{ tools | map(attribute='function.name') | join(', ') }}<|end|>{%- endif -%}"
     "{%- for message in messages -%}"
@@ -150,7 +145,6 @@ def build_tiny_tokenizer():
 
 
 def build_tiny_model(spec: TinyModelSpec, seed: int, out_dir: Path) -> Path:
-    """Initialise the tiny model deterministically from ``seed`` and save it with its tokenizer."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -188,12 +182,8 @@ def base_model_key(spec, seed: int) -> str:
 
 
 def resolve_base_checkpoint(spec, seed: int, cache_dir: Path, base_dir: Path) -> Path:
-    """Return a checkpoint dir for the pipeline's base model, building it once if needed.
-
-    Built (tiny) and converted (GGUF) models are cached under ``cache_dir`` by content key
-    and published atomically (built in a temporary dir, then renamed), so a killed build
-    never leaves a half model.
-    """
+    """A checkpoint dir for the pipeline's base model; a built or converted one is cached under
+    ``cache_dir`` by content key and published atomically (a killed build leaves no half model)."""
     if isinstance(spec, PathModelSpec):
         path = Path(spec.path)
         return path if path.is_absolute() else (base_dir / path).resolve()
@@ -223,10 +213,7 @@ def resolve_base_checkpoint(spec, seed: int, cache_dir: Path, base_dir: Path) ->
 
 
 def check_checkpoint_dir(path: Path, *, trust_remote_code: bool = False) -> str | None:
-    """Why ``path`` is not a usable checkpoint directory, or None if it looks like one.
-
-    Reads only JSON: nothing of the checkpoint is imported or unpickled to decide.
-    """
+    """Why ``path`` is not a usable checkpoint directory, or None. Reads only JSON: nothing is unpickled."""
     if not path.exists():
         return f"model path {str(path)!r} does not exist"
     if not path.is_dir():
@@ -283,11 +270,8 @@ def chat_template_problem(path: Path) -> str | None:
 
 def load_model_and_tokenizer(path: Path, *, for_generation: bool = False, trust_remote_code: bool = False,
                              dtype: str | None = None):
-    """Load a causal LM and its tokenizer from a local checkpoint dir (in ``dtype``, else the checkpoint's own).
-
-    ``trust_remote_code`` is passed explicitly (never left to transformers' default), so a
-    checkpoint's own Python runs only when the pipeline's model says ``trust_remote_code: true``.
-    """
+    """A causal LM and its tokenizer from a local checkpoint dir (in ``dtype``, else its own). A checkpoint's
+    own Python runs only when the pipeline says ``trust_remote_code: true``, passed explicitly."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -302,11 +286,8 @@ def load_model_and_tokenizer(path: Path, *, for_generation: bool = False, trust_
 
 
 def load_sequence_scorer(path: Path, trust_remote_code: bool = False):
-    """(model, tokenizer): a one-output sequence classifier from any causal-LM or reward checkpoint.
-
-    From a causal LM the score head is new (random); ``pad_token_id`` is set in the config
-    because the classifier reads its score at the last token that is not padding.
-    """
+    """(model, tokenizer): a one-output sequence classifier from any causal-LM (new head) or reward checkpoint;
+    ``pad_token_id`` is set because the score is read at the last token that is not padding."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
