@@ -110,10 +110,8 @@ def model_identity(checkpoint: Path) -> str:
 
 def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs,
                 open_model_judge: Callable | None = None) -> dict[str, JudgeReward]:
-    """The reward function of every ``fn: judge`` reward; ``inputs`` carries each model judge's checkpoint
-    (``scorer_checkpoints``) and the reply cache's directory (``judge_cache``, None: no cache);
-    ``open_model_judge(spec, checkpoint, trust_remote_code) -> (ask, backend)`` opens a model judge
-    (stages/rollout/model_judge.py, handed in by stages/scorers.py)."""
+    """The reward function of every ``fn: judge`` reward; ``open_model_judge(spec, checkpoint,
+    trust_remote_code) -> (ask, backend)`` opens a model judge (handed in by stages/scorers.py)."""
     cache_dir = inputs.judge_cache
     bound = {}
     for name, spec in rewards.items():
@@ -133,8 +131,6 @@ def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs,
         bound[name] = JudgeReward(spec, ask, ReplyCache(cache_dir, key))
     return bound
 
-
-# ---------------------------------------------------------------- audit
 
 
 @dataclass
@@ -208,9 +204,8 @@ def log_audits(ctx, audits: list[Audit], suffix: str = "") -> dict[str, float]:
 
 
 class BatchAuditor:
-    """Audits every ``audit_every``-th reward batch of an rl stage (the smallest of its judges' values):
-    ``record`` gathers one batch's components from a trainer that calls each reward function on its
-    own (TRL's GRPO); ``record_batch`` takes a batch scored on every reward at once (posttrain's PPO)."""
+    """Audits every ``audit_every``-th reward batch of an rl stage: ``record`` gathers a batch reward by
+    reward (TRL's GRPO), ``record_batch`` takes one scored whole (posttrain's PPO)."""
 
     def __init__(self, rewards: dict[str, RewardSpec], judges: dict[str, JudgeReward], ctx):
         self.rewards, self.judges, self.ctx = rewards, judges, ctx

@@ -1,8 +1,5 @@
-"""Scoring completions with a trained reward model: the loader, the batched scorer, and the
-``reward_model`` reward that eval, GRPO, PPO and the difficulty filter bind to their inputs.
-
-The ``reward_model`` stage kind (stages/reward_model.py) trains the model; everything that
-scores with one imports it from here, so no stage kind imports another.
+"""Scoring completions with a trained reward model (the ``reward_model`` reward): everything that
+scores with one imports it from here, so no stage kind imports stages/reward_model.py.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ class RewardModelScorer:
     """Batched scores of (prompt, completion) pairs by a trained reward model."""
 
     def __init__(self, path: Path, batch_size: int = 64, trust_remote_code: bool = False, where: str = "policy"):
-        """``where``: its placement (stages/models/placement.py); the scores come back on the CPU wherever it runs."""
+        """``where``: its placement; the scores come back on the CPU wherever it runs."""
         import torch
 
         from stages.models.placement import place
@@ -63,8 +60,7 @@ class RewardModelScorer:
 
 
 class RewardModelReward:
-    """A reward function ``(completions, prompts, **columns) -> scores`` around a scorer, with the
-    spec's offset or running normalisation (its state lives as long as the stage)."""
+    """A reward function around a scorer, with the spec's offset or running normalisation (stage-long state)."""
 
     def __init__(self, scorer: RewardModelScorer, spec: RewardSpec):
         from stages.preference_math import RunningMeanStd
@@ -94,8 +90,7 @@ def centre_per_prompt(scores: list[float], prompts: list[list[dict]]) -> list[fl
 
 
 def is_step_scorer(path: Path) -> bool:
-    """Whether a reward_model stage's checkpoint scores steps (``level: step``: a token classifier, or a causal LM
-    with a surprise head beside it)."""
+    """Whether a reward_model stage's checkpoint scores steps (``level: step``)."""
     import json
 
     from stages.rewards.step_surprise import has_surprise_head
@@ -107,19 +102,16 @@ def is_step_scorer(path: Path) -> bool:
 
 
 def step_model_inputs(tokenizer, prompt: list[dict], completion: str) -> tuple[list[int], list[int]]:
-    """(prompt ids through the chat template up to the assistant's turn, the completion's own ids): how a
-    step reward model reads a completion, in training and as a reward alike."""
+    """(prompt ids through the chat template, the completion's own ids): how a step reward model reads a
+    completion, in training and as a reward alike."""
     prompt_ids = tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True,
                                                return_dict=True)["input_ids"]
     return list(prompt_ids), tokenizer(completion, add_special_tokens=False)["input_ids"]
 
 
 class StepRewardModel:
-    """A process reward from a ``level: step`` reward_model stage (stages/reward_model.py): the completion's
-    steps split by the reward's ``kwargs`` (``split``, ``delimiter``: stages/rewards/steps.py), each scored
-    with the model's probability that the step is right (a token classifier's read at the step's last token,
-    or a surprise head's from the step's tokens: stages/rewards/step_surprise.py); the completion's score is the
-    mean over its steps (0 with none, and unparsed)."""
+    """A process reward from a ``level: step`` reward_model stage: each step (split by ``kwargs``) scored with
+    P(right); the completion's score is the mean over its steps (0 with none, and unparsed)."""
 
     def __init__(self, path: Path, spec: RewardSpec, trust_remote_code: bool = False, where: str = "policy"):
         import torch
@@ -163,8 +155,8 @@ class StepRewardModel:
         return found
 
     def _surprise_probabilities(self, input_ids, attention, batch) -> list[list[float]]:
-        """P(right) of each step from the surprise head: a step runs from the token after the previous step's
-        last (the completion's first for the first step) to its own last."""
+        """P(right) of each step from the surprise head, a step running from the token after the previous
+        step's last to its own."""
         import torch
 
         from stages.rewards.step_surprise import step_features
@@ -199,9 +191,8 @@ class StepRewardModel:
 
 def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy",
                        open_model_judge=None) -> dict:
-    """The reward functions of every ``fn: reward_model`` reward, each reward model loaded once (placed
-    where ``where`` says: stages/models/placement.py), and of every ``fn: judge`` reward (stages/rewards/judge.py: its
-    judge is loaded only when a reply is not cached)."""
+    """The reward functions of every ``fn: reward_model`` reward (each model loaded once, placed per ``where``)
+    and every ``fn: judge`` reward."""
     from stages.rewards.judge import bind_judges
 
     loaded: dict[str, RewardModelScorer] = {}
@@ -210,7 +201,7 @@ def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, wher
         if spec.fn != REWARD_MODEL_FN:
             continue
         path = inputs.scorer_checkpoint(name, f"scores with stage {spec.stage!r}")
-        if is_step_scorer(path):  # a process reward model (level: step): scores each step
+        if is_step_scorer(path):
             bound[name] = StepRewardModel(path, spec, inputs.trust_remote_code, where)
             continue
         if path not in loaded:

@@ -28,8 +28,7 @@ class StepScore:
 
 
 def split_steps(text: str, split: SplitRule = "delimiter", delimiter: str = ",") -> list[tuple[int, int]]:
-    """The character spans [start, end) of ``text``'s steps, surrounding white space left out; empty
-    steps are dropped."""
+    """The character spans [start, end) of ``text``'s non-empty steps, white space around them left out."""
     if split == "tags":
         raw = [(m.start(1), m.end(1)) for m in _TAG.finditer(text)]
     else:
@@ -68,9 +67,8 @@ def chain_terms(prompt_text: str) -> list[tuple[str, int]] | None:
 
 def check_chain(text: str, terms: list[tuple[str, int]], split: SplitRule = "delimiter",
                 delimiter: str = ",") -> list[StepScore]:
-    """Each step of ``text`` scored 1.0 when it is the chain's next step done right, else 0.0: step i must
-    read "r op b = c" with r the previous step's result (the chain's first number at step 0), op and b
-    the chain's (i+1)-th operator and operand, and c = r op b. A step past the chain's end is wrong."""
+    """Each step of ``text`` scored 1.0 when it is the chain's next step done right ("r op b = c", r the
+    previous step's written result), else 0.0; a step past the chain's end is wrong."""
     scored, running = [], terms[0][1]
     for i, (start, end) in enumerate(split_steps(text, split, delimiter)):
         match = STEP.fullmatch(text[start:end])
@@ -87,9 +85,8 @@ def check_chain(text: str, terms: list[tuple[str, int]], split: SplitRule = "del
 
 def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delimiter", delimiter: str = ",",
                 **_):
-    """The verifiable process reward of chain arithmetic: each step checked (``check_chain``), the
-    completion's score the share of the chain's steps done right (a missing step counts as wrong, an
-    extra one too). A completion with no step of the form "a op b = c" is unparsed."""
+    """Chain arithmetic's verifiable process reward: the share of the chain's steps done right (missing and
+    extra ones wrong); a completion with no "a op b = c" is unparsed."""
     from stages.rewards.spec import RewardError, RewardOutput
 
     scores, parsed, steps = [], [], []
@@ -107,19 +104,16 @@ def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delim
 
 
 def step_token_indices(tokenizer, token_ids: list[int], ends: list[int]) -> list[int]:
-    """For each step end (a character offset into the decoded ``token_ids``, as samples are decoded), the
-    index of the token that completes it: the first whose decoded prefix reaches it (the last token when
-    none does)."""
+    """For each step end (a character offset into the decoded ``token_ids``), the first token whose decoded
+    prefix reaches it (the last token when none does)."""
     decoded = [len(tokenizer.decode(token_ids[:i + 1], skip_special_tokens=True)) for i in range(len(token_ids))]
     last = max(len(token_ids) - 1, 0)
     return [next((i for i, length in enumerate(decoded) if length >= end), last) for end in ends]
 
 
 def process_metrics(components, correct: list[bool]) -> dict[str, float]:
-    """For each process reward among ``components`` (those that scored steps): the share of attempts whose
-    every step is right (a step scoring at least 1, the completion's score at least 1: none missing), and
-    the share of correct attempts (by the stage's verifier, ``correct``) that are not: right answers
-    reached through a wrong, missing or extra step."""
+    """For each process reward among ``components``: the share of attempts with every step right, and the
+    share of ``correct`` attempts that are not (right answers through a wrong, missing or extra step)."""
     metrics = {}
     for component in components:
         if component.steps is None:

@@ -81,11 +81,9 @@ class RewardWorker:
         with self.lock:
             process = self.process if self.process is not None and self.process.poll() is None else self._start()
             try:
-                # with this process's sys.path and environment as they are now: the worker imports what this
-                # process can import and reads the variables it reads
+                # this process's sys.path and environment as they are now
                 send(process.stdin, (list(sys.path), dict(os.environ), fn, completions, columns, kwargs))
-                # the worker answers "started" once it holds the reward (started, its module imported): the
-                # bound counts from there, so a slow start on a loaded machine is not the reward's time
+                # the bound counts from "started" (the reward imported): a slow start is not the reward's time
                 status, value = receive(process.stdout.fileno(), time.monotonic() + START_SECONDS)
                 if status == "started":
                     status, value = receive(process.stdout.fileno(), time.monotonic() + seconds)
@@ -102,10 +100,8 @@ class RewardWorker:
 
 
 class _Launcher:
-    """Starts workers from one thread that lives as long as the process. The kernel's parent-death
-    signal (stages/rewards/worker_process.py ``_die_with_parent``) fires when the *thread* that
-    started a child ends, and stages run in threads that end (Prefect's task threads), so no stage
-    thread starts a worker itself."""
+    """Starts workers from one process-long thread: the parent-death signal fires when the *thread* that
+    started a child ends, and stages run in threads that end (Prefect's)."""
 
     def __init__(self):
         import queue
@@ -140,8 +136,7 @@ _WORKER_LOCK = threading.Lock()
 
 
 def _forget_after_fork() -> None:
-    """A forked child (posttrain's warm process forks runs) starts its own worker: the parent's launcher
-    thread does not exist in it, and the parent's worker answers the parent."""
+    """A forked child starts its own worker: the parent's launcher thread and worker are not its own."""
     global _WORKER, _WORKER_LOCK
     _WORKER, _WORKER_LOCK = None, threading.Lock()
 
@@ -150,7 +145,6 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def worker() -> RewardWorker:
-    """This process's reward worker (started on its first call)."""
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None:

@@ -38,8 +38,7 @@ LEARNED_FNS = ("reward_model", "judge")  # reward fns that score with a model, n
 
 
 def hacking_pairs(rewards: dict[str, tuple[str, float]]) -> list[tuple[str, str]]:
-    """(learned, check) pairs to watch among a stage's rewards (name -> (fn, weight)): every learned reward
-    trained on (weight not 0) with every verifiable reward beside it."""
+    """(learned, check) pairs to watch: every learned reward with weight not 0, with every verifiable one."""
     learned = [name for name, (fn, weight) in rewards.items() if fn in LEARNED_FNS and weight != 0]
     checks = [name for name, (fn, _) in rewards.items() if fn not in LEARNED_FNS]
     return [(a, b) for a in learned for b in checks]
@@ -133,8 +132,7 @@ class SilentFailureWatch:
         return found
 
     def observe(self, metrics: dict[str, float], step: int) -> list[str]:
-        """This step's metrics; the alerts it raises ("step N: ...", each cause once, when it has held
-        ``after_steps`` steps in a row)."""
+        """This step's new alerts ("step N: ...", each cause once, after ``after_steps`` steps in a row)."""
         found = self.conditions(metrics)
         self.streaks = {cause: self.streaks.get(cause, 0) + 1 for cause in found}
         due = [cause for cause in found if self.streaks[cause] >= self.settings.after_steps and cause not in self.raised]
@@ -147,7 +145,6 @@ class SilentFailureWatch:
         return new
 
     def state(self) -> dict:
-        """What a resumed stage needs to keep watching where it stopped (stages/training/resume.py)."""
         return {"streaks": self.streaks, "raised": self.raised, "messages": self.messages,
                 "hacking": self.hacking.state()}
 
@@ -156,8 +153,7 @@ class SilentFailureWatch:
         self.hacking.restore(saved.get("hacking", {}))
 
     def report(self, ctx, step: int, metrics: dict[str, float]) -> None:
-        """``observe``, and tell ``ctx`` of new alerts: the run's ``posttrain.alert`` tag holds every alert so
-        far, one per line (the orchestrator shows it on the stage's line and in the summary)."""
+        """``observe``, and tell ``ctx`` of new alerts (the ``posttrain.alert`` tag: every alert so far)."""
         new = self.observe(metrics, step)
         if new:
             ctx.set_tags({ALERT_TAG: "\n".join(self.messages)})
