@@ -111,7 +111,6 @@ def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
     }
     ctx.log_metrics(metrics)
 
-    # stages/models/lora.py: with lora, also the adapter alone; a diverged model (or final loss) is refused
     outputs = save_trained(trainer.model, tokenizer, ctx, final_loss=metrics["final_loss"])
     return {**outputs, "metrics": metrics}
 
@@ -178,12 +177,8 @@ def packed_inputs(config: SFTStageConfig, conversations: list[list[dict]], token
 
 
 def packed_sft_trainer_class():
-    """SFTTrainer over ``PackedRowCollator`` batches.
-
-    TRL counts ``num_tokens`` from a 2D attention mask, or else as the length of one
-    padding-free row; our batches carry a 4D mask (or none), so the collator counts the
-    documents' tokens and this trainer logs that count instead.
-    """
+    """SFTTrainer over ``PackedRowCollator`` batches, logging ``num_tokens`` as the collator counts them
+    (TRL's count assumes a 2D mask or one padding-free row)."""
     from trl import SFTTrainer
 
     class PackedSFTTrainer(SFTTrainer):

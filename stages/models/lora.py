@@ -51,11 +51,8 @@ class TrainingDiverged(RuntimeError):
 
 
 def check_finite(model, final_loss: float | None = None) -> None:
-    """Raise TrainingDiverged naming the first non-finite value: the final loss, or a parameter.
-
-    A checkpoint is published once and then reused by every later run with the same
-    fingerprint, so one that diverged would poison all of them.
-    """
+    """Raise TrainingDiverged naming the first non-finite value (the final loss, or a parameter): a published
+    checkpoint is reused by every later run of the same fingerprint."""
     import math
 
     import torch
@@ -74,12 +71,9 @@ def check_finite(model, final_loss: float | None = None) -> None:
 
 
 def save_trained(model, tokenizer, ctx, padding_side: str = "left", final_loss: float | None = None) -> dict[str, str]:
-    """Save a trained model as the stage's outputs: ``checkpoint`` (adapters merged in, with the
-    tokenizer, padded on ``padding_side`` by whoever reads it next) and, for a model with LoRA
-    adapters, ``adapter`` (the adapters alone). Returns their paths by output name.
-
-    Refuses (TrainingDiverged) a model with a non-finite weight or ``final_loss``: nothing is saved.
-    Merging folds the adapters into the wrapped model's weights in place: call this last.
+    """Save ``checkpoint`` (adapters merged, the tokenizer padding on ``padding_side``) and, with LoRA,
+    ``adapter``; returns their paths by output name. A diverged model is refused (nothing saved).
+    Merging changes the wrapped model in place: call this last.
     """
     from peft import PeftModel
 

@@ -23,11 +23,8 @@ def extract_integer(text: str, mode: str = "strict") -> str | None:
 
 
 def exact_answer(completions: list[str], answer: list[str | None], extract: str = "strict", **_) -> RewardOutput:
-    """1.0 when the extracted answer equals the reference, 0.0 when wrong; unparsable apart.
-
-    ``extract``: ``strict`` (the reply is exactly an integer) or ``last_number`` (the last
-    number in the reply, compared by value: "5.0" is 5, "2.5" is not).
-    """
+    """1.0 when the extracted answer (``extract_answer``) equals the reference by value, 0.0 when wrong;
+    unparsable apart."""
     if extract not in ("strict", "last_number"):
         raise RewardError(f"exact_answer: extract must be 'strict' or 'last_number', got {extract!r}")
     scores, parsed = [], []
@@ -52,21 +49,18 @@ def length_penalty(completions: list[str], target_chars: int = 0, per_char: floa
 
 
 def reward_model(completions: list[str], **_) -> list[float]:
-    """Scores with a reward_model stage's checkpoint; the stage that uses it binds the model
-    (stages/scorers.py ``bind_scorers``), so an unbound call is a wiring error."""
+    """Scores with a reward_model stage's checkpoint, bound by the stage: an unbound call is a wiring error."""
     raise RewardError("the reward_model reward scores with a trained reward model and is bound by the stage "
                       "that uses it; it cannot be called on its own (e.g. by check-reward before training)")
 
 
 def judge(completions: list[str], **_) -> list[float]:
-    """Scores with a judge model or function; the stage that uses it binds the judge (stages/rewards/judge.py
-    ``bind_judges``), so an unbound call is a wiring error."""
+    """Scores with a judge, bound by the stage: an unbound call is a wiring error."""
     raise RewardError("the judge reward is bound to its judge by the stage (or check-reward) that uses it; it cannot "
                       "be called on its own")
 
 
 def environment(completions: list[str], **_) -> list[float]:
-    """The environment's own score of an episode (stages/rollout/environments.py ``Environment.score``); a stage with
-    ``environment:`` binds it to its episodes (stages/rollout/episodes.py ``environment_scorers``)."""
+    """An environment's own score of an episode, bound by a stage with ``environment:``."""
     raise RewardError("the environment reward is an environment's own score of an episode, bound by a stage with "
                       "`environment:` to its episodes; it cannot score a lone completion (e.g. in `reward_checks:`)")

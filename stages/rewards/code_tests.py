@@ -81,10 +81,8 @@ def code_tests(
 ) -> RewardOutput:
     """1.0 when the completion's code passes its tests in the sandbox, else 0.0.
 
-    ``tests``: python asserts, per completion (a ``tests`` column) or one string for all
-    (a kwarg); when absent, the ``answer`` column is used as the tests.
-    ``sandbox``: ``bubblewrap`` (default; without it nothing runs and the reward raises) or
-    ``rlimits-only``, the pipeline's explicit opt-out (``stages/rewards/sandbox.py`` says what it gives up).
+    ``tests``: python asserts, a column or one kwarg for all (else the ``answer`` column). ``sandbox``:
+    ``bubblewrap`` (without it the reward raises) or ``rlimits-only``, the explicit, weaker opt-out.
     """
     require_sandbox(sandbox)
     per_completion_tests = _tests_per_completion(len(completions), tests, answer)
@@ -103,11 +101,8 @@ def code_tests(
 
 
 def require_sandbox(sandbox: str) -> None:
-    """Refuse (RewardError: the stage stops, never a silent zero) when the sandbox cannot run.
-
-    Checked before any completion is looked at, so the refusal does not depend on whether
-    the model happened to write code that compiles.
-    """
+    """Refuse (RewardError: the stage stops, never a silent zero) when the sandbox cannot run, before any
+    completion is looked at (so not only when the model wrote code that compiles)."""
     if sandbox not in ISOLATION_MODES:
         raise RewardError(f"code_tests: sandbox must be one of {', '.join(ISOLATION_MODES)}, got {sandbox!r}")
     try:

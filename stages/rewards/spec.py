@@ -108,8 +108,7 @@ class RewardSpec(SpecModel):
         return self
 
     def identity(self) -> dict:
-        """The reward as hashed (stage fingerprints, eval settings): a judge's own fields only on a judge,
-        so the hashes of every other reward stay what they were before judges existed."""
+        """The reward as hashed: a judge's own fields only on a judge, so other rewards' hashes stay valid."""
         payload = self.model_dump(mode="json")
         del payload["max_seconds"]  # how long a call may take changes no score it returns
         if self.fn != JUDGE_FN:
@@ -139,7 +138,7 @@ class RewardOutput:
     scores: list[float]
     parsed: list[bool]
     errors: list[tuple[int, str]] = field(default_factory=list)  # (index, why): counted, the score is not one
-    # a process reward's scored steps, per completion (stages/rewards/steps.py StepScore: span and score)
+    # a process reward's StepScores, per completion
     steps: list[list] | None = None
 
 

@@ -1,14 +1,6 @@
 """The surprise head of a process reward model (``step_head: surprise``): a step judged by how much it
-surprised the language model it starts from, read beside that model's hidden states.
-
-Why: a token classifier reads a step's right or wrong at the step's last token, whose hidden state must
-recompute the step (say "9+3") and compare it with the token written there; the language model's own
-prediction of that token sits at the position before. Here the causal LM (the stage's ``model``, frozen)
-reads the demonstration once, and each step gets, per token of the step, the log-probability the LM gave
-the token written: their sum, their minimum, the last token's, then the final hidden state at the step's
-last token and at the one before. A small MLP (one hidden layer) learns P(right) from these, on features
-standardised by the training steps' mean and spread. The checkpoint is the LM as it was, with the head
-beside it in ``HEAD_FILE`` and ``HEAD_CONFIG``.
+surprised the frozen language model, beside its hidden states. The checkpoint is the LM as it was, the
+head beside it in ``HEAD_FILE`` and ``HEAD_CONFIG``. Why: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -48,8 +40,8 @@ def surprise_head(features: int, seed: int):
 
 
 def step_features(lm, input_ids_B_T, attention_B_T, steps: list[list[tuple[int, int]]]):
-    """The features of every step, rows in order (batch row, then step): ``steps`` holds for each row the
-    (first, last) token index of each step. Computed without gradients (the LM stays frozen)."""
+    """The features of every step, rows in order (batch row, then step); ``steps``: each row's (first, last)
+    token index of each step. No gradients (the LM stays frozen)."""
     import torch
 
     with torch.no_grad():

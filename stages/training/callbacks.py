@@ -1,7 +1,5 @@
-"""What every Hugging Face-style trainer in a stage reports: metrics to the run, a progress bar.
-
-The trainers' own console printing (a dict per logging step) is replaced by a single
-progress bar; every logged value goes to the stage's MLflow run under our metric names.
+"""What every Hugging Face-style trainer in a stage reports: metrics to the run under our names, and
+one progress bar in place of the trainer's console printing.
 """
 
 from __future__ import annotations
@@ -10,9 +8,8 @@ from typing import Callable
 
 
 class StepMetrics:
-    """Metrics measured by posttrain's code inside a trainer's step (reward parse rates, episode and
-    dynamic-sampling figures, the importance ratio), kept here rather than in the trainer's private
-    state and logged with the trainer's own at its next log: the mean of each since the last one."""
+    """Metrics posttrain's code measures inside a trainer's step, logged with the trainer's own at its next
+    log (the mean of each since the last), not kept in the trainer's private state."""
 
     def __init__(self):
         self._values: dict[str, list[float]] = {}
@@ -78,12 +75,8 @@ def metric_renamer(names: dict[str, str]) -> Callable[[dict], dict[str, float]]:
 
 
 def pooling_pair_metrics(trainer_class, keys: tuple[str, ...]):
-    """``trainer_class`` (a TRL pairwise trainer: batches are [chosen..., rejected...]) whose
-    logged per-pair means ``keys`` are pooled over every pair since the last log.
-
-    TRL appends one mean per batch and logs the mean of those, so a short last batch of a
-    held-out set (65 pairs in batches of 64 + 1) weighs as much as a full one; here each
-    batch's mean is weighted by its number of pairs, i.e. correct pairs / all pairs."""
+    """``trainer_class`` (a TRL pairwise trainer) whose logged per-pair means ``keys`` are pooled over every
+    pair since the last log, where TRL averages batch means (a short last batch weighing as much as a full one)."""
 
     class PooledPairMetrics(trainer_class):
         def compute_loss(self, model, inputs, *args, **kwargs):
@@ -129,8 +122,8 @@ def schedule_arguments(config) -> dict:
 
 
 def device_arguments() -> dict:
-    """Trainer arguments for the machine at hand: the CPU with fp32 when there is no GPU
-    (TRL's configs default to bf16, which refuses to start on a CPU), bf16 on a GPU that has it."""
+    """Trainer arguments for the machine: fp32 on a CPU (TRL's bf16 default refuses to start there), bf16
+    on a GPU that has it."""
     import torch
 
     cuda = torch.cuda.is_available()
