@@ -202,9 +202,6 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
     return {**outputs, "metrics": metrics}
 
 
-# ---------------------------------------------------------------- the reward model as a reward
-
-
 KIND = StageKind("reward_model", RewardModelStageConfig, run,
                  ("heldout_pairwise_accuracy", "heldout_step_accuracy", "heldout_reward_margin", "steps"),
                  produces="reward_model",

@@ -133,9 +133,6 @@ def located_hub_records(spec: HubData, base_dir: Path, normalise_record) -> list
     return located
 
 
-# ---------------------------------------------------------------- columns -> record fields
-
-
 def _column(spec: HubData, row: dict, field: str, where: str, required: bool = False):
     """The value of ``field``'s column (``columns[field]``, else the column of its own name)."""
     column = spec.columns.get(field, field)

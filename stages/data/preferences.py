@@ -25,9 +25,6 @@ MALFORMED = (
 )
 
 
-# ---------------------------------------------------------------- files
-
-
 def _messages(value, field: str, default_role: str, where: str) -> list[dict]:
     """A plain string or a list of {role, content} messages, as messages; refuses empty ones."""
     if value is None:
@@ -67,8 +64,6 @@ def normalise_preference(raw, where: str) -> dict:
     return record
 
 
-# ---------------------------------------------------------------- the arithmetic generator
-
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -104,9 +99,6 @@ def generate_arithmetic_preferences(spec: ArithmeticPreferenceData) -> list[dict
             "answer": str(answer),
         })
     return records
-
-
-# ---------------------------------------------------------------- for the trainers
 
 
 def split_heldout(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:

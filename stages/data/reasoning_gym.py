@@ -80,9 +80,6 @@ def config_problem(spec: ReasoningGymData) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- answer formats
-
-
 def demonstration(answer: str, answer_format: str) -> str:
     """The reference answer written the way the model is asked to give it."""
     if answer_format == "answer_tags":
@@ -120,9 +117,6 @@ def extract(text: str, answer_format: str) -> str | None:
     else:
         raise RewardError(f"unknown answer_format {answer_format!r}; one of {', '.join(DEFAULT_INSTRUCTIONS)}")
     return found if found and found.strip() else None
-
-
-# ---------------------------------------------------------------- records
 
 
 def _answer_text(entry: dict) -> str | None:
@@ -201,9 +195,6 @@ def task_problem(task: Any) -> str | None:
     except (TypeError, AssertionError, ValueError, KeyError) as error:
         return f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
     return None
-
-
-# ---------------------------------------------------------------- the reward
 
 
 def reasoning_gym_answer(completions: list[str], answer: list[str | None], task: list[dict | None] | None = None,

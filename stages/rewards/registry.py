@@ -38,9 +38,6 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
 }
 
 
-# ---------------------------------------------------------------- loading
-
-
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED_PATH = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*(:{_IDENTIFIER})?")
 

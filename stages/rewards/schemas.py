@@ -154,8 +154,6 @@ def kwargs_issues(fn_name: str, fn: Any, kwargs: dict) -> list[tuple[tuple, str]
     return _signature_issues(owner, fn, kwargs)
 
 
-# ---------------------------------------------------------------- what a reward reads from each record
-
 RECORD_READERS = ("exact_answer", "math_answer", "code_tests")  # the built-ins ``record_problem`` knows
 
 
