@@ -1,7 +1,5 @@
 """Stage kind ``benchmark``: a checkpoint on standard benchmarks through lm-evaluation-harness, in MLflow.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/benchmark.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

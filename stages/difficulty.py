@@ -1,8 +1,5 @@
-"""The difficulty filter of an ``rl`` stage: score the training prompts under the starting
-policy, train only on those it sometimes solves.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/difficulty.py`.
-"""
+"""The difficulty filter of an ``rl`` stage: score the training prompts under the starting policy, train only on those
+it sometimes solves. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

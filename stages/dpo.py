@@ -1,9 +1,7 @@
 """Stage kind ``dpo``: direct preference optimisation with TRL's ``DPOTrainer``.
 
 Departs from the paper in the loss only when ``sft_weight > 0`` (RPO's NLL of the chosen replies).
-
-Design notes, departures and why: docs/algorithms.md, section `stages/dpo.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Error bars for evaluations: how sure a score, and a difference of scores, is.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/intervals.py`.
-"""
+"""Error bars for evaluations: how sure a score, and a difference of scores, is. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

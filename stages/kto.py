@@ -1,7 +1,4 @@
-"""Stage kind ``kto``: Kahneman-Tversky optimisation with TRL's ``KTOTrainer``.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/kto.py`.
-"""
+"""Stage kind ``kto``: Kahneman-Tversky optimisation with TRL's ``KTOTrainer``. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

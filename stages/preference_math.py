@@ -1,7 +1,5 @@
 """The maths of preference learning, as small functions checked against hand computations.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/preference_math.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Stage kind ``reward_model``: a Bradley-Terry reward model with TRL's ``RewardTrainer``,
-and the trained model used as a reward by later stages.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/reward_model.py`.
-"""
+"""Stage kind ``reward_model``: a Bradley-Terry reward model with TRL's ``RewardTrainer``, and the trained model used
+as a reward by later stages. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

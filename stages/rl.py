@@ -1,7 +1,4 @@
-"""Stage kind ``rl``: learning from rewards, with a KL anchor to a reference policy.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rl.py`.
-"""
+"""Stage kind ``rl``: learning from rewards, with a KL anchor to a reference policy. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The RL maths posttrain owns: advantages, masks, KL estimators, GAE, PPO losses, KL control,
-and the correction of samples drawn by a sampler other than the trainer.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rl_math.py`.
-"""
+"""The RL maths posttrain owns: advantages, masks, KL estimators, GAE, PPO losses, KL control, and the correction of
+samples drawn by a sampler other than the trainer. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Stage kind ``sft``: supervised fine-tuning with TRL's ``SFTTrainer``.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/sft.py`.
-"""
+"""Stage kind ``sft``: supervised fine-tuning with TRL's ``SFTTrainer``. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

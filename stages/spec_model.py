@@ -1,7 +1,4 @@
-"""The base of every pipeline config model: each value has a type and a finite range.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/spec_model.py`.
-"""
+"""The base of every pipeline config model: each value has a type and a finite range. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

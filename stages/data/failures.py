@@ -1,7 +1,4 @@
-"""Failure sets as training data: what round r of an ``iterate:`` pipeline trains on.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/data/failures.py`.
-"""
+"""Failure sets as training data: what round r of an ``iterate:`` pipeline trains on. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

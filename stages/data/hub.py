@@ -1,8 +1,5 @@
-"""Hugging Face datasets (``data: {hub: ID, ...}`` or ``{folder: DIR, ...}``): where they come from,
-what identifies them, and how their columns become posttrain's records.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/data/hub.py`.
-"""
+"""Hugging Face datasets (``data: {hub: ID, ...}`` or ``{folder: DIR, ...}``): where they come from, what identifies
+them, and how their columns become posttrain's records. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

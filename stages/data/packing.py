@@ -1,7 +1,5 @@
 """Packed SFT rows that keep documents apart: tokenise, pack best-fit decreasing, collate.
-
-Design notes, departures and why: docs/algorithms.md and docs/figures-from-code.md, section `stages/data/packing.py`.
-"""
+Design: docs/algorithms.md; figures: docs/figures-from-code.md."""
 
 from __future__ import annotations
 

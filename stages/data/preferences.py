@@ -1,7 +1,4 @@
-"""Preference data: prompt / chosen / rejected pairs for reward-model training and DPO.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/data/preferences.py`.
-"""
+"""Preference data: prompt / chosen / rejected pairs for reward-model training and DPO. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """reasoning-gym tasks: their records, their answer formats, and the ``reasoning_gym`` reward.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/data/reasoning_gym.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Datasets: built-in generators and local JSONL / parquet files, in one canonical form.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/data/sources.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Optional LoRA adapters (PEFT) for every training stage.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/models/lora.py`.
-"""
+"""Optional LoRA adapters (PEFT) for every training stage. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

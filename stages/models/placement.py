@@ -1,7 +1,5 @@
 """Where a stage's frozen models live: ``placement: {reference: ..., reward_model: ...}``.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/models/placement.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

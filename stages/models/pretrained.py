@@ -1,7 +1,4 @@
-"""Pretrained base models: a GGUF file converted once, or a Hugging Face hub id.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/models/pretrained.py`.
-"""
+"""Pretrained base models: a GGUF file converted once, or a Hugging Face hub id. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""``code_tests``: run the model's Python against test asserts in the sandbox.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rewards/code_tests.py`.
-"""
+"""``code_tests``: run the model's Python against test asserts in the sandbox. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

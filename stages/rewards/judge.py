@@ -1,7 +1,5 @@
 """LLM-as-judge (``fn: judge``) and the audit of a judge against a verifier or a reward model.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rewards/judge.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """``math_answer``: is the completion's final answer mathematically equal to the reference?
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rewards/math_answer.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Run untrusted, model-written Python in a bubblewrap (``bwrap``) sandbox.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rewards/sandbox.py`.
-"""
+"""Run untrusted, model-written Python in a bubblewrap (``bwrap``) sandbox. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

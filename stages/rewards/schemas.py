@@ -1,7 +1,5 @@
 """What each reward function accepts and reads, so a pipeline is checked before anything runs.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rewards/schemas.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

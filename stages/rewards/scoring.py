@@ -1,7 +1,4 @@
-"""The one scorer: how every stage turns sampled completions into rewards.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rewards/scoring.py`.
-"""
+"""The one scorer: how every stage turns sampled completions into rewards. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """What a pipeline declares of a reward (``RewardSpec``) and what a reward function returns.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rewards/spec.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Process rewards: scores of a completion's steps, not only of its end.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rewards/steps.py`.
-"""
+"""Process rewards: scores of a completion's steps, not only of its end. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Reward functions under a wall-clock bound that holds in any thread: a worker process.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rewards/worker.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

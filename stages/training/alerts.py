@@ -1,7 +1,5 @@
 """Silent failures named: an RL or online DPO stage that learns nothing says why, while it runs.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/training/alerts.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """A stage trained by several processes at once (``resources: {processes: N}``, flows/execution/distributed.py).
-
-Design notes, departures and why: docs/algorithms.md, section `stages/training/data_parallel.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """A training stage that stops (Ctrl-C, kill -9, its time limit) continues where it stopped.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/training/resume.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 
