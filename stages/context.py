@@ -1,8 +1,5 @@
-"""What a stage may ask of the orchestrator: the tracking handle every ``run`` receives.
-
-Stages depend on this protocol only; ``flows.recording.tracking`` implements it on MLflow. Keeping
-it a protocol is what lets ``stages/`` stay free of Prefect and of pipeline YAML.
-"""
+"""What a stage may ask of the orchestrator: the tracking handle every ``run`` receives, a protocol that
+``flows.recording.tracking`` implements on MLflow, so that ``stages/`` stays free of Prefect."""
 
 from __future__ import annotations
 
@@ -17,10 +14,8 @@ from pydantic import ConfigDict, Field
 
 from stages.spec_model import SpecModel
 
-# How a stage executes, never what it computes: left out of the fingerprint, so changing them keeps
-# the cache and the resume state.
+# How a stage executes, not what it computes: out of the fingerprint, so the cache and resume state stay
 EXECUTION_FIELDS = frozenset({"save_steps", "time_limit_minutes", "resources", "placement", "alerts"})
-# The tag a stage sets when it is learning nothing and why (stages/training/alerts.py): the orchestrator shows it
 ALERT_TAG = "posttrain.alert"
 # The tag a resumed stage sets: JSON {"step": k, "run": the run that stopped at step k, "checkpoint": its path}
 RESUMED_TAG = "posttrain.resumed_from"
@@ -31,7 +26,7 @@ class StageTimeLimit(Exception):
 
 
 class Resources(SpecModel):
-    """Where and on what a stage runs (never part of what it computes)."""
+    """Where and on what a stage runs."""
 
     model_config = ConfigDict(extra="forbid")
     renamed: ClassVar[dict[str, str]] = {"accelerate_config": "strategy"}
@@ -75,21 +70,20 @@ class ExecutionLimits(SpecModel):
     )
 
 
-# Fields naming another stage's checkpoint (``references()``), and an ``iterate:`` round's failure set
 CHECKPOINT_INPUTS = ("model", "policy", "reference", "critic", "reward_model", "failures")
 SCORER_PREFIX = "rewards."  # ``rewards.<name>``: the checkpoint a reward scores or judges with
 
 
 @dataclass(frozen=True)
 class StageKind:
-    """One kind of stage (``KIND`` in its own module, listed in stages/registry.py): what the orchestrator
-    needs to know of it and cannot read from a config instance."""
+    """One kind of stage (``KIND`` in its module, listed in stages/registry.py): what the orchestrator cannot
+    read from a config instance."""
 
-    name: str  # the `kind:` a pipeline writes
+    name: str
     config: Any  # its config model, or a discriminated union of them (rl: one model per algorithm)
-    run: Any  # run(config, inputs: StageInputs, ctx: StageContext) -> published outputs
+    run: Any
     headline_metrics: tuple[str, ...]  # the summary's columns, most telling first (`pass_at_*`: a prefix)
-    produces: Literal["policy", "reward_model"] | None = None  # the registered model its checkpoint becomes
+    produces: Literal["policy", "reward_model"] | None = None
     trains: bool = True  # reads training data: a heldout dataset is refused, a failure set may feed it
     evaluates: bool = False  # scores a checkpoint: its runs are ranked by `posttrain compare` and linked to the model
     reads: Literal["demonstrations", "prompts"] | None = None  # what it needs of a conversation record
@@ -127,7 +121,7 @@ class StageInputs:
     reference: Path | None = None
     critic: Path | None = None
     reward_model: Path | None = None
-    failures: Path | None = None  # iterate: the failure set of the previous round's eval
+    failures: Path | None = None
     scorer_checkpoints: Mapping[str, Path] = field(default_factory=dict)  # reward -> its reward model's / judge's
     judge_cache: Path | None = None  # judge replies by (judge, rubric, prompt, completion); None: no cache
     rewards: Mapping[str, Any] = field(default_factory=dict)  # reward name -> stages.rewards.spec.RewardSpec
@@ -143,7 +137,6 @@ class StageInputs:
 
     @property
     def data(self) -> Path | None:
-        """The stage's dataset (its config's first ``dataset_names()``)."""
         return next(iter(self.datasets.values()), None)
 
     def with_data(self, path: Path) -> StageInputs:
@@ -178,7 +171,7 @@ class StageInputs:
         return flat
 
 
-_PATH_FIELDS = ("judge_cache", "base_dir", *CHECKPOINT_INPUTS)  # StageInputs' fields that hold one path
+_PATH_FIELDS = ("judge_cache", "base_dir", *CHECKPOINT_INPUTS)
 
 
 class Progress(Protocol):
@@ -210,8 +203,7 @@ class StageContext(Protocol):
 
     def set_tags(self, tags: dict[str, str]) -> None: ...
 
-    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
-        """A table (e.g. sample completions) shown in MLflow's artifact view."""
+    def log_table(self, rows: list[dict[str, Any]], name: str) -> None: ...
 
     def log_figure(self, figure: Any, name: str) -> None: ...
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 import torch
 
 def group_advantages(rewards_G: torch.Tensor, normalize: bool, eps: float = 1e-6) -> torch.Tensor:
-    """Reward minus the group mean; with ``normalize`` also divided by the group std (+ eps).
-
-    A group of one completion has no baseline to compare with: its advantage is 0.
-    """
+    """Reward minus the group mean; with ``normalize`` also divided by the group std (+ eps). A group of
+    one completion has no baseline: its advantage is 0."""
     rewards_G = rewards_G.float()
     if rewards_G.numel() < 2:
         return torch.zeros_like(rewards_G)
@@ -25,10 +23,7 @@ def is_zero_variance(rewards_G: torch.Tensor, atol: float = 1e-9) -> bool:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``x`` where ``mask`` is 1; padding (even NaN there) never leaks in.
-
-    An all-zero mask gives 0 rather than NaN.
-    """
+    """Mean of ``x`` where ``mask`` is 1; padding (even NaN there) never leaks in; an all-zero mask gives 0."""
     keep = mask.bool()
     total = torch.where(keep, x, torch.zeros_like(x))
     count = keep.to(x.dtype)
@@ -38,11 +33,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked entries (population variance); padding set to 0.
-
-    With ``shift_mean=False`` the mean is added back: only the scale changes (used for
-    rewards, whose sign means something).
-    """
+    """(x - mean) / std over the masked entries (population variance); padding set to 0. With
+    ``shift_mean=False`` the mean is added back: only the scale changes (rewards, whose sign means something)."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     whitened = (x - mean) * torch.rsqrt(var + eps)
@@ -52,11 +44,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 
 def kl_estimators(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token estimators of KL(p || q) from tokens sampled from p (policy), q the reference.
-
-    k1 = log p - log q (unbiased, can be negative); k2 = 0.5 (log p - log q)^2 (biased, low
-    variance); k3 = q/p - 1 - log(q/p) (unbiased, never negative).
-    """
+    """Per-token estimators of KL(p || q), tokens sampled from p (policy), q the reference: k1 = log p - log q
+    (unbiased, can be negative); k2 = 0.5 (log p - log q)^2 (biased, low variance); k3 = q/p - 1 - log(q/p)
+    (unbiased, never negative)."""
     log_ratio = ref_logprobs - logprobs  # log q/p
     k1 = -log_ratio
     k2 = 0.5 * log_ratio**2
@@ -67,19 +57,16 @@ def kl_estimators(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> tuple[t
 def gae(
     rewards_B_T: torch.Tensor, values_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016) over the positions where ``mask`` is 1.
-
-    "Next" is the next masked-in position of the row; masked-out positions (padding, an agent's
-    observation tokens) are skipped, not steps; the value past a row's last one is 0. Returns
-    (advantages_B_T, returns_B_T = advantages + values), both 0 where the mask is 0.
-    """
+    """GAE (Schulman et al. 2016) over the positions where ``mask`` is 1: masked-out positions (padding, an
+    agent's observation tokens) are skipped, not steps; the value past a row's last one is 0. Returns
+    (advantages_B_T, returns_B_T = advantages + values), both 0 where the mask is 0."""
     keep_B_T = mask_B_T.bool()
     mask_B_T = mask_B_T.to(values_B_T.dtype)
     values_B_T = values_B_T * mask_B_T
     rewards_B_T = rewards_B_T * mask_B_T
     n_tokens = rewards_B_T.shape[1]
-    running_B = torch.zeros_like(values_B_T[:, 0])  # A at the next masked-in position
-    next_value_B = torch.zeros_like(running_B)  # V at the next masked-in position (0 past the end)
+    running_B = torch.zeros_like(values_B_T[:, 0])  # A, then V, at the next masked-in position
+    next_value_B = torch.zeros_like(running_B)
     advantages = [None] * n_tokens
     for t in reversed(range(n_tokens)):
         delta_B = rewards_B_T[:, t] + gamma * next_value_B - values_B_T[:, t]
@@ -99,12 +86,8 @@ def ppo_policy_loss(
     clip_epsilon: float,
     sampler_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clipped surrogate (Schulman et al. 2017, eq. 7), negated, averaged over real tokens; each
-    token's term times its ``sampler_weights`` (``sampler_correction``) where another sampler drew it.
-
-    Returns (loss, clip_frac, ratio_mean): the share of tokens where the clipped term was the
-    active one, and the mean importance ratio (both detached).
-    """
+    """Clipped surrogate (Schulman et al. 2017, eq. 7), negated, averaged over real tokens, each token's term
+    times its ``sampler_weights`` if given. Returns (loss, clip_frac, ratio_mean), the last two detached."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon)
@@ -117,10 +100,8 @@ def ppo_policy_loss(
 def ppo_value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped within cliprange_value of the old V.
-
-    Returns (loss, value_clip_frac): the share of tokens where the clipped error was larger.
-    """
+    """0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped within cliprange_value of the old V. Returns
+    (loss, value_clip_frac: the share of tokens where the clipped error was larger)."""
     values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     unclipped = (values - returns) ** 2
     clipped = (values_clipped - returns) ** 2
@@ -133,8 +114,7 @@ def sampler_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
     """(weights_B_T, mismatch metrics) for samples another sampler drew (vLLM, a server, older weights):
     the importance weight pi_trainer / pi_sampler, per ``kind`` (``token_tis``: per token, truncated at
     ``cap``; ``sequence_mask``: per sequence, 0 above ``cap``; ``none``: 1). A NaN sampler log-prob weighs
-    1. The weight multiplies the policy-gradient term, never the KL term. Design: docs/algorithms.md.
-    """
+    1. The weight multiplies the policy-gradient term, never the KL term. Design: docs/algorithms.md."""
     mask = mask.to(trainer_logprobs.dtype)
     diff = torch.nan_to_num((trainer_logprobs - sampler_logprobs.to(trainer_logprobs)) * mask, nan=0.0)
     if kind == "token_tis":
@@ -168,11 +148,8 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Ziegler et al. 2019, section 2.2: steer the KL toward ``target`` multiplicatively.
-
-    beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon), where
-    ``n_steps`` is the number of samples since the last update.
-    """
+    """Ziegler et al. 2019, 2.2: beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon),
+    ``n_steps`` the number of samples since the last update."""
 
     def __init__(self, beta: float, target: float, horizon: int):
         if target <= 0 or horizon <= 0:
