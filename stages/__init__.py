@@ -5,5 +5,4 @@ A stage is a function ``run(config, inputs: StageInputs, ctx: StageContext) -> o
 them. Shared packages: ``data``, ``models``, ``rollout`` (where a sample is made), ``rewards``
 (where it is scored), ``training``; ``scorers`` binds reward models and judges; ``sampling`` (the
 ``sampling:`` schema, importable from anywhere) and ``intervals`` (error bars). Nothing here
-imports Prefect or reads pipeline YAML: that is ``flows``.
-"""
+imports Prefect or reads pipeline YAML: that is ``flows``."""

@@ -1,7 +1,6 @@
 """What the preference-optimisation stage kinds (``dpo``, ``kto``) share: their config fields,
 metric names, and the training run around a TRL preference trainer (data, policy, frozen
-reference or adapters-off policy, held-out pairs, publication).
-"""
+reference or adapters-off policy, held-out pairs, publication)."""
 
 from __future__ import annotations
 

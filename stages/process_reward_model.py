@@ -1,6 +1,5 @@
 """The ``reward_model`` stage at ``level: step``: a process reward model (PRM), with a ``surprise``
-head over the frozen LM (default) or a whole ``token`` classifier. Design: docs/algorithms.md.
-"""
+head over the frozen LM (default) or a whole ``token`` classifier. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

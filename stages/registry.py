@@ -1,6 +1,5 @@
 """The stage kinds posttrain knows, one line each (each declares its ``KIND``, a ``StageKind``, in its
-own module). Adding a kind: its module (config, ``run``, ``KIND``), its tests, and one line below.
-"""
+own module). Adding a kind: its module (config, ``run``, ``KIND``), its tests, and one line below."""
 
 from __future__ import annotations
 

@@ -176,8 +176,7 @@ def applies_when(*alternatives: dict, why: str) -> dict:
 
     Each alternative maps dotted paths from the entry's root to a value, a list of values,
     ``{"set": bool}``, ``{"not": [...]}`` or ``{"min": x}``; all paths of one alternative must hold,
-    and one alternative is enough. Elsewhere the field is refused, saying ``why``.
-    """
+    and one alternative is enough. Elsewhere the field is refused, saying ``why``."""
     return {APPLIES_WHEN: {"any_of": [dict(a) for a in alternatives], "why": why}}
 
 

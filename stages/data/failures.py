@@ -35,8 +35,7 @@ def failure_training_records(cases: list[dict], demonstrations: bool, where: str
     """Canonical records (``messages``, ``answer``) from failure cases.
 
     ``demonstrations``: end each conversation with the expected answer as the assistant's
-    reply (for sft); otherwise keep the prompt alone (for rl).
-    """
+    reply (for sft); otherwise keep the prompt alone (for rl)."""
     records = []
     for i, case in enumerate(cases, start=1):
         prompt = [m for m in case["messages"]]

@@ -2,8 +2,7 @@
 
 Kept apart from ``stages/data/sources.py`` (which reads and materialises them) so that the modules
 that generate a kind of dataset (``stages/data/preferences.py``, ``stages/data/reasoning_gym.py``)
-and ``stages/data/sources.py``, which calls them, all import the declarations from here.
-"""
+and ``stages/data/sources.py``, which calls them, all import the declarations from here."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Base models: a tiny Llama-style model built from a seed (a character-level tokenizer: a real
-checkpoint in seconds on a CPU, no network), a local checkpoint, a GGUF file or a hub id.
-"""
+checkpoint in seconds on a CPU, no network), a local checkpoint, a GGUF file or a hub id."""
 
 from __future__ import annotations
 

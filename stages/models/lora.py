@@ -70,8 +70,7 @@ def check_finite(model, final_loss: float | None = None) -> None:
 def save_trained(model, tokenizer, ctx, padding_side: str = "left", final_loss: float | None = None) -> dict[str, str]:
     """Save ``checkpoint`` (adapters merged, the tokenizer padding on ``padding_side``) and, with LoRA,
     ``adapter``; returns their paths by output name. A diverged model is refused (nothing saved).
-    Merging changes the wrapped model in place: call this last.
-    """
+    Merging changes the wrapped model in place: call this last."""
     from peft import PeftModel
 
     from stages.models.pretrained import set_padding_side

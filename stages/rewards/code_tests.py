@@ -79,8 +79,7 @@ def code_tests(
     """1.0 when the completion's code passes its tests in the sandbox, else 0.0.
 
     ``tests``: python asserts, a column or one kwarg for all (else the ``answer`` column). ``sandbox``:
-    ``bubblewrap`` (without it the reward raises) or ``rlimits-only``, the explicit, weaker opt-out.
-    """
+    ``bubblewrap`` (without it the reward raises) or ``rlimits-only``, the explicit, weaker opt-out."""
     require_sandbox(sandbox)
     per_completion_tests = _tests_per_completion(len(completions), tests, answer)
     codes = [extract_code(text) for text in completions]

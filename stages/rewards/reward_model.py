@@ -1,6 +1,5 @@
 """Scoring completions with a trained reward model (the ``reward_model`` reward): everything that
-scores with one imports it from here, so no stage kind imports stages/reward_model.py.
-"""
+scores with one imports it from here, so no stage kind imports stages/reward_model.py."""
 
 from __future__ import annotations
 

@@ -65,8 +65,7 @@ def run_sandboxed(
     """Run ``code`` as /sandbox/main.py in the sandbox, ``files`` beside it. ``isolation="rlimits-only"``
     is the explicit opt-out for hosts without bubblewrap (weaker: docs/algorithms.md), never chosen silently.
 
-    Raises ``SandboxUnavailable`` when the sandbox cannot run here; whatever the code does is in the result.
-    """
+    Raises ``SandboxUnavailable`` when the sandbox cannot run here; whatever the code does is in the result."""
     if timeout_s <= 0 or memory_mb <= 0 or max_processes <= 0:
         raise ValueError(
             f"run_sandboxed: timeout_s ({timeout_s}), memory_mb ({memory_mb}) and "
@@ -281,8 +280,7 @@ def _execute(command: Callable[[int], list[str]], std_files: tuple, timeout_s: f
     """Run the sandbox until it exits or ``timeout_s`` passes; return (status, timed_out).
 
     Returns only once the sandbox's pid 1 has exited (held by a pidfd): bwrap returns when the program
-    exits, but the namespace's other processes die only with pid 1.
-    """
+    exits, but the namespace's other processes die only with pid 1."""
     stdin_file, stdout_file, stderr_file = std_files
     info_read, info_write = os.pipe()  # bwrap writes {"child-pid": <host pid of pid 1>} here
     try:

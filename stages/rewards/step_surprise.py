@@ -1,7 +1,6 @@
 """The surprise head of a process reward model (``step_head: surprise``): a step judged by how much it
 surprised the frozen language model, beside its hidden states. The checkpoint is the LM as it was, the
-head beside it in ``HEAD_FILE`` and ``HEAD_CONFIG``. Why: docs/algorithms.md.
-"""
+head beside it in ``HEAD_FILE`` and ``HEAD_CONFIG``. Why: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What every Hugging Face-style trainer in a stage reports: metrics to the run under our names, and
-one progress bar in place of the trainer's console printing.
-"""
+one progress bar in place of the trainer's console printing."""
 
 from __future__ import annotations
 
