@@ -99,8 +99,7 @@ def harness_version() -> str | None:
 
 
 def harness_problem(spec: LmEvalSpec, base_dir: Path, runs_here: bool = True) -> tuple[str, str] | None:
-    """(field, why) the harness cannot run this spec, else None: task folder, harness and backend here, task
-    names and generation keys (also for a stage sent to a work pool, whose workers pin the same harness)."""
+    """(field, why) the harness cannot run this spec, else None: task folder, harness, backend, tasks, gen keys."""
     if spec.include_path and not (Path(base_dir) / spec.include_path).is_dir():
         return "lm_eval.include_path", f"{str(Path(base_dir) / spec.include_path)!r} is not a folder"
     if importlib.util.find_spec("lm_eval") is None:
@@ -176,8 +175,8 @@ def unchecked_here(spec: LmEvalSpec) -> str | None:
 
 
 def task_manager(spec: LmEvalSpec, base_dir: Path, extra: Path | None = None):
-    """The harness's task index with the pipeline's task folder, then ``extra``'s tasks (replacing shipped
-    ones of the same name); built once per folders' content (indexing takes seconds)."""
+    """The harness's task index with the pipeline's task folder, then ``extra``'s tasks over shipped ones of the
+    same name; built once per folders' content (indexing takes seconds)."""
     folders = ([Path(base_dir) / spec.include_path] if spec.include_path else []) + ([extra] if extra else [])
     return _task_manager(tuple((str(f), folder_digest(f) if f.is_dir() else None) for f in folders))
 
@@ -193,8 +192,7 @@ DATA_SUFFIXES = {".parquet", ".json", ".jsonl", ".csv", ".arrow", ".txt"}
 
 
 def task_datasets(spec: LmEvalSpec, base_dir: Path) -> dict[str, tuple[str, str | None]]:
-    """{task: (hub dataset id, its cached snapshot folder or None)} for each named task on a hub dataset; a
-    snapshot counts only if it holds data files (not the dataset card alone)."""
+    """{task: (hub dataset id, its cached snapshot holding data files, or None)} for each task on a hub dataset."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     from lm_eval.tasks._yaml_loader import load_yaml  # lm-eval 0.4.13 (pinned): a task YAML with its includes

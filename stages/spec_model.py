@@ -172,11 +172,9 @@ APPLIES_WHEN = "applies_when"  # the key of a field's ``json_schema_extra`` that
 
 
 def applies_when(*alternatives: dict, why: str) -> dict:
-    """``Field(json_schema_extra=...)`` of a field that applies only under a condition of its entry.
-
-    Each alternative maps dotted paths from the entry's root to a value, a list of values,
-    ``{"set": bool}``, ``{"not": [...]}`` or ``{"min": x}``; all paths of one alternative must hold,
-    and one alternative is enough. Elsewhere the field is refused, saying ``why``."""
+    """``Field(json_schema_extra=...)`` of a field that applies only where one of ``alternatives`` holds (each
+    maps dotted paths from the entry's root to a value, a list of values, ``{"set": bool}``, ``{"not": [...]}``
+    or ``{"min": x}``, all of which must hold). Elsewhere the field is refused, saying ``why``."""
     return {APPLIES_WHEN: {"any_of": [dict(a) for a in alternatives], "why": why}}
 
 

@@ -1,8 +1,5 @@
-"""The dataset declarations of a pipeline (`data:`): one pydantic model per source, and DataError.
-
-Kept apart from ``stages/data/sources.py`` (which reads and materialises them) so that the modules
-that generate a kind of dataset (``stages/data/preferences.py``, ``stages/data/reasoning_gym.py``)
-and ``stages/data/sources.py``, which calls them, all import the declarations from here."""
+"""The dataset declarations of a pipeline (`data:`): one pydantic model per source, and DataError. Apart from
+``sources`` so that it and the generators it calls (``preferences``, ``reasoning_gym``) all import them."""
 
 from __future__ import annotations
 

@@ -76,10 +76,8 @@ def place(module, where: str, policy_device):
 
 
 def _offload(module, execution_device):
-    """accelerate's ``cpu_offload``, the whole model fetched at the start of each pass (TRL's fused LM head
-    reads the head's weight without calling the module that would fetch it). A tied weight (the LM head
-    sharing the embedding) is left behind on the CPU by ``cpu_offload`` until the first pass; it goes to
-    ``meta`` too here, its value being in the offload map under its own name."""
+    """accelerate's ``cpu_offload`` with the whole model preloaded, tied weights sent to ``meta`` too (why:
+    docs/algorithms.md)."""
     from accelerate import cpu_offload
     from accelerate.utils import set_module_tensor_to_device
 

@@ -73,9 +73,7 @@ def _checked_steps(name: str, steps, expected: int) -> list[list] | None:
 def score_component(name: str, spec: RewardSpec, completions: list[str], columns: dict[str, list],
                     fn: Callable[..., Any] | None = None) -> ComponentScores:
     """Score a batch; if the function raises (or passes its time bound), isolate the failing samples one by one.
-
-    A bound ``fn`` and ``code_tests`` (sandboxed per completion) run in this process; every other reward
-    in the reward worker, ``spec.max_seconds`` per chunk of ``CHUNK`` completions."""
+    A bound ``fn`` and ``code_tests`` run here; other rewards in the worker, ``spec.max_seconds`` per chunk."""
     if fn is None and spec.fn not in BOUND_ONLY_FNS + SELF_BOUNDED_FNS:
         from stages.rewards.worker import CHUNK
 
@@ -163,8 +161,7 @@ def _process_steps(steps: list) -> list[list] | None:
 
 
 def reward_columns(records: list[dict], prompts: list, attempts: int) -> dict[str, list]:
-    """The columns a reward reads beside ``attempts`` completions of each record, prompt-major: ``answer``,
-    ``prompts`` and, when any record has a generated task (reasoning_gym), ``task``."""
+    """The columns (``answer``, ``prompts``, ``task`` if any) beside ``attempts`` completions per record, prompt-major."""
     columns: dict[str, list] = {
         "answer": [r.get("answer") for r in records for _ in range(attempts)],
         "prompts": [p for p in prompts for _ in range(attempts)],
