@@ -161,7 +161,7 @@ def _process_steps(steps: list) -> list[list] | None:
 
 
 def reward_columns(records: list[dict], prompts: list, attempts: int) -> dict[str, list]:
-    """The columns (``answer``, ``prompts``, ``task`` if any) beside ``attempts`` completions per record, prompt-major."""
+    """The columns ``answer``, ``prompts`` (and ``task``) beside ``attempts`` completions of each record, prompt-major."""
     columns: dict[str, list] = {
         "answer": [r.get("answer") for r in records for _ in range(attempts)],
         "prompts": [p for p in prompts for _ in range(attempts)],
