@@ -153,8 +153,7 @@ def resolve_path(spec: FileData, base_dir: Path) -> Path:
 
 
 def mix_datasets(spec: MixtureData, sources: dict[str, list[dict]]) -> tuple[list[dict], dict[str, int]]:
-    """(records, realised count per source): sources drawn with the declared probabilities, each read in a
-    shuffled order."""
+    """(records, realised count per source), drawn with the declared probabilities, each source shuffled."""
     empty = [name for name in spec.mixture if not sources.get(name)]
     if empty:
         raise DataError(f"mixture component(s) {', '.join(empty)} hold no records")
@@ -172,8 +171,7 @@ def mix_datasets(spec: MixtureData, sources: dict[str, list[dict]]) -> tuple[lis
 
 
 def load_records(spec, base_dir: Path, datasets: dict | None = None) -> list[dict]:
-    """The dataset's canonical records; raises DataError naming the file (and line).
-    ``datasets`` (every declared dataset by name) is needed for a mixture."""
+    """The dataset's canonical records (``datasets``, by name, for a mixture); DataError names file and line."""
     if isinstance(spec, MixtureData):
         sources = {name: load_records(_component(spec, name, datasets), base_dir, datasets) for name in spec.mixture}
         return mix_datasets(spec, sources)[0]
@@ -287,8 +285,7 @@ def _materialized_key(spec, base_dir: Path, datasets: dict | None) -> str:
 
 
 def materialize(spec, base_dir: Path, cache_dir: Path, datasets: dict | None = None) -> Path:
-    """Write the dataset's canonical JSONL once (atomically) and return its path; ``datasets`` (by name) give
-    the prompts to ``exclude`` and a mixture's components."""
+    """The dataset's canonical JSONL, written once (atomically); ``datasets`` (by name): for ``exclude``, mixtures."""
     if isinstance(spec, MixtureData):
         return _materialize_mixture(spec, base_dir, cache_dir, datasets)
     excluded = {name: datasets[name] for name in getattr(spec, "exclude", [])} if datasets else {}
