@@ -4,7 +4,6 @@ reference or adapters-off policy, held-out pairs, publication)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -103,7 +102,7 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     from stages.models.loading import load_model_and_tokenizer
     from stages.data.preferences import check_preference_records, split_heldout, trl_dataset
     from stages.training.callbacks import quiet_trainer, tracking_callback
-    from stages.training.resume import train_resumably
+    from stages.training.resume import train_measured
 
     to_dataset = to_dataset or trl_dataset
     seed = ctx.seed
@@ -130,17 +129,7 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
                     "resolved_seed": seed, "world_size": args.world_size,  # the process group's
                     **placement_params(trainer.ref_model)})
 
-    started = time.perf_counter()
-    result, resumed_step = train_resumably(trainer, ctx)
-    metrics: dict[str, float] = {"train_seconds": time.perf_counter() - started}
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    metrics.update({
-        "train_loss": float(result.training_loss),
-        "first_loss": float(losses[0]) if losses else float(result.training_loss),
-        "final_loss": float(losses[-1]) if losses else float(result.training_loss),
-        "steps": float(trainer.state.global_step),
-        "resumed_from_step": float(resumed_step),
-    })
+    metrics = train_measured(trainer, ctx)
     if heldout:
         after = trainer.evaluate()  # logged at the last step through the tracking callback
         if "eval_rewards/accuracies" in after:  # KTO scores replies one by one: no pairwise accuracy

@@ -209,7 +209,7 @@ def train_token_classifier(config, inputs: StageInputs, ctx, tokenizer, train: l
     from stages.models.lora import save_trained
     from stages.training.callbacks import device_arguments, metric_renamer, quiet_trainer, schedule_arguments, \
         tracking_callback
-    from stages.training.resume import resumable_arguments, train_resumably
+    from stages.training.resume import resumable_arguments, train_measured
 
     seed = ctx.seed
     model = _token_classifier(inputs, tokenizer, seed)
@@ -231,13 +231,7 @@ def train_token_classifier(config, inputs: StageInputs, ctx, tokenizer, train: l
     metrics: dict[str, float] = {}
     if heldout:
         metrics["initial_heldout_step_accuracy"] = heldout_metrics(model, tokenizer, heldout)["heldout_step_accuracy"]
-    started = time.perf_counter()
-    result, resumed_step = train_resumably(trainer, ctx)
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    metrics.update({"train_seconds": time.perf_counter() - started, "train_loss": float(result.training_loss),
-                    "first_loss": float(losses[0]) if losses else float(result.training_loss),
-                    "final_loss": float(losses[-1]) if losses else float(result.training_loss),
-                    "steps": float(trainer.state.global_step), "resumed_from_step": float(resumed_step)})
+    metrics.update(train_measured(trainer, ctx))
     if heldout:
         metrics.update(heldout_metrics(trainer.model, tokenizer, heldout))
     ctx.log_metrics(metrics)

@@ -3,7 +3,6 @@ as a reward by later stages. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 from pydantic import ConfigDict, Field
@@ -151,7 +150,7 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
     from stages.models.lora import save_trained
     from stages.data.preferences import check_preference_records, split_heldout, trl_dataset
     from stages.training.callbacks import quiet_trainer, tracking_callback
-    from stages.training.resume import train_resumably
+    from stages.training.resume import train_measured
 
     seed = ctx.seed
     records = read_materialized(inputs.data)
@@ -177,17 +176,7 @@ def run(config: RewardModelStageConfig, inputs: StageInputs, ctx) -> dict:
     if heldout:
         before = trainer.evaluate()
         metrics["initial_heldout_pairwise_accuracy"] = float(before["eval_accuracy"])
-    started = time.perf_counter()
-    result, resumed_step = train_resumably(trainer, ctx)
-    metrics["train_seconds"] = time.perf_counter() - started
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    metrics.update({
-        "train_loss": float(result.training_loss),
-        "first_loss": float(losses[0]) if losses else float(result.training_loss),
-        "final_loss": float(losses[-1]) if losses else float(result.training_loss),
-        "steps": float(trainer.state.global_step),
-        "resumed_from_step": float(resumed_step),
-    })
+    metrics.update(train_measured(trainer, ctx))
     if heldout:
         after = trainer.evaluate()  # logged at the last step through the tracking callback
         metrics["heldout_pairwise_accuracy"] = float(after["eval_accuracy"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -68,7 +67,7 @@ def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
     from stages.models.lora import save_trained
     from stages.models.loading import load_model_and_tokenizer
     from stages.training.callbacks import quiet_trainer, tracking_callback
-    from stages.training.resume import train_resumably
+    from stages.training.resume import train_measured
 
     seed = ctx.seed
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 when launched data-parallel (flows/execution/distributed.py)
@@ -93,19 +92,7 @@ def run(config: SFTStageConfig, inputs: StageInputs, ctx) -> dict:
         callbacks=[tracking_callback(ctx, rename_metrics, f"sft: {args.max_steps} steps")],
     )
     quiet_trainer(trainer)
-    started = time.perf_counter()
-    result, resumed_step = train_resumably(trainer, ctx)
-    seconds = time.perf_counter() - started
-
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    metrics = {
-        "train_loss": float(result.training_loss),
-        "final_loss": float(losses[-1]) if losses else float(result.training_loss),
-        "first_loss": float(losses[0]) if losses else float(result.training_loss),
-        "steps": float(trainer.state.global_step),
-        "resumed_from_step": float(resumed_step),
-        "train_seconds": seconds,
-    }
+    metrics = train_measured(trainer, ctx)
     ctx.log_metrics(metrics)
 
     outputs = save_trained(trainer.model, tokenizer, ctx, final_loss=metrics["final_loss"])

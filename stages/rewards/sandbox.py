@@ -127,14 +127,17 @@ def ensure_available(isolation: str = "bubblewrap") -> _Tools:
 
 def check_rlimits_only() -> _Tools:
     """The opt-out's tools: prlimit (and setpriv as root) and the base interpreter; no bwrap."""
-    prlimit = shutil.which("prlimit")
-    setpriv = shutil.which("setpriv")
-    if prlimit is None or (os.geteuid() == 0 and setpriv is None):
-        raise SandboxUnavailable(
-            "even the rlimits-only sandbox needs `prlimit` and `setpriv` from util-linux: `apt-get install util-linux`"
-        )
+    prlimit, setpriv = _util_linux("even the rlimits-only sandbox")
     python, roots = _base_interpreter()
     return _Tools(None, prlimit, setpriv, python, roots)
+
+
+def _util_linux(who: str) -> tuple[str, str | None]:
+    """prlimit, and setpriv (needed as root to drop to another uid), from util-linux."""
+    prlimit, setpriv = shutil.which("prlimit"), shutil.which("setpriv")
+    if prlimit is None or (os.geteuid() == 0 and setpriv is None):
+        raise SandboxUnavailable(f"{who} needs `prlimit` and `setpriv` from util-linux: `apt-get install util-linux`")
+    return prlimit, setpriv
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,12 +150,7 @@ def check_sandbox() -> _Tools:
             "unsandboxed. Install it: `sudo apt-get install bubblewrap` (Debian/Ubuntu) or "
             "`dnf install bubblewrap` (Fedora)."
         )
-    prlimit = shutil.which("prlimit")
-    setpriv = shutil.which("setpriv")
-    if prlimit is None or (os.geteuid() == 0 and setpriv is None):
-        raise SandboxUnavailable(
-            "the sandbox needs `prlimit` and `setpriv` from util-linux: `apt-get install util-linux`"
-        )
+    prlimit, setpriv = _util_linux("the sandbox")
     python, roots = _base_interpreter()
     tools = _Tools(bwrap, prlimit, setpriv, python, roots)
     probe = _probe(tools)

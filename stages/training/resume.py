@@ -98,6 +98,19 @@ def train_resumably(trainer, ctx, state: StageState | None = None) -> tuple[Any,
     return result, resumed_step
 
 
+def train_measured(trainer, ctx, state: StageState | None = None) -> dict[str, float]:
+    """``train_resumably``, then the summary every trainer stage logs: its wall time, the mean loss since the
+    stage began, the first and last logged loss, the steps and the step it resumed from."""
+    started = time.perf_counter()
+    result, resumed_step = train_resumably(trainer, ctx, state)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    mean_loss = float(result.training_loss)
+    return {"train_seconds": time.perf_counter() - started, "train_loss": mean_loss,
+            "first_loss": float(losses[0]) if losses else mean_loss,
+            "final_loss": float(losses[-1]) if losses else mean_loss,
+            "steps": float(trainer.state.global_step), "resumed_from_step": float(resumed_step)}
+
+
 def _read_state(checkpoint: str) -> dict:
     path = Path(checkpoint) / STATE_FILE
     if not path.is_file():
