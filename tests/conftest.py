@@ -8,6 +8,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,28 @@ def smollm2(tmp_path_factory) -> Path:
         patch.setattr(socket.socket, "connect", refuse)
         patch.setenv("HF_HUB_OFFLINE", "1")
         return resolve_base_checkpoint(GGUFModelSpec(gguf=SMOLLM2_GGUF), 0, cache, cache)
+
+
+def group_of(pgid: int) -> list[int]:
+    """The processes still in process group ``pgid`` (a process started with ``start_new_session`` and all it
+    started that did not leave the group)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    found.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return found
+
+
+def gone(pgid: int, within: float = 30.0) -> bool:
+    """Whether every process of group ``pgid`` is gone, waiting up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while group_of(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not group_of(pgid)
 
 
 def write(path: Path, text: str) -> Path:
