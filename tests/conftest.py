@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -173,6 +174,19 @@ def gone(pgid: int, within: float = 30.0) -> bool:
     while group_of(pgid) and time.monotonic() < deadline:
         time.sleep(0.2)
     return not group_of(pgid)
+
+
+def kill_left_behind(started: list, group: bool) -> None:
+    """Kill each process of ``started`` (``subprocess.Popen``) that a test left running, with its process group where
+    it was started in one of its own (``group``), and empty the list: nothing a test starts outlives it."""
+    while started:
+        process = started.pop()
+        if process.poll() is None:
+            if group:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
+            process.wait(timeout=60)
 
 
 def write(path: Path, text: str) -> Path:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, gone, group_of, run_cli, write
+from conftest import ROOT, gone, group_of, kill_left_behind, run_cli, write
 from servers import MlflowServer, free_port
 
 pytestmark = pytest.mark.slow
@@ -40,11 +40,7 @@ _LAUNCHED: list[subprocess.Popen] = []
 @pytest.fixture(autouse=True)
 def _no_process_outlives_its_test():
     yield
-    while _LAUNCHED:
-        proc = _LAUNCHED.pop()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    kill_left_behind(_LAUNCHED, group=True)
 
 
 def launch(home: Path, *argv: str, env: dict | None = None, log: Path) -> subprocess.Popen:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUICKSTART, ROOT
+from conftest import QUICKSTART, ROOT, kill_left_behind
 from flows.recording.tags import TAG_PID
 from flows.recording.tracking import process_alive
 from test_run_output import SMALL
@@ -39,11 +39,7 @@ _STARTED: list[subprocess.Popen] = []
 def _no_caller_outlives_its_test():
     """A caller a failed test left running is killed (a killed caller takes its warm run down with it)."""
     yield
-    while _STARTED:
-        process = _STARTED.pop()
-        if process.poll() is None:
-            process.kill()
-            process.communicate(timeout=60)
+    kill_left_behind(_STARTED, group=False)
 
 
 def start(home: Path, *argv: str, **extra: str) -> subprocess.Popen:
