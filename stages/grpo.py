@@ -133,8 +133,8 @@ def _trainer_class():
             self._last_logps = result[0]
             return result
 
-        def _compute_loss(self, model, inputs):
-            loss = super()._compute_loss(model, inputs)
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             logps = getattr(self, "_last_logps", None)
             if logps is not None and self.model.training:
                 # the behaviour policy: the previous update's log-probs when a batch is reused, else the
@@ -393,7 +393,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
                "resumed_from_step": float(resumed_step)}
     ctx.log_metrics(metrics)
 
-    trainer.model.config._name_or_path = str(inputs.policy)  # was the KL anchor's, for TRL
+    trainer.model.config.name_or_path = str(inputs.policy)  # was the KL anchor's, for TRL
     model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
     outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/models/lora.py: with lora, also the adapter alone
     return {**outputs, "metrics": metrics}
@@ -515,8 +515,8 @@ def _load_policy(inputs: StageInputs):
     model, tokenizer = load_model_and_tokenizer(inputs.policy,
                                                 trust_remote_code=inputs.trust_remote_code)
     tokenizer.padding_side = "left"
-    # TRL builds the KL reference from the policy's `_name_or_path`: point it at the anchor.
-    model.config._name_or_path = str(inputs.reference or inputs.policy)
+    # TRL builds the KL reference from the policy's `name_or_path`: point it at the anchor.
+    model.config.name_or_path = str(inputs.reference or inputs.policy)
     # transformers fills what TRL's sampling config leaves unset (min_p, suppress_tokens, ...) from the
     # model's own generation config: sample from a neutral one, keep the checkpoint's for saving.
     own_generation_config = model.generation_config

@@ -7,7 +7,9 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,41 @@ def smollm2(tmp_path_factory) -> Path:
         patch.setattr(socket.socket, "connect", refuse)
         patch.setenv("HF_HUB_OFFLINE", "1")
         return resolve_base_checkpoint(GGUFModelSpec(gguf=SMOLLM2_GGUF), 0, cache, cache)
+
+
+def group_of(pgid: int) -> list[int]:
+    """The processes still in process group ``pgid`` (a process started with ``start_new_session`` and all it
+    started that did not leave the group)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    found.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return found
+
+
+def gone(pgid: int, within: float = 30.0) -> bool:
+    """Whether every process of group ``pgid`` is gone, waiting up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while group_of(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not group_of(pgid)
+
+
+def kill_left_behind(started: list, group: bool) -> None:
+    """Kill each process of ``started`` (``subprocess.Popen``) that a test left running, with its process group where
+    it was started in one of its own (``group``), and empty the list: nothing a test starts outlives it."""
+    while started:
+        process = started.pop()
+        if process.poll() is None:
+            if group:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
+            process.wait(timeout=60)
 
 
 def write(path: Path, text: str) -> Path:

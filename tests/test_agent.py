@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +23,10 @@ CALL = '<tool_call>calculator("47*86")</tool_call>'
 QUESTION = [{"role": "user", "content": "What is 47*86?"}]
 
 
+HUNG = threading.Event()  # set by the test once it is done: the hung tool's abandoned thread then returns
+HUNG_THREADS: list[threading.Thread] = []
+
+
 class UnrulyEnvironment(Environment):
     """Tools that raise, hang and flood: the episode must go on with a recorded error each time."""
 
@@ -29,7 +35,8 @@ class UnrulyEnvironment(Environment):
             raise RuntimeError("tool exploded")
 
         def hang(x: int) -> str:
-            time.sleep(30)
+            HUNG_THREADS.append(threading.current_thread())
+            HUNG.wait(timeout=60)
             return "never"
 
         def flood(x: int) -> str:
@@ -134,7 +141,15 @@ def test_unruly_tools_are_contained_and_the_episode_goes_on():
              '<tool_call>{"name": "boom", "arguments": {"x": "one"}}</tool_call>', "<tool_call>boom(</tool_call>",
              "done"]
     started = time.perf_counter()
-    episode = replay(build_environment(spec), spec, QUESTION, turns)
+    HUNG.clear()
+    HUNG_THREADS.clear()
+    try:
+        episode = replay(build_environment(spec), spec, QUESTION, turns)
+    finally:  # the abandoned call ends with the test, not 60 s later
+        HUNG.set()
+        for thread in HUNG_THREADS:
+            thread.join(timeout=10)
+    assert len(HUNG_THREADS) == 1 and not HUNG_THREADS[0].is_alive(), HUNG_THREADS
     assert time.perf_counter() - started < 5
     results = [m["content"] for m in episode.messages if m["role"] == "tool"]
     assert "tool exploded" in results[0] and "ran past 0.5 s" in results[1]
@@ -415,7 +430,7 @@ def test_ppo_trains_in_the_environment_on_its_own_score(tiny_checkpoint, ctx_fac
     assert metrics["steps"] == 2.0 and Path(outputs["checkpoint"]).is_dir()
     # 4 episodes a step, each capped at 12 tokens after its prompt: model tokens are at most that
     assert 0 < metrics["completion/mean_tokens"] <= 12 and metrics["env/turns_mean"] >= 1
-    assert metrics["reward/environment/mean"] == 0.0 and metrics["policy_loss"] == metrics["policy_loss"]
+    assert metrics["reward/environment/mean"] == 0.0 and math.isfinite(metrics["policy_loss"])
 
 
 def test_calculator_scores_its_own_episodes():

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli, write
+from conftest import ROOT, gone, group_of, kill_left_behind, run_cli, write
 from servers import MlflowServer, free_port
 
 pytestmark = pytest.mark.slow
@@ -40,11 +40,7 @@ _LAUNCHED: list[subprocess.Popen] = []
 @pytest.fixture(autouse=True)
 def _no_process_outlives_its_test():
     yield
-    while _LAUNCHED:
-        proc = _LAUNCHED.pop()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    kill_left_behind(_LAUNCHED, group=True)
 
 
 def launch(home: Path, *argv: str, env: dict | None = None, log: Path) -> subprocess.Popen:
@@ -99,7 +95,8 @@ def test_kill_9_mid_sft_is_marked_failed_never_reused_and_resumed(home, prefect_
     wait_for(lambda: checkpoints(home), proc, log, what="a trainer checkpoint")
     os.kill(proc.pid, signal.SIGKILL)  # the orchestrating process only: an OOM kill, a lost job
     proc.wait()
-    time.sleep(1)  # the embedded Prefect server follows its parent (PR_SET_PDEATHSIG)
+    # what it started in its process group (the reward worker: PR_SET_PDEATHSIG) follows it
+    assert gone(proc.pid), f"processes of the killed run left: {group_of(proc.pid)}"
 
     client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
     (dead,) = stage_runs(client, "faults", "sft")
@@ -245,7 +242,8 @@ def test_tracking_server_lost_mid_stage_loses_nothing(home, prefect_server, tmp_
 
         server.start()
         sync = subprocess.run([sys.executable, "-m", "flows.cli", "sync"], cwd=tmp_path, capture_output=True,
-                              text=True, env={**os.environ, "POSTTRAIN_HOME": str(home), "MLFLOW_TRACKING_URI": server.url})
+                              text=True, env={**os.environ, "POSTTRAIN_HOME": str(home), "MLFLOW_TRACKING_URI": server.url},
+                              timeout=300)
         assert sync.returncode == 0, sync.stderr
         assert not list((home / "pending").glob("*.json"))
         client = MlflowClient(server.url)

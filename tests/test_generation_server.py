@@ -8,6 +8,7 @@ trainer's dtype, so its log-probs can be compared with the trainer's to float er
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import gone, group_of
 from stages.context import StageInputs
 from stages.data.sources import ArithmeticData, materialize
 from stages.rewards.spec import RewardSpec
@@ -36,19 +38,6 @@ FP32 = EngineSettings(dtype="float32", kv_cache_gib=1)
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=6, attempts=1, seed=0)
 
 
-def group_of(pid: int) -> list[int]:
-    """The processes still in process group ``pid`` (a guard's: the server's whole tree)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pid:
-                    found.append(int(entry.name))
-            except ProcessLookupError:
-                pass
-    return found
-
-
 def guards_of(stage_pid: int) -> list[int]:
     """The server guards stage process ``stage_pid`` started (their command line names it)."""
     guards = []
@@ -61,13 +50,6 @@ def guards_of(stage_pid: int) -> list[int]:
             if b"stages.rollout.guard" in argv and str(stage_pid).encode() in argv:
                 guards.append(int(entry.name))
     return guards
-
-
-def gone(pgid: int, within: float = 30.0) -> bool:
-    deadline = time.monotonic() + within
-    while group_of(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return not group_of(pgid)
 
 
 def trainer_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
@@ -229,7 +211,9 @@ def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone
     request's attempts gives. A batch drawn from another thread while one is in flight (drawing ahead: the
     producer's, and one the trainer draws again) is taken in only once that one is answered, and both are the
     samples each draws alone. A request the server refuses fails the draw with the server's reason, and the
-    server goes on serving."""
+    server goes on serving. The late request is held back by events, not by how long the server takes: taking
+    requests as they arrive, until another request of its batch is answered; taking batches in whole, for a window
+    of 0.5 s in which no answer may come."""
     from stages.models.loading import load_model_and_tokenizer
     from stages.rollout.generation import prompt_token_ids
     from stages.rollout.server import GenerationServer, ServerBackend, ServerFailed
@@ -238,19 +222,23 @@ def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone
     prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} * {a + 7} ="}] for a in range(8)])
     sampled = SamplingSettings(temperature=1.0, max_tokens=8, attempts=4, seed=5)
     late = {"late": False, "sent": None, "answered": [], "pauses": []}
+    answered, paused = threading.Event(), threading.Event()
     send = GenerationServer.request
 
     def request(server, path, body=None, timeout=3600.0):  # the last prompt's last request held back on its way
         if path.startswith("/pause"):
             late["pauses"].append(len(late["answered"]))  # requests answered before each batch's intake
+            paused.set()
         if path != "/v1/completions":
             return send(server, path, body, timeout)
         last = sampled.seed + len(prompts) - 1 + (sampled.attempts - 1 if body.get("n") == 1 else 0)
         if late["late"] and body["prompt"] == prompts[-1] and body["seed"] == last:
-            time.sleep(0.5)
+            # in whole, nothing may be answered within the window; as they arrive, the others are answered first
+            answered.wait(timeout=0.5 if server.whole_batches else 120)
             late["sent"] = time.monotonic()
         answer = send(server, path, body, timeout)
         late["answered"].append(time.monotonic())
+        answered.set()
         return answer
 
     monkeypatch.setattr(GenerationServer, "request", request)
@@ -266,6 +254,7 @@ def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone
             backend = ServerBackend(server, tokenizer)
             for late["late"] in (False, True):
                 late["answered"] = []
+                answered.clear()
                 groups = backend.generate_ids(prompts, sampled)
                 drawn[whole, late["late"]] = [(s.token_ids, s.logprobs) for group in groups for s in group]
             first_answer[whole] = min(late["answered"]) - late["sent"]
@@ -275,14 +264,14 @@ def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone
                 alone = {name: [(s.token_ids, s.logprobs) for group in backend.generate_ids(batch, longer)
                                 for s in group] for name, batch in (("first", prompts), ("second", others))}
                 late["answered"], late["pauses"], together = [], [], {}
+                paused.clear()
+                answered.clear()  # the first batch's last request held for the window: the second arrives mid-intake
                 first = threading.Thread(target=lambda: together.update(first=backend.generate_ids(prompts, longer)))
                 first.start()
-                deadline = time.monotonic() + 120
-                while not late["pauses"]:  # the first batch's intake has begun
-                    assert time.monotonic() < deadline and first.is_alive(), "the first batch never paused the server"
-                    time.sleep(0.001)
+                assert paused.wait(timeout=120), "the first batch's intake did not begin (no pause) within 120 s"
                 together["second"] = backend.generate_ids(others, longer)
-                first.join()
+                first.join(timeout=300)
+                assert not first.is_alive(), "the first batch was not answered within 300 s"
                 assert late["pauses"] == [0, len(prompts) * longer.attempts], late["pauses"]
                 assert {name: [(s.token_ids, s.logprobs) for group in groups for s in group]
                         for name, groups in together.items()} == alone
@@ -476,11 +465,18 @@ def start_stage(home: Path, checkpoint: Path, resume_dir: Path, **settings) -> s
 
 
 def wait_for(stage: subprocess.Popen, done, what: str) -> None:
+    """Until ``done()``; if the stage ends or 300 s pass first, the test fails and the stage's group is killed (its
+    server guard then stops the server): nothing it started outlives the test."""
     deadline = time.monotonic() + 300
-    while not done():
-        assert stage.poll() is None, stage.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, f"the stage did not {what} within 300 s"
-        time.sleep(0.002)
+    try:
+        while not done():
+            assert stage.poll() is None, stage.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, f"the stage did not {what} within 300 s"
+            time.sleep(0.002)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(stage.pid, signal.SIGKILL)
+        raise
 
 
 def stop(stage: subprocess.Popen, how: str) -> None:

@@ -147,17 +147,6 @@ def test_check_reward_command(home, capsys):
     assert run_cli("check-reward", str(QUICKSTART), "--reward", "nope") == 2
 
 
-def test_grpo_with_lora(tiny_checkpoint, ctx_factory, home):
-    from stages import rl
-
-    rewards = {"short": RewardSpec(fn="length_penalty", kwargs={"target_chars": 0, "per_char": 0.5})}
-    outputs = rl.run(grpo_config(rewards=["short"], max_steps=2, lr=1e-2, lora={"r": 4}),
-                     inputs_for(home, tiny_checkpoint, rewards), ctx_factory("grpo-lora"))
-    assert not (Path(outputs["checkpoint"]) / "adapter_config.json").exists()
-    with pytest.raises(ValueError, match="with lora the KL reference"):
-        grpo_config(lora={"r": 4}, reference="other")
-
-
 def test_cispo_caps_the_weight_at_cispo_cap_not_at_clip_epsilon(tiny_checkpoint, ctx_factory, home):
     """TRL's CISPO reads epsilon_high as an absolute cap on the ratio: on-policy (ratio exactly 1)
     nothing may be clipped, where a cap of clip_epsilon (0.2) clipped every positive-advantage token."""

@@ -155,6 +155,8 @@ def test_grpo_with_lora_publishes_merged_checkpoint_and_adapter(tiny_checkpoint,
 
     outputs = rl.run(rl_config("grpo"), rl_inputs(home, tiny_checkpoint), ctx_factory("grpo-lora"))
     assert_base_plus_low_rank_delta(tiny_checkpoint, outputs, load_causal_lm)
+    with pytest.raises(ValueError, match="with lora the KL reference"):  # the policy with its adapters off
+        rl_config("grpo", reference="other")
 
 
 def test_ppo_with_lora_trains_adapters_against_the_adapters_off_policy(tiny_checkpoint, ctx_factory, home):

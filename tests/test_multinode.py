@@ -10,6 +10,7 @@ import copy
 import json
 import shlex
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -185,6 +186,12 @@ def test_a_one_node_stage_renders_to_a_one_pod_job(prefect_server):
 # ------------------------------------------------------------------ each pod's part
 
 
+def in_function(thread: threading.Thread, name: str) -> bool:
+    """Whether ``thread``'s innermost Python frame is function ``name`` (it is blocked in a call into C there)."""
+    frame = sys._current_frames().get(thread.ident)
+    return frame is not None and frame.f_code.co_name == name
+
+
 def test_pod_0_runs_the_flow_run_and_the_others_wait_for_its_rank_file():
     from flows.execution.distributed import NodeRole, fetch_rank_file, serve_rank_file
     from flows.execution.node import node_command
@@ -202,7 +209,10 @@ def test_pod_0_runs_the_flow_run_and_the_others_wait_for_its_rank_file():
     fetched = {}
     waiting = threading.Thread(target=lambda: fetched.update(text=fetch_rank_file(node, timeout_s=60)))
     waiting.start()  # node 1 comes up first and waits
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while not in_function(waiting, "fetch_rank_file"):  # inside the store client's connect: nothing serves yet
+        assert waiting.is_alive() and time.monotonic() < deadline, "node 1 never began to wait for its rank file"
+        time.sleep(0.01)
     assert waiting.is_alive() and not fetched
     store = serve_rank_file(NodeRole(0, "127.0.0.1", port), '{"job": "the stage"}')
     waiting.join(timeout=30)

@@ -125,18 +125,6 @@ def test_failed_stage_exits_1_and_is_never_reused(home, prefect_server, tmp_path
     assert "run    eval_base: no finished run" in out  # the FAILED run is not a cache hit
 
 
-def test_only_without_cached_upstream_is_bad_input(home, tmp_path, capsys):
-    text = FAILING.replace("eval_again: {kind: eval, model: base", "sft: {kind: sft, data: train, max_steps: 1}\n"
-                           "  eval_again: {kind: eval, model: sft")
-    text = text.replace("  heldout:", "  train: {generator: arithmetic, n: 4, seed: 1, role: train}\n  heldout:")
-    path = write(tmp_path / "p.yaml", text)
-    assert run_cli("run", str(path), "--only", "eval_again") == 2
-    err = capsys.readouterr().err
-    assert "--only eval_again needs the cached outputs of sft" in err
-    assert run_cli("run", str(path), "--only", "nope") == 2
-    assert "no such stage" in capsys.readouterr().err
-
-
 def test_a_stage_seed_of_zero_is_honoured_not_replaced_by_the_pipeline_seed(home, prefect_server, tmp_path):
     """`seed: 0` on a stage is a seed, not "unset": the stage runs with 0 under pipeline seed 5."""
     text = FAILING.replace("eval_again: {kind: eval, model: base",

@@ -46,7 +46,8 @@ def check(tmp_path: Path, recorded: dict, page: str = PAGE, claims: str = CLAIMS
     (tmp_path / "README.md").write_text(page)
     return subprocess.run([sys.executable, str(ROOT / "bench" / "results.py"), "--check", "--claims",
                            str(tmp_path / "claims.yaml"), "--results", str(tmp_path / "results.json"),
-                           "--readme", str(tmp_path / "README.md")], capture_output=True, text=True, cwd=ROOT)
+                           "--readme", str(tmp_path / "README.md")], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
 
 
 HOLDING_GAINS = {"0": (0.33, 0.28, 0.38), "1": (0.39, 0.33, 0.45), "2": (0.30, 0.24, 0.35)}
@@ -98,7 +99,8 @@ def test_a_study_without_results_is_not_checked_and_nothing_checked_is_not_a_pas
 
 def test_the_shipped_claims_quote_the_readme():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "results.py"), "--check", "--results", "/dev/stdin"],
-                          input=json.dumps({"machine": "-", "studies": {}}), capture_output=True, text=True, cwd=ROOT)
+                          input=json.dumps({"machine": "-", "studies": {}}), capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
     assert "does not say" not in done.stdout, done.stdout
     assert done.returncode == 2, done.stdout + done.stderr
 

@@ -12,6 +12,7 @@ and the resumed run together are the uninterrupted run's, each step logged once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -198,22 +199,29 @@ def assert_same_stage(whole: tuple[dict, dict], stopped_ctx, resumed: tuple[dict
             assert s == 0 or len(set(values)) == len(set(steps.get(s, []))), (name, s)
 
 
-def interrupt_after(resume_dir: Path, step: int) -> threading.Thread:
-    """A thread that sends this process SIGINT (what Ctrl-C sends) once the checkpoint of ``step`` is written, and
-    nothing if it is not written within 300 s (the stage then runs to its end and the test fails on its own: a
-    signal sent late would stop whatever this process runs next)."""
+@contextlib.contextmanager
+def interrupt_after(resume_dir: Path, step: int):
+    """Within the block, a thread sends this process SIGINT (what Ctrl-C sends) once the checkpoint of ``step`` is
+    written, and nothing if it is not written within 300 s or the block ends first (the stage then ran to its end
+    or failed, and the test fails on its own: a signal sent later would stop whatever this process runs next).
+    The thread ends with the block."""
+    done = threading.Event()
 
     def watch():
         deadline = time.monotonic() + 300
         while not complete(resume_dir / f"checkpoint-{step}"):
-            if time.monotonic() > deadline:
+            if done.wait(0.002) or time.monotonic() > deadline:
                 return
-            time.sleep(0.002)
         os.kill(os.getpid(), signal.SIGINT)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
-    return thread
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the Ctrl-C watcher outlived its block"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -223,10 +231,8 @@ def test_a_stage_stopped_by_ctrl_c_resumes_to_the_uninterrupted_result(kind, tin
     resume_dir = home / "resume-stopped"
     run, config, inputs = stage(kind, home, tiny_checkpoint)
     stopped_ctx = context(home, "stopped", resume_dir)
-    watcher = interrupt_after(resume_dir, SAVE_EVERY)
-    with torch_threads(1), pytest.raises(KeyboardInterrupt):
+    with torch_threads(1), pytest.raises(KeyboardInterrupt), interrupt_after(resume_dir, SAVE_EVERY):
         run(config, inputs, stopped_ctx)
-    watcher.join()
     k = resumed_step(resume_dir)  # the step in progress when Ctrl-C came, after the checkpoint at SAVE_EVERY
     assert SAVE_EVERY < k < STEPS, k
 
@@ -252,13 +258,17 @@ def test_a_stage_killed_with_sigkill_resumes_from_its_periodic_checkpoint(kind, 
                            checkpoint=str(tiny_checkpoint), resume_dir=str(resume_dir))
     process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while not complete(resume_dir / f"checkpoint-{SAVE_EVERY}"):
-        assert process.poll() is None, process.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "no periodic checkpoint within 300 s"
-        time.sleep(0.002)
-    os.killpg(process.pid, signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL
+    try:
+        deadline = time.monotonic() + 300
+        while not complete(resume_dir / f"checkpoint-{SAVE_EVERY}"):
+            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no periodic checkpoint within 300 s"
+            time.sleep(0.002)
+    finally:  # killed here whether or not the checkpoint came: the stage never outlives the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    assert process.returncode == -signal.SIGKILL
 
     resumed = run_stage(kind, home, tiny_checkpoint, "resumed", resume_dir)
     # the newest checkpoint written whole (the kill may cut the next one short: it is passed over)

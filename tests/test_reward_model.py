@@ -110,9 +110,15 @@ def test_the_reward_model_as_ppo_reward_and_critic(tiny_checkpoint, ctx_factory,
     result = train_ppo(config, StageInputs(policy=tiny_checkpoint, datasets={"train": prompts_file}, rewards=rewards,
                                            critic=rm_path, scorer_checkpoints={"rm": rm_path}), ctx)
     # trained on the reward model alone: the weight-0 reward is logged, and so is its correlation
-    assert [m.step for m in ctx.metric_history("reward/rm/corr/digits")] == [1, 2]
-    assert all(-1.0 <= m.value <= 1.0 for m in ctx.metric_history("reward/rm/corr/digits"))
+    correlations = {m.step: m.value for m in ctx.metric_history("reward/rm/corr/digits")}
+    assert list(correlations) == [1, 2]
     for step in (1, 2):
+        # the correlation of the step's 16 samples, each scored by both (its sample table holds all 16)
+        table = json.loads(Path(ctx.client.download_artifacts(ctx.run_id, f"samples/step_{step:05d}.json")).read_text())
+        rm_scores, digits = ([row[table["columns"].index(name)] for row in table["data"]]
+                             for name in ("reward/rm", "reward/digits"))
+        by_hand = torch.corrcoef(torch.tensor([rm_scores, digits], dtype=torch.float64))[0, 1].item()
+        assert len(rm_scores) == 16 and correlations[step] == pytest.approx(by_hand, abs=1e-6)
         rm_mean = next(m.value for m in ctx.metric_history("reward/rm/mean") if m.step == step)
         total = next(m.value for m in ctx.metric_history("reward/mean") if m.step == step)
         assert total == pytest.approx(rm_mean, abs=1e-6)

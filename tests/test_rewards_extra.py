@@ -133,7 +133,8 @@ def test_math_answer_works_off_the_main_thread():
     results = []
     thread = threading.Thread(target=lambda: results.append(math_answer(["\\boxed{\\frac{1}{2}}"], answer=["0.5"])))
     thread.start()
-    thread.join()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "math_answer did not return within 120 s in a worker thread"
     assert results and results[0].scores == [1.0]
 
 

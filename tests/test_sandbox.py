@@ -87,7 +87,7 @@ def test_parent_secret_is_not_visible_inside(monkeypatch):
                     pass
         """
     )
-    outside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    outside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert secret in outside.stdout  # a plain subprocess does inherit it
 
     result = run_sandboxed(code)

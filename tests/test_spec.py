@@ -147,15 +147,6 @@ def test_overrides_are_type_checked_like_the_file(tmp_path):
     assert "not a mapping" in issue.message
 
 
-def test_cli_exits_2_and_starts_nothing(tmp_path, home, capsys):
-    bad = write(tmp_path / "bad.yaml", VALID.replace("max_steps: 2}", "max_steps: 0}"))
-    assert run_cli("run", str(bad)) == 2
-    err = capsys.readouterr().err
-    assert "stages.sft.max_steps: must be >= 1 (got 0)" in err and "nothing was run" in err
-    assert not (home / "mlflow.db").exists()
-    assert run_cli("validate", str(tmp_path / "absent.yaml")) == 2
-
-
 def test_an_override_of_one_stage_leaves_stages_sharing_a_yaml_anchor_alone(tmp_path):
     text = VALID.replace("eval_sft: {kind: eval, model: sft, data: heldout, rewards: [correct]}",
                          "eval_sft: {kind: eval, model: sft, data: heldout, rewards: [correct], sampling: &s {seed: 1}}\n"

@@ -103,21 +103,3 @@ def test_eval_reports_pass_at_k_failures_and_settings(tiny_checkpoint, ctx_facto
     # same settings, same samples: the seed fixes the sampler
     again = eval_stage.run(config, inputs, ctx_factory("eval-again"))
     assert again["metrics"] == metrics
-
-
-def test_sft_with_lora_publishes_a_merged_plain_checkpoint(tiny_checkpoint, ctx_factory, home):
-    from stages import sft
-    from stages.models.loading import load_model_and_tokenizer
-
-    config = SFTStageConfig(kind="sft", data="train", max_steps=10, batch_size=8, lr=1e-2,
-                            lora={"r": 4, "alpha": 8})
-    outputs = sft.run(config, StageInputs(model=tiny_checkpoint, datasets={"data": arithmetic_file(home, 80)}),
-                      ctx_factory("sft-lora"))
-    checkpoint = Path(outputs["checkpoint"])
-    assert not (checkpoint / "adapter_config.json").exists()  # merged, not an adapter dir
-    before, _ = load_model_and_tokenizer(tiny_checkpoint)
-    after, _ = load_model_and_tokenizer(checkpoint)
-    assert set(after.state_dict()) == set(before.state_dict())
-    changed = {name for name, tensor in after.state_dict().items() if not torch.equal(tensor, before.state_dict()[name])}
-    assert any("q_proj" in name for name in changed)
-    assert not any("embed_tokens" in name for name in changed)  # only the adapted linear layers moved

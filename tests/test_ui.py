@@ -6,11 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,19 +100,33 @@ def _free_port() -> int:
 
 
 def _address(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
-    """(the MLflow UI's address, the whole banner) from `posttrain ui`'s stdout."""
-    lines = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+    """(the MLflow UI's address, the whole banner) from `posttrain ui`'s stdout, read for at most ``timeout``
+    seconds (by a thread, since a read waits for a line: it ends at the banner's last line or when ``_stop``
+    ends the process)."""
+    read: queue.Queue = queue.Queue()
+
+    def reader():
+        for line in proc.stdout:
+            read.put(line)
+            if line.startswith("Ctrl-C"):
+                break
+        read.put(None)
+
+    threading.Thread(target=reader, daemon=True).start()
+    lines, deadline = [], time.monotonic() + timeout
+    while True:
+        try:
+            line = read.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
             break
         lines.append(line)
         if line.startswith("Ctrl-C"):
             break
     banner = "".join(lines)
     found = re.search(r"MLflow UI: (http://127\.0\.0\.1:\d+)", banner)
-    assert found, f"no address in: {banner!r}; exit {proc.poll()}"
+    assert found, f"no address within {timeout:g} s in: {banner!r}; exit {proc.poll()}"
     return found.group(1), banner
 
 
@@ -128,8 +144,8 @@ def _stop(proc: subprocess.Popen) -> None:
     try:
         proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+        os.killpg(proc.pid, signal.SIGKILL)  # its process group: the MLflow server it started too
+        proc.communicate(timeout=30)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUICKSTART, ROOT
+from conftest import QUICKSTART, ROOT, kill_left_behind
 from flows.recording.tags import TAG_PID
 from flows.recording.tracking import process_alive
 from test_run_output import SMALL
@@ -32,9 +32,21 @@ def environment(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_caller_outlives_its_test():
+    """A caller a failed test left running is killed (a killed caller takes its warm run down with it)."""
+    yield
+    kill_left_behind(_STARTED, group=False)
+
+
 def start(home: Path, *argv: str, **extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *argv], env=environment(home, **extra),
-                            cwd=home.parent, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", *argv], env=environment(home, **extra),
+                               cwd=home.parent, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _STARTED.append(process)
+    return process
 
 
 def posttrain(home: Path, *argv: str, **extra: str) -> tuple[int, str]:
@@ -107,8 +119,9 @@ def test_ctrl_c_reaches_the_run_and_a_killed_caller_takes_its_run_down(warm_home
     home = warm_home
     longer = ["--set", "stages.grpo.max_steps=400", "--only", "grpo"]
     caller = start(home, "run", str(QUICKSTART), *SMALL, *longer)
-    wait_until(lambda: stage_runs(home, "grpo", "RUNNING"), 300, "the grpo stage to start")
-    time.sleep(2)
+    # Ctrl-C once the stage trains (its first step logged), not at a guess of how long its start takes
+    wait_until(lambda: any(run.data.metrics for run in stage_runs(home, "grpo", "RUNNING")), 300,
+               "the grpo stage to log its first step")
     caller.send_signal(signal.SIGINT)
     out, _ = caller.communicate(timeout=120)
     assert caller.returncode == 130, out

@@ -19,7 +19,7 @@ def planned_batches(trainer):
     """The prompts of each generation batch the trainer's dataloader will yield, in order, from a copy of
     TRL's sampler (same seed, same permutations): one per ``updates_per_batch`` steps, epoch after epoch."""
     sampler = trainer._get_train_sampler(trainer.train_dataset)
-    size = trainer._train_batch_size * trainer.args.steps_per_generation
+    size = trainer.args.train_batch_size * trainer.args.steps_per_generation  # TRL's _train_batch_size
     prompts = trainer.train_dataset["prompt"]
     while True:
         indices = list(iter(sampler))
