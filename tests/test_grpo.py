@@ -379,7 +379,7 @@ def test_rollouts_drawn_on_the_training_model_carry_its_log_probs_and_weights_ve
 
     from stages.rollout.episodes import EpisodeRunner
     from stages.sampling import SamplingSettings
-    from stages.rollout.training import PolicyRollouts
+    from stages.rollout.policy_rollouts import PolicyRollouts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     prompts = [[{"role": "user", "content": f"{a}+{a}"}] for a in range(3)]
