@@ -3,7 +3,8 @@
 Words used here and by every caller: an *engine* is an object that samples (``generate``, ``generate_ids``),
 takes a new version of the policy's weights (``take_weights``) and closes; a *backend* is which kind of
 engine, by name (``hf``, ``vllm``, ``vllm_server``), as a stage declares it and logs it resolved; the *server*
-is a vLLM server process of a stage's own. ``opening`` decides the backend (``choose_backend``) and opens its
+is a vLLM server process of a stage's own; the *sampler* is what drew a sample (its log-probs, pi_sampler in a
+sampler correction). ``opening`` decides the backend (``choose_backend``) and opens its
 engine (``open_engine``); ``interface`` is what every engine returns (``Sample``) and how draws are seeded;
 one engine per module: ``hf_generate`` (transformers' generate), ``in_process_vllm`` (vLLM in the stage's
 process), ``server_client`` (the HTTP client of a server), whose process lifecycle is ``server_process``

@@ -88,7 +88,7 @@ class HFEngine:
 
     @contextmanager
     def _random_stream(self, seed: int):
-        """Where the draw's randomness comes from: generate() draws from the global RNG, so a seeded backend
+        """Where the draw's randomness comes from: generate() draws from the global RNG, so a seeded engine
         seeds it with ``seed`` inside a fork (the caller's random state, a training loop's, is left as it
         was); an unseeded one draws from the caller's stream as it stands."""
         import torch

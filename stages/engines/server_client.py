@@ -38,7 +38,7 @@ class ServerEngine:
         self.lora = server.lora_rank is not None
         self.served: dict[int, str] = {0: BASE_NAME}  # version -> served model name
         self.weights_version = 0  # the newest version pushed
-        self._slot = threading.Lock()  # full weights: one version at a time, not swapped under a batch
+        self.slot = threading.Lock()  # full weights: one version at a time, not swapped under a batch (weights.py)
         self._one_batch = threading.Lock()  # whole batches: one batch on the engine at a time, from intake to answers
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="generation-request")
 
@@ -69,7 +69,7 @@ class ServerEngine:
         version = self.weights_version if version is None else version
         if self.lora:
             return self._draw(prompt_ids, settings, seed_offset, version)
-        with self._slot:
+        with self.slot:
             if version != self.weights_version:
                 raise ServerFailed(f"full weights: the server holds version {self.weights_version}, not {version}")
             return self._draw(prompt_ids, settings, seed_offset, version)
@@ -141,26 +141,6 @@ class ServerEngine:
                                    f"{timeout_s:.0f} s; its last log lines ({self.server.log_path}):\n"
                                    f"{self.server.last_lines()}")
             time.sleep(0.002)
-
-    def serve_adapter(self, version: int, adapter: Path) -> None:
-        """Serve the LoRA adapter saved in ``adapter`` as weights ``version``, beside the versions served."""
-        name = f"{BASE_NAME}-v{version}"
-        self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter)})
-        self.served[version] = name
-        self.weights_version = max(self.weights_version, version)
-
-    def drop_adapter(self, version: int) -> None:
-        self.server.request("/v1/unload_lora_adapter", {"lora_name": self.served.pop(version)})
-
-    def reload(self, version: int, weights: Path) -> None:
-        """Replace the served weights in place with those saved in ``weights`` (not under a batch being drawn),
-        as the one version served."""
-        with self._slot:
-            self.server.request("/collective_rpc", {"method": "reload_weights",
-                                                    "kwargs": {"weights_path": str(weights)}})
-            self.server.request("/reset_prefix_cache")
-            self.served = {version: BASE_NAME}
-            self.weights_version = version
 
     def take_weights(self, model, version: int) -> bool:
         """Serve ``model``'s weights after ``version`` updates, unless that version is served already

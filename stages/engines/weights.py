@@ -27,7 +27,7 @@ def adapters_merged(model):
 def merged_named_weights(model):
     """``(name, tensor)`` of the policy in its checkpoint's naming (a PEFT model's adapter tensors left
     out: merge them first). The state dict, not ``named_parameters``: a tied LM head appears under its
-    own name too, and vLLM's CPU backend keeps its own copy of it (measured: docs/figures-from-code.md)."""
+    own name too, and vLLM's CPU build keeps its own copy of it (measured: docs/figures-from-code.md)."""
     named = []
     for name, tensor in model.state_dict().items():
         if "lora_" in name or "modules_to_save" in name:
@@ -39,7 +39,7 @@ def merged_named_weights(model):
 
 def save_weights(model, folder: Path, dtype: str | None = None) -> None:
     """The policy's weights as one safetensors file in its checkpoint's naming, a tied LM head included
-    under its own name (``save_pretrained`` leaves it out, and vLLM's CPU backend keeps its own copy of it:
+    under its own name (``save_pretrained`` leaves it out, and vLLM's CPU build keeps its own copy of it:
     ``merged_named_weights`` above). Floating-point tensors are cast to ``dtype``
     (the server's): vLLM casts what it loads to its own dtype by the same rounding, so it serves the same
     weights, from half the bytes when a float32 trainer feeds a bfloat16 server."""
@@ -82,17 +82,27 @@ def push_to_server(engine, model, version: int, folder: Path, keep: int = 1) -> 
     stages/engines/server_client.py ``ServerEngine``), saved under ``folder``: a LoRA adapter alone, served beside
     the newest ``keep`` versions before it, or the full weights (adapters merged) reloaded in place. Returns the
     seconds it took."""
+    from stages.engines.server_process import BASE_NAME
+
     started = time.perf_counter()
     target = Path(folder) / f"v{version}"
+    server = engine.server
     if engine.lora:
         model.save_pretrained(str(target))  # a PEFT model: the adapter alone
-        engine.serve_adapter(version, target)
+        name = f"{BASE_NAME}-v{version}"  # its own served model, beside the versions served
+        server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(target)})
+        engine.served[version] = name
+        engine.weights_version = max(engine.weights_version, version)
         for old in [v for v in engine.served if 0 < v < version - keep]:
-            engine.drop_adapter(old)
+            server.request("/v1/unload_lora_adapter", {"lora_name": engine.served.pop(old)})
             _remove(Path(folder) / f"v{old}")
     else:
         with adapters_merged(model):  # lora_weights: merged
-            save_weights(model, target, engine.server.dtype)
-        engine.reload(version, target)
+            save_weights(model, target, server.dtype)
+        with engine.slot:  # reloaded in place, not under a batch being drawn: the one version served
+            server.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(target)}})
+            server.request("/reset_prefix_cache")
+            engine.served = {version: BASE_NAME}
+            engine.weights_version = version
         _remove(target)  # the server copied the weights in
     return time.perf_counter() - started

@@ -55,7 +55,8 @@ class ServedRollouts:
         self.startup_seconds = 0.0  # the server's, once started
 
     # -- the trainer's side -------------------------------------------------------------------------------
-    def open(self) -> ServerEngine:
+    def opened_engine(self) -> ServerEngine:
+        """The server's engine, started on first use."""
         if self.engine is None:
             self.engine = self.opener()
             self.startup_seconds = self.engine.server.startup_seconds
@@ -97,7 +98,7 @@ class ServedRollouts:
         """Serve the weights ``trainer`` holds now (version: its optimizer steps), if not served yet. In full
         fine-tuning the server holds one version, so the push first waits for every planned batch that
         must be drawn by an older one."""
-        engine = self.open()
+        engine = self.opened_engine()
         version = trainer.state.global_step
         if engine.weights_version >= version:
             return
@@ -146,7 +147,7 @@ class ServedRollouts:
 
     def _draw_now(self, prompts, call: int, version: int | None = None) -> tuple[dict, int]:
         """Call ``call``'s batch drawn now, by weights ``version`` (default: the newest served)."""
-        engine = self.open()
+        engine = self.opened_engine()
         version = engine.weights_version if version is None else version
         return self.inner.draw(prompts, engine.at(version), draw_offset(call)), version
 
