@@ -1,7 +1,7 @@
 """What taking a batch in whole costs a synchronous generation server: seconds of one batch of SmolLM2 rollouts
 (4 prompts x 8 attempts x 24 tokens, bfloat16, temperature 1, the smollm2-reasoning GRPO stage's shape) from a
 server taking requests as they arrive against one that pauses its scheduler, takes all of the batch's requests in
-and resumes (stages/rollout/server.py ``whole_batches``). Both servers are up at once; the draws alternate.
+and resumes (stages/engines/server_process.py ``whole_batches``). Both servers are up at once; the draws alternate.
 
     python bench/server_batches.py                # 10 rounds, about 2 min on this CPU
 

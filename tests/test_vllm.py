@@ -133,7 +133,7 @@ def test_a_completion_drawn_as_a_one_turn_episode_is_the_engines_own_sample(engi
 
 def test_one_seed_scheme_no_prompt_of_a_stage_shares_a_seed_and_shards_draw_what_the_whole_batch_does(engine,
                                                                                                       prompts):
-    """stages/rollout/generation.py ``draw_offset``: step 5 drawn as one batch, or as two processes' shards each
+    """stages/engines/interface.py ``draw_offset``: step 5 drawn as one batch, or as two processes' shards each
     at its offset, gives every prompt the same samples; and across 200 steps of 4 processes x 8 prompts no seed
     repeats (PPO and online DPO once seeded step k's prompt i + 1 like step k + 1's prompt i)."""
     from stages.engines.interface import draw_offset
