@@ -77,7 +77,8 @@ def main() -> None:
     args = parser.parse_args()
 
     home = isolated_home()
-    from stages.rollout.generation import EngineSettings, open_backend
+    from stages.engines.settings import EngineSettings
+    from stages.engines.opening import open_engine
     from stages.sampling import SamplingSettings
 
     checkpoint, prompts = smollm2_and_prompts(home, args.prompts)
@@ -88,7 +89,7 @@ def main() -> None:
     for name in args.backends:
         started = time.perf_counter()
         engine, dtype = ENGINES[name]
-        backend = open_backend(engine, checkpoint, prompt_batch_size=args.prompts, engine=EngineSettings(dtype=dtype))
+        backend = open_engine(engine, checkpoint, prompt_batch_size=args.prompts, engine=EngineSettings(dtype=dtype))
         results[name] = {"startup_seconds": round(time.perf_counter() - started, 1), "backend": backend.name,
                          "identity": backend.identity(), "why": backend.why, "dtype_why": backend.dtype_why}
         backend.generate(prompts[:2], sampled)  # warm-up: kernels, caches, CUDA graphs

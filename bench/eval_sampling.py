@@ -7,7 +7,7 @@ Both sample from the quickstart's untrained tiny model (as ``eval_base`` does) a
 quickstart's eval settings: temperature 1.0, top_p 1.0, 8 new tokens at most, 8 attempts,
 on held-out arithmetic prompts, one torch thread.
 
-- batched: ``HFGenerateBackend(model, tokenizer, 64).generate(prompts, settings)``, what
+- batched: ``HFEngine(model, tokenizer, 64).generate(prompts, settings)``, what
   the eval stage calls (64 is the stage's default ``prompt_batch_size``): every attempt of
   64 prompts in one ``model.generate`` call with ``num_return_sequences``.
 - loop: ``model.generate`` once per prompt per attempt, with the same sampling arguments,
@@ -39,7 +39,7 @@ def loop_generate(model, tokenizer, prompts: list[list[dict]], settings) -> list
     """One ``generate`` call per prompt per attempt, keeping what the backend keeps per sample."""
     import torch
 
-    from stages.rollout.generation import Sample
+    from stages.engines.interface import Sample
 
     torch.manual_seed(settings.seed)
     tokenizer.padding_side = "left"
@@ -76,7 +76,7 @@ def main() -> None:
     home = _common.isolated_home()
     _common.one_thread()
     from stages.data.sources import prompt_messages, read_materialized
-    from stages.rollout.generation import HFGenerateBackend
+    from stages.engines.hf_generate import HFEngine
     from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
 
@@ -84,7 +84,7 @@ def main() -> None:
     heldout = read_materialized(_common.arithmetic_data(home, 200, role="heldout", seed=999))
     prompts = [prompt_messages(r) for r in heldout]
     model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True)
-    backend = HFGenerateBackend(model, tokenizer, PROMPT_BATCH)
+    backend = HFEngine(model, tokenizer, PROMPT_BATCH)
     settings = SamplingSettings(**SAMPLING)
     few = prompts[: args.loop_prompts]
     k = settings.attempts

@@ -13,7 +13,7 @@ lr 5e-4, kl_beta 0.01, one torch thread.
   MLflow logging after each step is outside it. The training set is exactly the 16 prompts,
   so every GRPO step sees them all.
 - PPO step: ``PPORun.step`` (stages/ppo.py) on those same 16 prompts, as ``train_ppo``
-  calls it: rollout through ``HFGenerateBackend``, reward, reference and critic forward
+  calls it: rollout through ``HFEngine``, reward, reference and critic forward
   passes with GAE, then ``ppo_epochs`` passes of ``minibatch_size`` minibatches updating
   the policy and the critic. MLflow logging is outside it here too. PPO's own knobs default
   to pipelines/ppo.yaml's (2 epochs of 16-sequence minibatches: 16 policy + critic updates).
@@ -75,10 +75,10 @@ class PPOSteps:
         self.phases: dict[str, list[float]] = defaultdict(list)
         self.totals: list[float] = []
 
-        class TimedBackend(ppo.HFGenerateBackend):
-            generate = timed(ppo.HFGenerateBackend.generate, self.phases["generation"])
+        class TimedBackend(ppo.HFEngine):
+            generate = timed(ppo.HFEngine.generate, self.phases["generation"])
 
-        ppo.HFGenerateBackend = TimedBackend
+        ppo.HFEngine = TimedBackend
         ppo.score_completions = timed(ppo.score_completions, self.phases["scoring"])
         ppo.compute_targets = timed(ppo.compute_targets, self.phases["targets"])
         ppo.ppo_update = timed(ppo.ppo_update, self.phases["update"])

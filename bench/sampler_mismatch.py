@@ -61,7 +61,9 @@ def main() -> None:
     home = isolated_home()
     from stages.models.loading import load_model_and_tokenizer
     from stages.rl_math import sampler_correction
-    from stages.rollout.generation import EngineSettings, open_backend, prompt_token_ids
+    from stages.engines.settings import EngineSettings
+    from stages.engines.opening import open_engine
+    from stages.engines.interface import prompt_token_ids
     from stages.sampling import SamplingSettings
 
     checkpoint, prompts = smollm2_and_prompts(home, args.prompts)
@@ -72,7 +74,7 @@ def main() -> None:
                                 seed=1)
     engines = {}
     for dtype in ("bfloat16", "float32"):
-        engine = open_backend("vllm", checkpoint, engine=EngineSettings(dtype=dtype))
+        engine = open_engine("vllm", checkpoint, engine=EngineSettings(dtype=dtype))
         groups = engine.generate_ids(prompt_ids, settings)
         engine.close()
         pairs = [(trainer_logprobs(model, ids, sample, args.temperature), sample)

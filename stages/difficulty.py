@@ -13,7 +13,8 @@ from pydantic import ConfigDict, Field, model_validator
 from stages.context import StageInputs
 from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.episodes import complete
-from stages.rollout.generation import BackendName, open_backend
+from stages.engines.opening import open_engine
+from stages.engines.settings import BackendName
 from stages.sampling import SamplingSettings, sampling_with
 from stages.spec_model import SpecModel
 
@@ -140,16 +141,16 @@ def _sample(config, inputs: StageInputs, ctx, prompts: list, sampling, verifier:
     spec: DifficultyFilter = config.difficulty_filter
     k = sampling.attempts
     with ctx.progress(f"difficulty filter: {k} attempts x {len(prompts)} prompts", len(prompts)) as bar:
-        backend = open_backend(spec.backend or config.backend, inputs.policy,
-                               progress=bar, keep_logprobs=False, engine=config.engine,
-                               trust_remote_code=inputs.trust_remote_code,
-                               prompt_batch_size=spec.prompt_batch_size)
+        engine = open_engine(spec.backend or config.backend, inputs.policy,
+                             progress=bar, keep_logprobs=False, engine=config.engine,
+                             trust_remote_code=inputs.trust_remote_code,
+                             prompt_batch_size=spec.prompt_batch_size)
         try:
-            samples = complete(backend, prompts, sampling)
+            samples = complete(engine, prompts, sampling)
         finally:
-            backend.close()
-    ctx.log_params({"difficulty/resolved_backend": backend.name, "difficulty/backend_reason": backend.why,
-                    "difficulty/dtype_reason": backend.dtype_why,
+            engine.close()
+    ctx.log_params({"difficulty/resolved_backend": engine.name, "difficulty/backend_reason": engine.why,
+                    "difficulty/dtype_reason": engine.dtype_why,
                     "difficulty/resolved_verifier": verifier,
                     **{f"difficulty/sampling/{key}": value for key, value in sampling.identity().items()}})
     return samples

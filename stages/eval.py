@@ -24,7 +24,8 @@ from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.intervals import clustered_mean_and_se
 from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.environments import EnvironmentSpec
-from stages.rollout.generation import BackendName, EngineSettings, open_backend
+from stages.engines.opening import open_engine
+from stages.engines.settings import BackendName, EngineSettings
 from stages.sampling import SamplingSettings
 from stages.rewards.scoring import reward_columns
 from stages.rewards.spec import RewardSpec
@@ -241,24 +242,24 @@ def _sample(config: EvalConfig, inputs: StageInputs, ctx, records: list[dict], v
     sampling = config.sampling
     prompts = start_messages(config, records)
     with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:
-        backend = open_backend(config.backend, inputs.model, progress=bar, keep_logprobs=False,
-                               trust_remote_code=inputs.trust_remote_code,
-                               prompt_batch_size=config.prompt_batch_size, engine=config.engine)
+        engine = open_engine(config.backend, inputs.model, progress=bar, keep_logprobs=False,
+                             trust_remote_code=inputs.trust_remote_code,
+                             prompt_batch_size=config.prompt_batch_size, engine=config.engine)
         try:
-            # the hash is known once the backend is: what the engine changes about samples is part of it
-            settings_id = settings_hash(config, inputs.data, inputs.rewards, backend.identity())
+            # the hash is known once the engine is: what the engine changes about samples is part of it
+            settings_id = settings_hash(config, inputs.data, inputs.rewards, engine.identity())
             ctx.set_tags({EVAL_SETTINGS_TAG: settings_id})
             ctx.log_params({"resolved_verifier": verifier, "prompts": len(prompts), "settings_hash": settings_id,
-                            "resolved_backend": backend.name, "backend_reason": backend.why,
-                            "dtype_reason": backend.dtype_why,
-                            **{f"engine/{key}": value for key, value in backend.identity().items()}})
+                            "resolved_backend": engine.name, "backend_reason": engine.why,
+                            "dtype_reason": engine.dtype_why,
+                            **{f"engine/{key}": value for key, value in engine.identity().items()}})
             started = time.perf_counter()
-            groups = _runner(config, backend).run(backend, prompts, sampling)
+            groups = _runner(config, engine).run(engine, prompts, sampling)
             samples = [[episode.as_sample() for episode in group] for group in groups]
             episodes = [e for group in groups for e in group] if config.environment is not None else None
             return samples, time.perf_counter() - started, episodes
         finally:
-            backend.close()
+            engine.close()
 
 
 def start_messages(config: EvalConfig, records: list[dict]) -> list[list[dict]]:
@@ -270,16 +271,16 @@ def start_messages(config: EvalConfig, records: list[dict]) -> list[list[dict]]:
     return [prompt_messages(r) for r in records]
 
 
-def _runner(config: EvalConfig, backend):
+def _runner(config: EvalConfig, engine):
     """What samples each attempt: one-turn completions, or the environment's episodes."""
     from stages.rollout.environments import build_environment
     from stages.rollout.episodes import EpisodeRunner
 
     if config.environment is None:
-        return EpisodeRunner.completions(backend.tokenizer)
+        return EpisodeRunner.completions(engine.tokenizer)
     environment = build_environment(config.environment)
     environment.check()
-    return EpisodeRunner(environment, config.environment, backend.tokenizer)
+    return EpisodeRunner(environment, config.environment, engine.tokenizer)
 
 
 def _write_failure_cases(path: Path, config: EvalConfig, records: list[dict], samples, scored, correct: list[bool],

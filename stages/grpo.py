@@ -15,12 +15,12 @@ from pathlib import Path
 from stages.training.alerts import SilentFailureWatch, hacking_pairs
 from stages.context import StageInputs
 from stages.data.sources import prompt_messages, read_materialized
-from stages.rollout.generation import neutral_generation_config
+from stages.engines.hf_generate import neutral_generation_config
+from stages.engines.opening import Backend, open_engine, stage_backend
 from stages.rollout.episodes import environment_scorers
 from stages.models.placement import check_devices, place, placement_params
 from stages.rewards.scoring import reward_columns
 from stages.rewards.spec import ENVIRONMENT_FN, RewardSpec
-from stages.rollout.training import rollout_backend
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
 # TRL's metric names -> the names every rl stage logs (stages/rl.py lists them)
@@ -67,7 +67,7 @@ def make_reward_func(name: str, scorer: Scorer, step_metrics, environment=None):
 
     def reward(prompts, completions, completion_ids=None, episode_answer=None, episode_rewardable=None,
                episode=None, **columns):
-        # an environment's episodes (stages/rollout/training.py PolicyRollouts): the final answer is scored, not the
+        # an environment's episodes (stages/rollout/policy_rollouts.py PolicyRollouts): the final answer is scored, not the
         # transcript, and a shortcut episode scores 0
         texts = episode_answer or [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         records = [{"answer": answer, "task": json.loads(task) if task else None}  # the task is JSON for Arrow
@@ -296,17 +296,17 @@ def build_grpo_config(config, output_dir: Path, seed: int):
     )
 
 
-def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: str, step_metrics=None,
+def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: Backend, step_metrics=None,
                   work_dir: Path | None = None):
-    """posttrain's rollouts for TRL (stages/rollout/training.py): single completions or an environment's episodes
-    (their metrics go to ``step_metrics``), drawn by the in-process vLLM engine when the backend resolved to
-    vLLM, by a generation server of the stage's own with ``generation.mode: server`` (stages/rollout/ahead.py),
-    else by generate on the training model; single completions there from the trainer's random stream, as
-    TRL's own generate drew them (``PolicyRollouts`` says why)."""
+    """posttrain's rollouts for TRL (stages/rollout/policy_rollouts.py): single completions or an environment's
+    episodes (their metrics go to ``step_metrics``), drawn by the engine of ``backend``, opened on first use: the
+    in-process vLLM engine, a generation server of the stage's own (stages/rollout/served_rollouts.py), or generate
+    on the training model; single completions there from the trainer's random stream, as TRL's own generate drew
+    them (``PolicyRollouts`` says why)."""
     import os
 
     from stages.rollout.episodes import EpisodeRunner
-    from stages.rollout.training import PolicyRollouts, open_rollout_engine
+    from stages.rollout.policy_rollouts import PolicyRollouts
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
     env = config.environment
@@ -316,34 +316,26 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
 
         runner = EpisodeRunner(build_environment(env), env, tokenizer)
         runner.environment.check()
-    open_engine = None
-    if backend == "vllm":
-        def open_engine():
-            return open_rollout_engine(config, inputs.policy, tokenizer, dataset["prompt"], inputs.trust_remote_code)
-    rollouts = PolicyRollouts(runner, tokenizer, config.sampling.seeded(seed), open_engine, step_metrics,
-                              trainer_stream=backend == "hf" and env is None)
-    if backend != "vllm_server":
-        return rollouts
-    return served_rollouts(config, inputs, tokenizer, dataset, rollouts, step_metrics, work_dir)
 
+    def opener():
+        return open_engine(backend, inputs.policy, stage=config, tokenizer=tokenizer, prompts=dataset["prompt"],
+                           work_dir=work_dir, trust_remote_code=inputs.trust_remote_code)
 
-def served_rollouts(config, inputs: StageInputs, tokenizer, dataset, inner, step_metrics, work_dir: Path):
-    """``inner``'s draws from a generation server started for the stage on first use (stages/rollout/server.py),
-    up to ``generation.max_staleness`` steps ahead of training (stages/rollout/ahead.py)."""
-    from stages.rollout.ahead import ServedRollouts
-    from stages.rollout.server import open_generation_server
+    settings = config.sampling.seeded(seed)
+    if backend.on_server:  # the server's engine is opened by ServedRollouts, which hands each draw its version
+        from stages.rollout.served_rollouts import ServedRollouts
 
-    def open_backend():
-        return open_generation_server(config, inputs.policy, tokenizer, dataset["prompt"], work_dir,
-                                      inputs.trust_remote_code)
-
-    return ServedRollouts(inner, open_backend, config.generation.max_staleness, work_dir / "served", step_metrics)
+        inner = PolicyRollouts(runner, tokenizer, settings, None, step_metrics)
+        return ServedRollouts(inner, opener, config.generation.max_staleness, step_metrics)
+    # with none opened, generate on the training model draws (PolicyRollouts.engine_for)
+    return PolicyRollouts(runner, tokenizer, settings, opener if backend.samples_apart else None, step_metrics,
+                          trainer_stream=not backend.samples_apart and env is None)
 
 
 def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     from datasets import Dataset
 
-    from stages.rollout.server import cpu_split, training_threads
+    from stages.engines.server_process import cpu_split, training_threads
 
     from stages.models.lora import save_trained
     from stages.rl_common import log_curves, resolve_correction
@@ -358,21 +350,21 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     dataset = Dataset.from_list(_prompt_rows(config, records))
     rewards: dict[str, RewardSpec] = inputs.rewards
     step_metrics = StepMetrics()  # what our rewards, rollouts and loss measure in a step, logged with TRL's
-    backend, why = _rollout_backend(config, inputs, ctx)
+    backend = stage_backend(config, inputs.policy, ctx)
     rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics, ctx.work_dir)
     scorer, reward_funcs = _reward_funcs(config, inputs, ctx, rollouts, step_metrics)
 
     args = build_grpo_config(config, ctx.resume_dir, seed)
     args.reward_weights = [spec.weight for spec in rewards.values()]
     correction, correction_why = resolve_correction(config, backend)
-    ctx.log_params({"resolved_backend": backend, "backend_reason": why,
+    ctx.log_params({"resolved_backend": backend.name, "backend_reason": backend.why,
                     "resolved_correction": f"{correction.kind} cap {correction.cap}", "correction_reason": correction_why})
     trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)
     _prepare(trainer, config, dataset, seed)
-    sampled_elsewhere = backend in ("vllm", "vllm_server") or config.correction is not None
-    _attach(trainer, config, step_metrics, correction if sampled_elsewhere else None, rollouts)
+    _attach(trainer, config, step_metrics,
+            correction if backend.samples_apart or config.correction is not None else None, rollouts)
     history: list[dict] = []
     watch = SilentFailureWatch(config.alerts, config.sampling.max_tokens,
                                hacking_pairs({name: (spec.fn, spec.weight) for name, spec in rewards.items()}))
@@ -426,19 +418,9 @@ def _close_rollouts(rollouts, ctx) -> None:
     rollouts.close()
 
 
-def _rollout_backend(config, inputs: StageInputs, ctx) -> tuple[str, str]:
-    """(backend, why) of the stage's rollouts: ``vllm_server`` with ``generation.mode: server`` (how weights reach
-    it, and on a CPU-only machine drawing ahead how the cores are shared, logged), else as colocated stages."""
-    from stages.rollout.server import server_backend
-
-    if config.generation.mode != "server":
-        return rollout_backend(config, inputs.policy)
-    return server_backend(config, inputs.policy, ctx)
-
-
 def push_after_each_step(trainer, rollouts):
     """A callback that serves the policy's new weights right after each optimizer step, so rollouts drawn
-    ahead (stages/rollout/ahead.py) can use them while the next step trains."""
+    ahead (stages/rollout/served_rollouts.py) can use them while the next step trains."""
     from transformers import TrainerCallback
 
     class PushWeights(TrainerCallback):
@@ -467,10 +449,11 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
     """What a resumed GRPO stage needs besides the trainer's checkpoint (stages/training/resume.py): the
     curves so far, the silent-failure watch, the rollouts' seed counter and weight syncs, the reward error
     count, dynamic sampling's prompt draws, and, drawing ahead on a server, the batches drawn by versions
-    older than the checkpoint (stages/rollout/ahead.py). (A judge's audit schedule restarts with the execution.)"""
+    older than the checkpoint (stages/rollout/served_rollouts.py). (A judge's audit schedule restarts with the
+    execution.)"""
     from stages.training.resume import StageState
 
-    from stages.rollout.ahead import ServedRollouts
+    from stages.rollout.served_rollouts import ServedRollouts
 
     def save() -> dict:
         return {"history": history, "watch": watch.state(), "reward_errors": scorer.policy.state(),

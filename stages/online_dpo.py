@@ -14,12 +14,11 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from stages.rollout.server import GenerationSettings, generation_rules
+from stages.engines.settings import BackendName, EngineSettings, GenerationSettings, generation_rules
 from stages.training.alerts import AlertSettings
 from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.training.resume import Resumable
 from stages.data.sources import prompt_batches, prompt_messages, read_materialized
-from stages.rollout.generation import BackendName, EngineSettings
 from stages.sampling import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, AdaptersOff, LoraSpec
 
@@ -67,7 +66,7 @@ class OnlineDPOStageConfig(ExecutionLimits, Resumable):
     generation: GenerationSettings = Field(
         default_factory=GenerationSettings,
         description="Where the candidates are sampled. `mode: server` starts a vLLM server for the stage in "
-        "processes of its own (stages/rollout/server.py) and serves it each update's weights before the next "
+        "processes of its own (stages/engines/server_process.py) and serves it each update's weights before the next "
         "step's draw (a LoRA adapter over HTTP, full weights by reload from disk). Synchronous: max_staleness 0.")
 
     @model_validator(mode="after")
@@ -172,8 +171,7 @@ class OnlineDPORun:
     optimizer: object
     scorer: object  # stages/rewards/scoring.py Scorer: the rewards, bound scorers, reward_errors policy, judge auditor
     seed: int
-    engine: object = None  # posttrain's vLLM engine or the stage's generation server, else HF generate
-    served_folder: object = None  # generation mode server: where each version's weights are written
+    engine: object = None  # what samples the policy (stages/engines/opening.py), opened by ``run``
     engine_syncs: int = 0
     tied_prompts: int = 0
     pairs_trained: int = 0
@@ -225,16 +223,13 @@ class OnlineDPORun:
         self.scorer.policy.restore(state["reward_errors"])
 
     def sample(self, prompts: list[list[dict]], step: int):
+        from stages.engines.interface import draw_offset
         from stages.rollout.episodes import complete
-        from stages.rollout.generation import HFGenerateBackend, draw_offset
-        from stages.rollout.training import sync_policy
 
         settings = self.config.sampling.seeded(self.seed + draw_offset(step - 1))  # the stage's draw step - 1
-        if self.engine is not None:  # the policy the last update left: merged into the engine, or served
-            self.engine_syncs += sync_policy(self.engine, self.policy, step - 1, self.served_folder)
-            return complete(self.engine, prompts, settings)
-        return complete(HFGenerateBackend(self.policy, self.tokenizer, len(prompts), keep_logprobs=False,
-                                          weights_version=step - 1), prompts, settings)
+        # the policy the last update left: sampled itself, merged into the engine, or served
+        self.engine_syncs += self.engine.take_weights(self.policy, step - 1)
+        return complete(self.engine, prompts, settings)
 
     def score(self, batch: list[dict], prompts, groups):
         """The ScoredBatch of every sample (prompt-major), under the stage's ``reward_errors`` policy."""
@@ -245,7 +240,7 @@ class OnlineDPORun:
 
     def step(self, step: int, batch: list[dict]) -> tuple[dict[str, float], list[dict]]:
         """Sample, score, pair and update on one batch of prompts: the step's metrics and sample rows."""
-        from stages.rollout.generation import prompt_token_ids
+        from stages.engines.interface import prompt_token_ids
         from stages.preference_math import best_worst_pairs
 
         started = time.perf_counter()
@@ -318,15 +313,17 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
 
     from stages.models.lora import save_trained
     from stages.rl_common import log_curves
-    from stages.rollout.training import open_stage_engine
+    from stages.engines.opening import open_engine, stage_backend
 
     seed = ctx.seed
     torch.manual_seed(seed)
     records = read_materialized(inputs.data)
     state = OnlineDPORun.load(config, inputs, seed, ctx)
-    state.engine, state.served_folder, backend, why = open_stage_engine(
-        config, inputs.model, state.tokenizer, [prompt_messages(r) for r in records], ctx, inputs.trust_remote_code)
-    ctx.log_params({"resolved_backend": backend, "backend_reason": why, "resolved_seed": seed,
+    backend = stage_backend(config, inputs.model, ctx)
+    state.engine = open_engine(backend, inputs.model, stage=config, tokenizer=state.tokenizer,
+                               prompts=[prompt_messages(r) for r in records], work_dir=ctx.work_dir,
+                               policy=state.policy, trust_remote_code=inputs.trust_remote_code, keep_logprobs=False)
+    ctx.log_params({"resolved_backend": backend.name, "backend_reason": backend.why, "resolved_seed": seed,
                     "prompts": len(records), "samples_per_step": config.prompts_per_step * config.sampling.attempts})
     history, resumed, started = train_steps(config, state, records, seed, ctx)
     log_curves(ctx, history)
@@ -346,7 +343,7 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
 def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed: int, ctx):
     """``max_steps`` steps, each logged, resumable (stages/training/resume.py ``train_loop``); the engine (if
     any) closed at the end. (history, the step it resumed from, start time)."""
-    from stages.rollout.training import close_engine
+    from stages.engines.opening import close_engine
     from stages.training.alerts import SilentFailureWatch
     from stages.training.resume import LoopState, train_loop
 

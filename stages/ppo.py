@@ -33,7 +33,8 @@ from stages.training.data_parallel import (
 )
 from stages.rollout.environments import build_environment
 from stages.rollout.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
-from stages.rollout.generation import HFGenerateBackend, Sample, VLLMBackend, draw_offset
+from stages.engines.interface import Engine, Sample, draw_offset
+from stages.engines.opening import close_engine, open_engine, stage_backend
 from stages.rewards.judge import batch_auditor
 from stages.models.lora import AdaptersOff, save_trained, wrap
 from stages.models.critic import ValueModel
@@ -57,8 +58,6 @@ from stages.rl_math import (
     token_entropy,
     token_logprobs,
 )
-from stages.rollout.server import ServerBackend
-from stages.rollout.training import close_engine, open_stage_engine, sync_policy
 from stages.rewards.scoring import RewardErrorPolicy, Scorer
 from stages.training.resume import LoopState, train_loop
 from stages.rewards.steps import step_token_indices
@@ -391,8 +390,7 @@ class PPORun:
     scorer: Scorer  # the stage's rewards, bound scorers, reward_errors policy and judge auditor
     seed: int
     device: torch.device
-    engine: VLLMBackend | ServerBackend | None = None  # posttrain's vLLM engine or generation server, else HF generate
-    served_folder: Path | None = None  # generation mode server: where pushed weights are written
+    engine: Engine | None = None  # what samples the policy (stages/engines/opening.py), opened by train_ppo
     runner: EpisodeRunner | None = None  # one-turn completions, or the stage's environment's episodes
     correction: SamplerCorrection = field(default_factory=lambda: SamplerCorrection(kind="none"))  # train_ppo
 
@@ -434,13 +432,11 @@ class PPORun:
         answers = [r.get("answer") for r in batch]
         # draw step - 1 of the stage, this process's shard at its offset in the step's batch
         settings = config.sampling.seeded(self.seed + draw_offset(step - 1, rank() * len(batch)))
-        if self.engine is not None:  # the policy the last update left: merged into the engine, or served as a version
-            sync_policy(self.engine, self.policy, step - 1, self.served_folder)
-        backend = self.engine or HFGenerateBackend(self.policy, self.tokenizer, len(batch) * settings.attempts,
-                                                   weights_version=step - 1)
+        # the policy the last update left: sampled itself, merged into the engine, or served as a version
+        self.engine.take_weights(self.policy, step - 1)
         environment = self.runner.environment
         prompts = [environment.start(r) if environment is not None else prompt_messages(r) for r in batch]
-        groups = self.runner.run(backend, prompts, settings)
+        groups = self.runner.run(self.engine, prompts, settings)
         episodes = [e for group in groups for e in group]
         texts = [e.answer or "" for e in episodes]  # an episode's final answer is scored, not its transcript
         if environment is None:
@@ -518,10 +514,12 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     run = PPORun.load(config, inputs, seed, ctx)
     broadcast_parameters(run.policy, run.critic)
     records = read_materialized(inputs.data)
-    run.engine, run.served_folder, backend, why = open_stage_engine(
-        config, inputs.policy, run.tokenizer, [prompt_messages(r) for r in records], ctx, inputs.trust_remote_code)
+    backend = stage_backend(config, inputs.policy, ctx)
+    run.engine = open_engine(backend, inputs.policy, stage=config, tokenizer=run.tokenizer,
+                             prompts=[prompt_messages(r) for r in records], work_dir=ctx.work_dir, policy=run.policy,
+                             trust_remote_code=inputs.trust_remote_code)
     run.correction, correction_why = resolve_correction(config, backend)
-    ctx.log_params({"resolved_backend": backend, "backend_reason": why,
+    ctx.log_params({"resolved_backend": backend.name, "backend_reason": backend.why,
                     "resolved_correction": f"{run.correction.kind} cap {run.correction.cap}",
                     "correction_reason": correction_why})
     batches = (shard(batch) for batch in prompt_batches(records, config.prompts_per_step, seed))

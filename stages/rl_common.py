@@ -16,8 +16,7 @@ from stages.context import ExecutionLimits
 from stages.training.resume import Resumable
 from stages.difficulty import DifficultyFilter
 from stages.rollout.environments import EnvironmentSpec
-from stages.rollout.server import GenerationSettings, generation_rules
-from stages.rollout.generation import BackendName, EngineSettings
+from stages.engines.settings import BackendName, EngineSettings, GenerationSettings, generation_rules
 from stages.sampling import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 from stages.models.placement import Placement
@@ -50,16 +49,15 @@ class SamplerCorrection(SpecModel):
                        description="The truncation (token_tis) or the drop threshold (sequence_mask) of the weight.")
 
 
-def resolve_correction(config, backend: str) -> tuple[SamplerCorrection, str]:
-    """(correction, why): the declared one, else token_tis at cap 3 where posttrain's vLLM engine samples
-    (in its own dtype and kernels: not the trainer's distribution) and none where the trainer samples."""
+def resolve_correction(config, backend) -> tuple[SamplerCorrection, str]:
+    """(correction, why): the declared one, else token_tis at cap 3 where another engine than the training model
+    samples (``backend``: stages/engines/opening.py ``Backend``; in its own dtype and kernels: not the trainer's
+    distribution) and none where the trainer samples."""
     if config.correction is not None:
         return config.correction, "declared"
-    if backend == "vllm":
-        return SamplerCorrection(), "auto: the vLLM engine samples, not the trainer"
-    if backend == "vllm_server":
-        return SamplerCorrection(), "auto: the generation server samples, not the trainer"
-    return SamplerCorrection(kind="none"), "auto: the training model samples"
+    if backend.samples_apart:
+        return SamplerCorrection(), f"auto: {backend.sampler} samples, not the trainer"
+    return SamplerCorrection(kind="none"), f"auto: {backend.sampler} samples"
 
 
 class RLCommon(ExecutionLimits, Resumable):
@@ -121,10 +119,10 @@ class RLCommon(ExecutionLimits, Resumable):
     generation: GenerationSettings = Field(
         default_factory=GenerationSettings,
         description="Where rollouts are generated. `mode: server` starts a vLLM server for the stage in processes "
-        "of its own (stages/rollout/server.py) and pushes the policy's weights to it after every optimizer step; "
-        "GRPO with `max_staleness` k > 0 draws the next k steps' rollouts while the trainer trains "
-        "(stages/rollout/ahead.py); logged: ahead/staleness_mean, ahead/staleness_max, ahead/dropped_samples, "
-        "ahead/sync_seconds, ahead/wait_seconds.")
+        "of its own (stages/engines/server_process.py) and pushes the policy's weights to it after every optimizer "
+        "step; GRPO with `max_staleness` k > 0 draws the next k steps' rollouts while the trainer trains "
+        "(stages/rollout/served_rollouts.py); logged: ahead/staleness_mean, ahead/staleness_max, "
+        "ahead/dropped_samples, ahead/sync_seconds, ahead/wait_seconds.")
     lora: LoraSpec | None = Field(
         None, description=LORA_DESCRIPTION + " The KL reference is then the policy with its adapters off, so "
         "`reference` must be left out; PPO's critic still trains in full.")

@@ -36,6 +36,24 @@ class SamplingSettings(SpecModel):
             del payload["stop"]
         return payload
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def draws(self) -> int:
+        """Samples an engine draws per prompt: greedy decodes once, as every attempt would be alike."""
+        return 1 if self.greedy else self.attempts
+
+    @property
+    def nucleus(self) -> float:
+        """The top-p an engine is asked for: none under greedy decoding."""
+        return 1.0 if self.greedy else self.top_p
+
+    def every_attempt(self, drawn: list) -> list:
+        """A prompt's ``draws`` samples as its ``attempts``: greedy repeats its one sample."""
+        return [drawn[0]] * self.attempts if self.greedy else drawn
+
     def seeded(self, seed: int, **update) -> SamplingSettings:
         """These settings drawing from ``seed`` (``update`` replaces other fields, e.g. ``attempts=1`` for
         one episode at a time): what a backend is asked for, from what a stage declared."""

@@ -203,6 +203,6 @@ def run_cli(*argv: str) -> int:
 def torch_threads(n: int):
     """torch on ``n`` CPU threads for a block (spinning threads of several torch users on a 2-core machine
     make tiny models much slower), restored after: the stages' own helper."""
-    from stages.rollout.server import training_threads
+    from stages.engines.server_process import training_threads
 
     return training_threads(n)

@@ -14,7 +14,8 @@ import torch
 from stages.data.sources import ArithmeticData, materialize
 from stages.rollout.environments import Environment, EnvironmentSpec, build_environment, execute_tool_call, parse_tool_calls
 from stages.rollout.episodes import EpisodeRunner, episode_metrics, observation_ids, replay
-from stages.rollout.generation import HFGenerateBackend, Sample
+from stages.engines.hf_generate import HFEngine
+from stages.engines.interface import Sample
 from stages.sampling import SamplingSettings
 from stages.rewards.spec import RewardSpec
 from stages.context import StageInputs
@@ -85,7 +86,7 @@ def test_token_budget_and_turn_budget_end_episodes(tiny):
     model, tokenizer = tiny
     spec = EnvironmentSpec(fn="calculator", max_turns=2, max_episode_tokens=12)
     runner = EpisodeRunner(build_environment(spec), spec, tokenizer)
-    backend = HFGenerateBackend(model, tokenizer, keep_logprobs=True)
+    backend = HFEngine(model, tokenizer, keep_logprobs=True)
     [episodes] = runner.run(backend, [QUESTION], SamplingSettings(max_tokens=8, attempts=3, seed=0))
     for e in episodes:  # the untrained model never stops inside 8 tokens: the per-turn budget ends it
         assert e.ended == "token_budget" and e.budget_hit and e.answer is None
@@ -107,7 +108,7 @@ def test_a_single_completion_is_a_one_turn_episode_drawn_as_the_engine_draws_it(
 
     model, tokenizer = tiny
     prompts = [QUESTION, [{"role": "user", "content": "What is 3+4?"}]]
-    backend = HFGenerateBackend(model, tokenizer, keep_logprobs=True)
+    backend = HFEngine(model, tokenizer, keep_logprobs=True)
     for settings in (SamplingSettings(max_tokens=8, attempts=3, seed=5),
                      SamplingSettings(max_tokens=12, attempts=2, seed=1, stop=["1"]),
                      SamplingSettings(max_tokens=6, attempts=2, temperature=0.0)):
@@ -123,7 +124,7 @@ def test_an_environments_first_turn_is_one_request_per_start_for_all_its_attempt
     model, tokenizer = tiny
     spec = EnvironmentSpec(fn="calculator", max_turns=2, max_episode_tokens=40)
     runner = EpisodeRunner(build_environment(spec), spec, tokenizer)
-    backend = HFGenerateBackend(model, tokenizer, keep_logprobs=True)
+    backend = HFEngine(model, tokenizer, keep_logprobs=True)
     settings = SamplingSettings(max_tokens=8, attempts=3, seed=3)
     starts = [QUESTION, [{"role": "user", "content": "What is 12*12?"}]]
     groups = runner.run(backend, starts, settings, seed_offset=7)

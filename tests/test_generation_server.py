@@ -27,8 +27,8 @@ from conftest import gone, group_of
 from stages.context import StageInputs
 from stages.data.sources import ArithmeticData, materialize
 from stages.rewards.spec import RewardSpec
-from stages.rollout.ahead import DRAWN_FILE
-from stages.rollout.generation import EngineSettings
+from stages.rollout.served_rollouts import DRAWN_FILE
+from stages.engines.settings import EngineSettings
 from stages.sampling import SamplingSettings
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
@@ -47,7 +47,7 @@ def guards_of(stage_pid: int) -> list[int]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"stages.rollout.guard" in argv and str(stage_pid).encode() in argv:
+            if b"stages.engines.server_guard" in argv and str(stage_pid).encode() in argv:
                 guards.append(int(entry.name))
     return guards
 
@@ -79,7 +79,7 @@ class TestOneFloat32Server:
     def fp32_server(self, vllm_tiny, tmp_path_factory):
         """Started with ``VLLM_ENABLE_V1_MULTIPROCESSING`` unset, as a process that never ran an in-process engine
         has it; once closed, none of its processes is left."""
-        from stages.rollout.server import GenerationServer
+        from stages.engines.server_process import GenerationServer
 
         log = tmp_path_factory.mktemp("fp32-server") / "server.log"
         with pytest.MonkeyPatch.context() as environment:
@@ -101,12 +101,12 @@ class TestOneFloat32Server:
         from peft import LoraConfig, get_peft_model
 
         from stages.models.loading import load_model_and_tokenizer
-        from stages.rollout.generation import prompt_token_ids
-        from stages.rollout.server import ServerBackend
+        from stages.engines.interface import prompt_token_ids
+        from stages.engines.server_client import ServerEngine
 
         model, tokenizer = load_model_and_tokenizer(vllm_tiny)
         prompt = prompt_token_ids(tokenizer, [[{"role": "user", "content": "12 + 30 ="}]])
-        backend = ServerBackend(fp32_server, tokenizer)
+        backend = ServerEngine(fp32_server, tokenizer, folder=tmp_path / "served")
         try:
             seen = []
             for version in range(3):
@@ -114,7 +114,7 @@ class TestOneFloat32Server:
                     with torch.no_grad():  # an "optimizer step": every weight moves
                         for parameter in model.parameters():
                             parameter.add_(torch.randn_like(parameter) * 0.05)
-                    assert backend.push(model, version, tmp_path / "served") > 0
+                    assert backend.take_weights(model, version)
                 [[sample]] = backend.generate_ids(prompt, GREEDY)
                 assert sample.weights_version == version
                 expected = trainer_logprobs(model, prompt[0], sample.token_ids)
@@ -128,7 +128,7 @@ class TestOneFloat32Server:
                     if "lora_B" in name:
                         parameter.normal_(0, 0.5)
             base_before = {n: t.clone() for n, t in policy.state_dict().items() if "base_layer" in n}
-            assert backend.push(policy, 3, tmp_path / "served") > 0
+            assert backend.take_weights(policy, 3)
             [[sample]] = backend.generate_ids(prompt, GREEDY)
             expected = trainer_logprobs(policy, prompt[0], sample.token_ids)
             with policy.disable_adapter():
@@ -149,13 +149,13 @@ class TestOneFloat32Server:
         ran before (an in-process engine leaves ``VLLM_ENABLE_V1_MULTIPROCESSING`` set), the server's processes use
         under 0.3 core-seconds in the 1.5 s after answering a batch."""
         from stages.models.loading import load_model_and_tokenizer
-        from stages.rollout.generation import prompt_token_ids
-        from stages.rollout.server import ServerBackend
+        from stages.engines.interface import prompt_token_ids
+        from stages.engines.server_client import ServerEngine
 
         _, tokenizer = load_model_and_tokenizer(vllm_tiny)
         prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} * {a} ="}] for a in range(8)])
         sampled = SamplingSettings(temperature=1.0, max_tokens=32, attempts=4, seed=0)
-        backend, used = ServerBackend(fp32_server, tokenizer), []
+        backend, used = ServerEngine(fp32_server, tokenizer), []
         for _ in range(2):
             groups = backend.generate_ids(prompts, sampled)
             before = group_cpu_seconds(fp32_server.process.pid)
@@ -174,11 +174,13 @@ def test_full_weights_reach_a_bfloat16_server_in_its_dtype_as_the_float32_file_w
     from safetensors.torch import load_file
 
     from stages.models.loading import load_model_and_tokenizer
-    from stages.rollout.generation import prompt_token_ids
-    from stages.rollout import server as served
-    from stages.rollout.server import GenerationServer, ServerBackend, save_weights
+    from stages.engines.interface import prompt_token_ids
+    from stages.engines import weights
+    from stages.engines.server_process import GenerationServer
+    from stages.engines.server_client import ServerEngine
+    from stages.engines.weights import save_weights
 
-    monkeypatch.setattr(served, "_remove", lambda path: None)  # keep the pushed file to look at
+    monkeypatch.setattr(weights, "_remove", lambda path: None)  # keep the pushed file to look at
     model, tokenizer = load_model_and_tokenizer(vllm_tiny)
     prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} + {a} ="}] for a in (3, 17, 250)])
     with torch.no_grad():
@@ -186,9 +188,9 @@ def test_full_weights_reach_a_bfloat16_server_in_its_dtype_as_the_float32_file_w
             parameter.add_(torch.randn_like(parameter) * 0.05)
     bf16 = EngineSettings(dtype="bfloat16", kv_cache_gib=1)
     with GenerationServer(vllm_tiny, tmp_path / "server.log", engine=bf16, max_model_len=128, echo=None) as server:
-        backend = ServerBackend(server, tokenizer)
+        backend = ServerEngine(server, tokenizer, folder=tmp_path / "served")
         before = backend.generate_ids(prompts, GREEDY)
-        backend.push(model, 1, tmp_path / "served")
+        backend.take_weights(model, 1)
         pushed = backend.generate_ids(prompts, GREEDY)
         save_weights(model, tmp_path / "float32")
         server.request("/collective_rpc", {"method": "reload_weights",
@@ -215,8 +217,9 @@ def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone
     requests as they arrive, until another request of its batch is answered; taking batches in whole, for a window
     of 0.5 s in which no answer may come."""
     from stages.models.loading import load_model_and_tokenizer
-    from stages.rollout.generation import prompt_token_ids
-    from stages.rollout.server import GenerationServer, ServerBackend, ServerFailed
+    from stages.engines.interface import prompt_token_ids
+    from stages.engines.server_process import GenerationServer, ServerFailed
+    from stages.engines.server_client import ServerEngine
 
     _, tokenizer = load_model_and_tokenizer(vllm_tiny)
     prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": f"{a} * {a + 7} ="}] for a in range(8)])
@@ -250,8 +253,8 @@ def test_a_servers_batch_is_taken_in_whole_however_its_requests_arrive_and_alone
     with GenerationServer(vllm_tiny, tmp_path / "server.log", engine=bf16, max_model_len=256, lora_rank=8,
                           whole_batches=True, echo=None) as server:
         for whole in (False, True):
-            server.whole_batches = whole  # how ServerBackend sends a batch
-            backend = ServerBackend(server, tokenizer)
+            server.whole_batches = whole  # how ServerEngine sends a batch
+            backend = ServerEngine(server, tokenizer)
             for late["late"] in (False, True):
                 late["answered"] = []
                 answered.clear()

@@ -241,7 +241,7 @@ def test_the_grpo_stage_computes_what_trl_computes_on_the_same_batches(tiny_chec
     loss, KL, gradient norm, reward and clipped fraction at every step (relative 1e-5: float32 on one
     machine, the same kernels), for each loss, both advantages and reused batches, so a change to how the
     stage samples, scores or logs cannot silently change the algorithm. The stage's rollouts are drawn by
-    posttrain's rollout layer (stages/rollout/training.py ``PolicyRollouts`` on HF generate, from the
+    posttrain's rollout layer (stages/rollout/policy_rollouts.py ``PolicyRollouts`` on HF generate, from the
     trainer's random stream), TRL's by its own generate: equal rewards at every step say the draws are
     the same (a draw seeded per call, as the other places sample, fails this)."""
     from datasets import Dataset
@@ -368,7 +368,7 @@ def test_rollouts_drawn_on_the_training_model_carry_its_log_probs_and_weights_ve
 
     from stages.rollout.episodes import EpisodeRunner
     from stages.sampling import SamplingSettings
-    from stages.rollout.training import PolicyRollouts
+    from stages.rollout.policy_rollouts import PolicyRollouts
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
     prompts = [[{"role": "user", "content": f"{a}+{a}"}] for a in range(3)]
@@ -396,6 +396,6 @@ def test_rollouts_drawn_on_the_training_model_carry_its_log_probs_and_weights_ve
         assert own.tolist() == pytest.approx(logprobs, abs=1e-5)
 
     trainer.state.global_step = 3  # three optimizer steps on: the samples say so
-    with rollouts.sampler(trainer) as backend:
-        groups = EpisodeRunner.completions(tokenizer).run(backend, prompts[:1], rollouts.settings)
+    with rollouts.engine_for(trainer) as engine:
+        groups = EpisodeRunner.completions(tokenizer).run(engine, prompts[:1], rollouts.settings)
     assert [episode.weights_version for episode in groups[0]] == [3] * 4

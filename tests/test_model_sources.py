@@ -106,12 +106,13 @@ def test_chatml_template_gets_generation_markers_that_render_nothing(tiny_checkp
 
 
 def test_hf_backend_samples_carry_ids_logprobs_and_stop_strings(tiny_checkpoint):
-    from stages.rollout.generation import HFGenerateBackend, open_backend, resolve_backend
+    from stages.engines.hf_generate import HFEngine
+    from stages.engines.opening import choose_backend, open_engine
     from stages.sampling import SamplingSettings
 
-    backend = open_backend("auto", tiny_checkpoint)
+    backend = open_engine("auto", tiny_checkpoint)
     # no GPU here, and vLLM's CPU kernels do not take this model's head size (16): HF generate
-    assert isinstance(backend, HFGenerateBackend) and resolve_backend("auto", tiny_checkpoint)[0] == "hf"
+    assert isinstance(backend, HFEngine) and choose_backend("auto", tiny_checkpoint)[0] == "hf"
     prompts = [[{"role": "user", "content": f"What is {a}+{a}?"}] for a in range(3)]
     settings = SamplingSettings(temperature=1.0, max_tokens=12, attempts=3, seed=4)
     groups = backend.generate(prompts, settings)
@@ -138,11 +139,11 @@ def test_hf_backend_samples_carry_ids_logprobs_and_stop_strings(tiny_checkpoint)
 def test_vllm_is_never_imported_unless_asked_and_asking_without_it_is_clear(tiny_checkpoint):
     code = textwrap.dedent("""
         import sys
-        import flows.cli, flows.execution.pipeline, stages.eval, stages.rollout.generation, stages.grpo, stages.ppo
+        import flows.cli, flows.execution.pipeline, stages.eval, stages.engines.opening, stages.grpo, stages.ppo
         assert "vllm" not in sys.modules, "vllm imported"
-        from stages.rollout.generation import open_backend
+        from stages.engines.opening import open_engine
         try:
-            open_backend("vllm", sys.argv[1])
+            open_engine("vllm", sys.argv[1])
         except RuntimeError as error:
             print(error)
     """)

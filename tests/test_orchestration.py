@@ -122,7 +122,8 @@ PACKAGE_IMPORTS = {
     "stages.data": ("stages.rewards",),
     "stages.models": (),
     "stages.training": (),
-    "stages.rollout": ("stages.models", "stages.rewards", "stages.training"),
+    "stages.engines": ("stages.models", "stages.training"),
+    "stages.rollout": ("stages.engines", "stages.models", "stages.rewards", "stages.training"),
     "stages.rewards": ("stages.models", "stages.preference_math"),
     "flows.spec": ("flows.planning", "flows.execution.distributed"),
     "flows.planning": ("flows.spec", "flows.recording.tags"),
@@ -173,8 +174,8 @@ def test_iterate_is_called_by_the_planner_alone():
 
 
 def test_every_sample_is_drawn_by_the_episode_runner():
-    """A single completion is a one-turn episode: outside the engines themselves (stages/rollout/generation.py,
-    server.py), only the runner (stages/rollout/episodes.py) asks an engine for samples; stages sample through
+    """A single completion is a one-turn episode: outside the engines themselves (stages/engines/hf_generate.py,
+    in_process_vllm.py, server_client.py), only the runner (stages/rollout/episodes.py) asks an engine for samples; stages sample through
     it (``EpisodeRunner.run``, ``complete``, ``PolicyRollouts``)."""
     import ast
 
@@ -184,7 +185,8 @@ def test_every_sample_is_drawn_by_the_episode_runner():
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr in ("generate", "generate_ids")):  # an engine's, or a model's own generate
                 callers.add(name)
-    assert callers == {"stages.rollout.episodes", "stages.rollout.generation", "stages.rollout.server"}, callers
+    assert callers == {"stages.rollout.episodes", "stages.engines.hf_generate", "stages.engines.in_process_vllm",
+                       "stages.engines.server_client"}, callers
 
 
 def test_each_stage_kind_is_declared_once_in_its_own_module():

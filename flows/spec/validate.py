@@ -896,7 +896,7 @@ def _vllm_issues(stages: dict, raw: dict, base_dir: Path, failed: dict) -> list[
                             else pooled_default))]
     if not in_process:
         return []
-    from stages.rollout.generation import vllm_problem
+    from stages.engines.machine import vllm_problem
 
     problem = vllm_problem(head_size=_base_head_size(raw, base_dir))
     issues = [] if problem is None else [
@@ -916,7 +916,7 @@ def _base_head_size(raw: dict, base_dir: Path) -> int | None:
     """The attention head size of the pipeline's model, where it is known before anything runs: a tiny model's
     config, a local checkpoint's or a cached hub snapshot's config.json (None otherwise: a GGUF file, a hub
     model not cached)."""
-    from stages.rollout.generation import checkpoint_head_size
+    from stages.engines.machine import checkpoint_head_size
 
     try:
         spec = TypeAdapter(ModelSpec).validate_python(raw.get("model"))

@@ -15,7 +15,7 @@ from stages.rollout.environments import (
     parse_tool_calls,
     tool_schemas,
 )
-from stages.rollout.generation import Sample
+from stages.engines.interface import Sample
 from stages.sampling import SamplingSettings
 from stages.rewards.scoring import ScoredBatch
 from stages.rewards.spec import ENVIRONMENT_FN, RewardOutput, RewardSpec
@@ -39,7 +39,7 @@ class Episode:
     answer: str | None = None  # the final turn's text when the episode ended with an answer
     tool_results: list[ToolResult] = field(default_factory=list)  # every call's result, in order
     weights_version: int = 0  # the policy version of its model turns (Sample.weights_version; one per episode)
-    sampler_logprobs: bool = True  # every model token's log-prob is the sampler's (else the backend kept none)
+    sampler_logprobs: bool = True  # every model token's log-prob is the sampler's (else the engine kept none)
 
     @property
     def budget_hit(self) -> bool:
@@ -82,10 +82,10 @@ def observation_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
 
 
 class EpisodeRunner:
-    """Runs episodes at fixed settings through a backend's ``generate_ids``: an environment's (model turns and
+    """Runs episodes at fixed settings through an engine's ``generate_ids``: an environment's (model turns and
     observations), or, with none, one-turn episodes: a single completion of each prompt, which is how every
     sample in posttrain is made (evaluation, GRPO's rollouts, PPO, online DPO, the difficulty filter, a model
-    judge; stages/rollout/training.py ``PolicyRollouts``, ``complete``)."""
+    judge; stages/rollout/policy_rollouts.py ``PolicyRollouts``, ``complete``)."""
 
     def __init__(self, environment: Environment | None, spec: EnvironmentSpec | None, tokenizer):
         self.environment, self.spec, self.tokenizer = environment, spec, tokenizer
@@ -108,12 +108,12 @@ class EpisodeRunner:
             return settings.max_tokens
         return min(settings.max_tokens, self.spec.max_episode_tokens - len(episode.completion_ids))
 
-    def run(self, backend, starts: list[list[dict]], settings: SamplingSettings,
+    def run(self, engine, starts: list[list[dict]], settings: SamplingSettings,
             seed_offset: int = 0) -> list[list[Episode]]:
         """``settings.attempts`` episodes per start conversation, grouped by start; ``settings.max_tokens`` is
         the per-turn budget. The first turn is one request per start for all its attempts (one prefill, the
         engine's ``n``), start i seeded ``settings.seed + seed_offset + i`` as every draw is
-        (stages/rollout/generation.py); each later turn is one request per episode still running."""
+        (stages/engines/interface.py); each later turn is one request per episode still running."""
         groups = []
         for messages in starts:
             first = self.start(messages)
@@ -121,7 +121,7 @@ class EpisodeRunner:
                                      for _ in range(settings.attempts - 1)])
         if groups:
             budget = self.budget(groups[0][0], settings)
-            drawn = backend.generate_ids([group[0].prompt_ids for group in groups],
+            drawn = engine.generate_ids([group[0].prompt_ids for group in groups],
                                          settings.model_copy(update={"max_tokens": budget}), seed_offset=seed_offset)
             for group, samples in zip(groups, drawn):
                 for episode, sample in zip(group, samples):
@@ -136,7 +136,7 @@ class EpisodeRunner:
             # one call per distinct budget: the engine takes one max_tokens per call
             for budget in sorted(set(budgets)):
                 members = [i for i, b in zip(active, budgets) if b == budget]
-                samples = backend.generate_ids(
+                samples = engine.generate_ids(
                     [episodes[i].prompt_ids + episodes[i].completion_ids for i in members],
                     turn_settings.model_copy(update={"max_tokens": budget}),
                     seed_offset=seed_offset + turn * 1_000_003 + budget * 7919)
@@ -169,10 +169,10 @@ class EpisodeRunner:
         episode.env_mask += [0] * len(observation)
 
 
-def complete(backend, prompts: list[list[dict]], settings: SamplingSettings, seed_offset: int = 0) -> list[list[Sample]]:
-    """``settings.attempts`` single completions of every prompt by ``backend`` (one-turn episodes, seeded as
+def complete(engine, prompts: list[list[dict]], settings: SamplingSettings, seed_offset: int = 0) -> list[list[Sample]]:
+    """``settings.attempts`` single completions of every prompt by ``engine`` (one-turn episodes, seeded as
     ``EpisodeRunner.run``), as samples grouped by prompt."""
-    groups = EpisodeRunner.completions(backend.tokenizer).run(backend, prompts, settings, seed_offset)
+    groups = EpisodeRunner.completions(engine.tokenizer).run(engine, prompts, settings, seed_offset)
     return [[episode.as_sample() for episode in group] for group in groups]
 
 

@@ -1,7 +1,7 @@
-"""``python -m stages.rollout.guard PARENT -- COMMAND...``: run COMMAND and take its whole process group down
+"""``python -m stages.engines.server_guard PARENT -- COMMAND...``: run COMMAND and take its whole process group down
 with PARENT.
 
-Design notes, departures and why: docs/algorithms.md, section `stages/rollout/guard.py`.
+Design notes, departures and why: docs/algorithms.md, section `stages/engines/server_guard.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ POLL_S = 0.5
 def main(argv: list[str]) -> int:
     parent, separator, *command = argv
     if separator != "--" or not command:
-        raise SystemExit("usage: python -m stages.rollout.guard PARENT_PID -- COMMAND...")
+        raise SystemExit("usage: python -m stages.engines.server_guard PARENT_PID -- COMMAND...")
     child = subprocess.Popen(command)
     # a SIGTERM or Ctrl-C reaches the whole group (the stage sends it with killpg): the server shuts down by
     # itself and the guard leaves with it (ignored only after the start: an ignored signal is inherited)

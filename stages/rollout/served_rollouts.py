@@ -1,6 +1,8 @@
-"""GRPO's rollouts from a generation server, drawn up to ``max_staleness`` optimizer steps ahead of training.
+"""GRPO's rollouts from a generation server (its TRL ``rollout_func``): a producer thread draws the next steps'
+batches while the trainer trains, each by the weights of up to ``max_staleness`` optimizer steps before the step
+that trains on it; synchronous at ``max_staleness: 0``.
 
-Design notes, departures and why: docs/algorithms.md, section `stages/rollout/ahead.py`.
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/served_rollouts.py`.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-from stages.rollout.generation import draw_offset
-from stages.rollout.server import ServerBackend
+from stages.engines.interface import draw_offset
+from stages.engines.server_client import ServerEngine
 
 DRAWN_FILE = "drawn-ahead.pkl"  # in a checkpoint: the batches drawn by versions older than it
 
@@ -29,13 +31,14 @@ def planned_batches(trainer):
 
 
 class ServedRollouts:
-    """TRL ``rollout_func`` over a generation server; ``inner`` (stages/rollout/training.py PolicyRollouts)
-    draws a batch from a given backend, and reads what a used batch measured."""
+    """TRL ``rollout_func`` over a generation server; ``inner`` (stages/rollout/policy_rollouts.py PolicyRollouts)
+    draws a batch from a given engine, and reads what a used batch measured; ``opener`` starts the server's
+    engine on first use."""
 
-    def __init__(self, inner, open_backend, max_staleness: int, folder: Path, step_metrics=None):
-        self.inner, self.open_backend, self.max_staleness = inner, open_backend, max_staleness
-        self.folder, self.step_metrics = Path(folder), step_metrics
-        self.backend: ServerBackend | None = None
+    def __init__(self, inner, opener, max_staleness: int, step_metrics=None):
+        self.inner, self.opener, self.max_staleness = inner, opener, max_staleness
+        self.step_metrics = step_metrics
+        self.engine: ServerEngine | None = None
         self.calls = 0  # generation calls so far: seeds each call's draws, and names its planned batch
         self.syncs = 0
         self.dropped = 0
@@ -52,11 +55,12 @@ class ServedRollouts:
         self.startup_seconds = 0.0  # the server's, once started
 
     # -- the trainer's side -------------------------------------------------------------------------------
-    def open(self) -> ServerBackend:
-        if self.backend is None:
-            self.backend = self.open_backend()
-            self.startup_seconds = self.backend.server.startup_seconds
-        return self.backend
+    def opened_engine(self) -> ServerEngine:
+        """The server's engine, started on first use."""
+        if self.engine is None:
+            self.engine = self.opener()
+            self.startup_seconds = self.engine.server.startup_seconds
+        return self.engine
 
     def save_drawn(self, checkpoint: Path, step: int) -> None:
         """Keep in checkpoint ``step``'s folder the batches planned to be drawn by versions older than ``step``
@@ -86,23 +90,22 @@ class ServedRollouts:
             self._changed.notify_all()
         if self._producer is not None:
             self._producer.join(timeout=60)
-        if self.backend is not None:
-            self.backend.close()
-            self.backend.server.close()
-            self.backend = None
+        if self.engine is not None:
+            self.engine.close()  # and its server
+            self.engine = None
 
     def sync(self, trainer) -> None:
         """Serve the weights ``trainer`` holds now (version: its optimizer steps), if not served yet. In full
         fine-tuning the server holds one version, so the push first waits for every planned batch that
         must be drawn by an older one."""
-        backend = self.open()
+        engine = self.opened_engine()
         version = trainer.state.global_step
-        if backend.weights_version >= version:
+        if engine.weights_version >= version:
             return
         started = time.perf_counter()
-        if not backend.lora and self._producer is not None:
+        if not engine.lora and self._producer is not None:
             self._wait(lambda: self._drawn_through >= self._last_call_before(version))
-        backend.push(trainer.model, version, self.folder, keep=self.max_staleness + 1)
+        engine.take_weights(trainer.model, version)  # versions older than the last max_staleness + 1 unserved
         self.syncs += 1
         self._measure("ahead/sync_seconds", time.perf_counter() - started)
         with self._changed:
@@ -144,9 +147,9 @@ class ServedRollouts:
 
     def _draw_now(self, prompts, call: int, version: int | None = None) -> tuple[dict, int]:
         """Call ``call``'s batch drawn now, by weights ``version`` (default: the newest served)."""
-        backend = self.open()
-        version = backend.weights_version if version is None else version
-        return self.inner.draw(prompts, backend.at(version), draw_offset(call)), version
+        engine = self.opened_engine()
+        version = engine.weights_version if version is None else version
+        return self.inner.draw(prompts, engine.at(version), draw_offset(call)), version
 
     def _measure(self, name: str, value: float) -> None:
         if self.step_metrics is not None:
@@ -162,8 +165,8 @@ class ServedRollouts:
             while not done():
                 if self._failure is not None:
                     raise RuntimeError(f"drawing rollouts ahead failed: {self._failure}") from self._failure
-                if self.backend is not None:
-                    self.backend.server.check()
+                if self.engine is not None:
+                    self.engine.server.check()
                 self._changed.wait(timeout=1.0)
 
     # -- the producer's side ------------------------------------------------------------------------------
@@ -202,11 +205,11 @@ class ServedRollouts:
                     return
                 version = self.version_for(call, self._updates)
                 with self._changed:
-                    while self.backend.weights_version < version and not self._closing:
+                    while self.engine.weights_version < version and not self._closing:
                         self._changed.wait(timeout=1.0)
                     if self._closing:
                         return
-                out = inner.draw(prompts, self.backend.at(version), draw_offset(call))
+                out = inner.draw(prompts, self.engine.at(version), draw_offset(call))
                 with self._changed:
                     self._ready[call] = (prompts, out, version)
                     self._drawn_through = call

@@ -2,7 +2,7 @@
 ``--middleware``): one route, ``/posttrain/registered?prefix=P``, answering how many requests whose id starts
 with ``P`` the server has taken in.
 
-Design notes, departures and why: docs/algorithms.md, section `stages/rollout/server_routes.py`.
+Design notes, departures and why: docs/algorithms.md, section `stages/engines/server_routes.py`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,195 @@
+"""The HF engine: sampling with transformers' ``model.generate``, on a checkpoint loaded for it or on a training
+stage's own policy. Departs from generate's defaults: a neutral generation config, so nothing a checkpoint's
+generation_config.json sets shapes the samples."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from stages.engines.interface import Sample
+from stages.sampling import SamplingSettings
+
+
+def neutral_generation_config(**settings):
+    """A ``GenerationConfig`` with exactly ``settings`` and every other sampling knob neutral.
+
+    A checkpoint's generation_config.json may set ``min_p``, ``repetition_penalty``,
+    ``top_k``, ``suppress_tokens`` and more; those are not declared in the spec, not hashed,
+    and vLLM ignores them, so they must not shape our samples (nor make the sampler's
+    log-probs differ from the tempered distribution PPO trains on)."""
+    from transformers import GenerationConfig
+
+    neutral = {"repetition_penalty": 1.0, **({"top_k": 0} if settings.get("do_sample") else {})}
+    return GenerationConfig(**{**neutral, **settings})
+
+
+@contextmanager
+def generation_config_as(model, config):
+    """``model.generation_config`` is ``config`` inside the block, the checkpoint's own after it.
+
+    transformers fills every field a passed config leaves unset (``min_p``,
+    ``suppress_tokens``, ``bad_words_ids``, ...) from ``model.generation_config``, so passing
+    a neutral config is not enough; the checkpoint keeps its own for saving."""
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the wrapped model
+    saved = target.generation_config
+    target.generation_config = config
+    try:
+        yield model
+    finally:
+        target.generation_config = saved
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop string, and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+class HFEngine:
+    """Batched sampling with ``model.generate``: all attempts of a prompt batch in one call (``prompt_batch_size``
+    prompts at a time; None: all of them)."""
+
+    name = "hf"
+    why = "declared"
+
+    dtype: str | None = None  # a declared compute dtype; None: the checkpoint's own
+    dtype_why = "auto: the checkpoint's own"
+
+    def identity(self) -> dict:
+        """A declared dtype, else nothing beyond the sampling settings (hashes from before vLLM existed stay
+        valid)."""
+        return {} if self.dtype is None else {"dtype": self.dtype}
+
+    def __init__(self, model, tokenizer, prompt_batch_size: int | None = 32, progress=None, keep_logprobs: bool = True,
+                 weights_version: int = 0, seeded: bool = True):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompt_batch_size = prompt_batch_size
+        self.progress = progress
+        # Evaluation needs no log-probs; keeping them stacks (rows x tokens x vocab) scores.
+        self.keep_logprobs = keep_logprobs
+        self.weights_version = weights_version  # the updates ``model`` has had (a training stage's policy)
+        # False: draw from the caller's random stream instead of seeding each draw (a GRPO trainer's, which
+        # TRL seeds with the stage's seed and every checkpoint saves; stages/rollout/policy_rollouts.py says why)
+        self.seeded = seeded
+
+    def take_weights(self, model, version: int) -> bool:
+        """Sample ``model`` (a training stage's policy, after ``version`` updates) from now on: it is the training
+        model itself, so no weights are pushed."""
+        self.model, self.weights_version = model, version
+        return False
+
+    def close(self) -> None:
+        import torch
+
+        self.model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @contextmanager
+    def _random_stream(self, seed: int):
+        """Where the draw's randomness comes from: generate() draws from the global RNG, so a seeded engine
+        seeds it with ``seed`` inside a fork (the caller's random state, a training loop's, is left as it
+        was); an unseeded one draws from the caller's stream as it stands."""
+        import torch
+
+        if not self.seeded:
+            yield
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            yield
+
+    def generate(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
+        results: list[list[Sample]] = []
+        with self._random_stream(settings.seed):
+            size = self.prompt_batch_size or len(prompts)
+            for start in range(0, len(prompts), size):
+                batch = prompts[start : start + size]
+                results.extend(self._generate_batch(batch, settings))
+                if self.progress is not None:
+                    self.progress.advance(len(batch))
+        return results
+
+    def generate_ids(self, prompt_ids: list[list[int]], settings: SamplingSettings,
+                     seed_offset: int = 0) -> list[list[Sample]]:
+        """Like ``generate``, from prompts already tokenised (left-padded here), the sampler seeded with
+        ``settings.seed + seed_offset``: what an episode's later turns continue from."""
+        import torch
+
+        results: list[list[Sample]] = []
+        with self._random_stream(settings.seed + seed_offset):
+            size = self.prompt_batch_size or len(prompt_ids)
+            for start in range(0, len(prompt_ids), size):
+                batch = prompt_ids[start : start + size]
+                width = max(len(ids) for ids in batch)
+                pad = self.tokenizer.pad_token_id
+                input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in batch])
+                attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+                encoded = {"input_ids": input_ids.to(self.model.device), "attention_mask": attention.to(self.model.device)}
+                results.extend(self._generate_encoded(encoded, len(batch), settings))
+                if self.progress is not None:
+                    self.progress.advance(len(batch))
+        return results
+
+    def _generate_batch(self, prompts: list[list[dict]], settings: SamplingSettings) -> list[list[Sample]]:
+        tok = self.tokenizer
+        texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        tok.padding_side = "left"
+        encoded = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
+        return self._generate_encoded(encoded, len(prompts), settings)
+
+    def _generate_encoded(self, encoded, n_prompts: int, settings: SamplingSettings) -> list[list[Sample]]:
+        import torch
+
+        tok = self.tokenizer
+        config = neutral_generation_config(
+            do_sample=not settings.greedy,
+            temperature=1.0 if settings.greedy else settings.temperature,
+            top_p=settings.nucleus,
+            max_new_tokens=settings.max_tokens,
+            num_return_sequences=settings.draws,
+            return_dict_in_generate=True,
+            output_scores=self.keep_logprobs,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            stop_strings=settings.stop or None,
+        )
+        with torch.no_grad(), generation_config_as(self.model, config):
+            out = self.model.generate(**encoded, generation_config=config,
+                                      **({"tokenizer": tok} if settings.stop else {}))
+        prompt_len = encoded["input_ids"].shape[1]
+        new_tokens_N_T = out.sequences[:, prompt_len:]
+        logprobs_N_T = None
+        if self.keep_logprobs:
+            # scores are the processed logits (after temperature / top-p): the sampling policy
+            logprobs_N_T = torch.stack([
+                torch.log_softmax(step_V.float(), dim=-1).gather(-1, new_tokens_N_T[:, t : t + 1]).squeeze(-1)
+                for t, step_V in enumerate(out.scores)
+            ], dim=1)
+        samples = []
+        for row in range(new_tokens_N_T.shape[0]):
+            ids = new_tokens_N_T[row].tolist()
+            if tok.eos_token_id in ids:
+                end = ids.index(tok.eos_token_id)
+                kept, truncated = ids[: end + 1], False
+                text_ids = ids[:end]
+            else:
+                # a row that stopped on a stop string is padded to the batch's length
+                kept = ids
+                while settings.stop and kept and kept[-1] == tok.pad_token_id:
+                    kept = kept[:-1]
+                truncated, text_ids = True, kept
+            text, stopped = cut_at_stop(tok.decode(text_ids, skip_special_tokens=True), settings.stop)
+            samples.append(
+                Sample(
+                    text=text,
+                    token_ids=kept,
+                    logprobs=logprobs_N_T[row, : len(kept)].tolist() if logprobs_N_T is not None else [],
+                    truncated=truncated and not stopped,
+                    weights_version=self.weights_version,
+                )
+            )
+        k = settings.draws
+        return [settings.every_attempt(samples[i * k : (i + 1) * k]) for i in range(n_prompts)]
+

@@ -1,0 +1,132 @@
+"""GRPO's rollouts for TRL (its ``rollout_func``): each step's episodes drawn by the stage's engine, with the
+policy's weights synced into it, or by generate on the training model itself.
+
+Design notes, departures and why: docs/algorithms.md, section `stages/rollout/policy_rollouts.py`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from stages.engines.interface import draw_offset
+from stages.sampling import SamplingSettings
+
+
+class PolicyRollouts:
+    """TRL ``rollout_func``: ``group_size`` episodes of each distinct prompt TRL hands over, by ``runner``
+    (stages/rollout/episodes.py): one-turn completions, or an environment's episodes, returned with ``env_mask``
+    (TRL's ``tool_mask``: observation tokens carry no loss, KL or ratio) and, per episode, its final answer,
+    whether it may be rewarded and the episode itself (the reward functions read them, stages/grpo.py); the
+    episode metrics go to ``step_metrics`` (stages/training/callbacks.py ``StepMetrics``), logged with TRL's.
+
+    They are sampled by posttrain's vLLM engine (``opener``: () -> the engine, opened on first use and
+    synced after each update), by the engine a caller hands ``draw`` (a generation server,
+    stages/rollout/served_rollouts.py), or else by transformers' generate on the training model itself (on-policy by
+    construction). TRL hands over the step's prompts with each repeated ``group_size`` times in a row (its
+    ``RepeatSampler``); a call's draws are seeded ``seed + call * SEED_STRIDE + prompt index``
+    (stages/engines/interface.py ``draw_offset``; distinct prompts counted over all processes), so a rerun
+    draws the same rollouts.
+
+    ``trainer_stream``: generate on the training model draws single completions from the trainer's random
+    stream instead (TRL seeds it with the stage's seed, and every checkpoint saves and a resume restores it,
+    so a rerun and a resume draw the same rollouts too). That is the stream TRL's own generate drew GRPO's
+    rollouts from before they came here: one generate over the step's prompts with the group's attempts of
+    each in a row, which this draw repeats call for call (for up to 256 prompts a step; more are drawn in
+    several calls), so the README's quickstart figures, drawn so, stand (tests/test_grpo.py holds the two
+    equal).
+    """
+
+    def __init__(self, runner, tokenizer, settings: SamplingSettings, opener=None, step_metrics=None,
+                 trainer_stream: bool = False):
+        self.runner, self.tokenizer, self.opener = runner, tokenizer, opener
+        self.trainer_stream = trainer_stream
+        self.settings, self.group_size = settings, settings.attempts  # seeded with the stage's seed
+        self.step_metrics = step_metrics
+        self.engine = None  # opened by ``opener`` on first use
+        self.synced_step: int | None = None
+        self.syncs = 0
+        self.calls = 0  # generation calls so far: seeds each call's draws (several per step with dynamic sampling)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def synced(self, trainer):
+        """The engine, holding the weights of the policy ``trainer`` trains now."""
+        if self.engine is None:
+            self.engine = self.opener()
+        step = trainer.state.global_step
+        if self.synced_step != step:  # the policy moved since the last rollout: the engine follows
+            self.engine.take_weights(trainer.model, step)
+            self.synced_step, self.syncs = step, self.syncs + 1
+        return self.engine
+
+    @contextmanager
+    def engine_for(self, trainer):
+        """What samples the policy ``trainer`` trains now: the synced engine, or else its own generate on the
+        training model, unwrapped as TRL unwraps it for its own generate (a ZeRO-3 model's weights gathered, an
+        FSDP v1 model's summoned; TRL calls a ``rollout_func`` without doing so)."""
+        if self.opener is not None:
+            yield self.synced(trainer)
+            return
+        from contextlib import nullcontext
+
+        from trl.models import unwrap_model_for_generation
+
+        from stages.engines.hf_generate import HFEngine
+
+        summoned = getattr(trainer, "_dist", None)  # TRL's DistributedBackend: a no-op but for FSDP v1
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                         gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                                         gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
+                                         ) as model, \
+                (summoned.summon_full_params(trainer.model_wrapped, recurse=False) if summoned else nullcontext()):
+            yield HFEngine(model, self.tokenizer, prompt_batch_size=256, keep_logprobs=True,
+                           weights_version=trainer.state.global_step, seeded=not self.trainer_stream)
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        first = trainer.accelerator.process_index * (len(prompts) // self.group_size)  # this process's shard
+        with self.engine_for(trainer) as engine:
+            out = self.draw(prompts, engine, draw_offset(self.calls, first))
+        self.calls += 1
+        self.consumed(out, trainer)
+        return out
+
+    def draw(self, prompts: list, engine, seed_offset: int) -> dict:
+        """The episodes of each distinct prompt by ``engine``: TRL's rollout columns, and an environment's."""
+        from stages.rollout.episodes import shortcut
+
+        distinct = prompts[:: self.group_size]
+        if [p for p in distinct for _ in range(self.group_size)] != list(prompts):
+            raise RuntimeError(f"expected each prompt {self.group_size} times in a row from TRL's sampler; "
+                               f"got {len(prompts)} prompts that are not so grouped")
+        episodes = [e for group in self.runner.run(engine, distinct, self.settings, seed_offset) for e in group]
+        out = {"prompt_ids": [e.prompt_ids for e in episodes],
+               "completion_ids": [e.completion_ids for e in episodes],
+               "logprobs": [e.logprobs for e in episodes]}
+        if self.runner.environment is None:
+            return out
+        return {**out, "env_mask": [e.env_mask for e in episodes],
+                "episode_answer": [e.answer if e.answer is not None else "" for e in episodes],
+                "episode_rewardable": [not shortcut(e, self.runner.spec) for e in episodes],
+                "episode": episodes}  # what an `environment` reward scores (the environment's own score)
+
+    def consumed(self, out: dict, trainer) -> None:
+        """The episode metrics of a batch the trainer uses, to ``step_metrics``."""
+        from stages.rollout.episodes import episode_metrics
+
+        if self.runner.environment is None:
+            return
+        if self.step_metrics is not None and trainer.model.training:
+            self.step_metrics.update(episode_metrics(out["episode"], self.runner.spec))
+
+    def for_thread(self) -> PolicyRollouts:
+        """A copy that draws in another thread, its runner with a tokenizer of its own (a fast tokenizer used from
+        two threads at once, one of them TRL's setting its padding, fails with "Already borrowed")."""
+        import copy
+
+        twin = copy.copy(self)
+        twin.runner = copy.copy(self.runner)
+        twin.tokenizer = twin.runner.tokenizer = copy.deepcopy(self.tokenizer)
+        return twin
