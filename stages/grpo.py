@@ -59,16 +59,13 @@ def rename_metrics(logs: dict) -> dict[str, float]:
 
 
 def make_reward_func(name: str, scorer: Scorer, step_metrics, environment=None):
-    """A TRL reward function (``prompts, completions, **columns``) around reward ``name`` of the stage's
-    scorer (stages/rewards/scoring.py: its bound scorer, ``reward_errors`` policy and judge auditor);
-    ``environment``: the stage's environment, whose own score an ``environment`` reward is. Parse
-    rates and the error count go to ``step_metrics`` (stages/training/callbacks.py ``StepMetrics``)."""
+    """A TRL reward function around reward ``name`` of ``scorer``; an ``environment`` reward is
+    ``environment``'s own score. Parse rates and the error count go to ``step_metrics``."""
     spec = scorer.specs[name]
 
     def reward(prompts, completions, completion_ids=None, episode_answer=None, episode_rewardable=None,
                episode=None, **columns):
-        # an environment's episodes (stages/rollout/policy_rollouts.py PolicyRollouts): the final answer is scored, not the
-        # transcript, and a shortcut episode scores 0
+        # an environment's episodes: the final answer is scored, not the transcript; a shortcut scores 0
         texts = episode_answer or [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         records = [{"answer": answer, "task": json.loads(task) if task else None}  # the task is JSON for Arrow
                    for answer, task in zip(columns.get("answer") or [None] * len(texts),
@@ -154,10 +151,8 @@ def _trainer_class():
 
 
 def sampler_corrected(trainer, batch: dict) -> dict:
-    """Samples posttrain's engine drew: each token's advantage times its weight pi_trainer / pi_sampler
-    (stages/rl_math.py ``sampler_correction``). Every GRPO-family loss of TRL is linear in a token's
-    advantage with its sign kept, so this is TRL's own vLLM correction (grpo_trainer.py, which runs
-    only under its ``use_vllm``); TRL takes (B, T) advantages as they are. The KL term is not weighted."""
+    """A batch posttrain's engine drew, each token's advantage times its truncated pi_trainer / pi_sampler
+    (stages/rl_math.py ``sampler_correction``); the KL term is not weighted."""
     import torch
 
     from stages.rl_math import sampler_correction
@@ -183,9 +178,8 @@ def sampler_corrected(trainer, batch: dict) -> dict:
 
 
 def turn_off_dropout(model) -> None:
-    """Dropout off everywhere: ``nn.Dropout`` modules, and the attention dropout that transformers
-    keeps as a float attribute (``attention_dropout``), which TRL's ``disable_dropout`` misses.
-    Module attributes only: the saved config keeps the checkpoint's values."""
+    """Dropout off everywhere, float ``attention_dropout`` attributes too (TRL's ``disable_dropout`` misses
+    them); module attributes only: the saved config keeps the checkpoint's values."""
     import torch
 
     for module in model.modules():
@@ -268,8 +262,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         max_steps=config.max_steps,
         learning_rate=config.lr,
         lr_scheduler_type="constant",
-        # the step's completions split over the processes (validated to divide); TRL's RepeatSampler
-        # spreads each prompt's group over them and gathers the rewards to centre each group whole
+        # split over the processes; TRL's RepeatSampler gathers rewards to centre each group whole
         per_device_train_batch_size=config.prompts_per_step * config.sampling.attempts // world_size(),
         gradient_accumulation_steps=1,
         steps_per_generation=1,
@@ -299,10 +292,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
 def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: Backend, step_metrics=None,
                   work_dir: Path | None = None):
     """posttrain's rollouts for TRL (stages/rollout/policy_rollouts.py): single completions or an environment's
-    episodes (their metrics go to ``step_metrics``), drawn by the engine of ``backend``, opened on first use: the
-    in-process vLLM engine, a generation server of the stage's own (stages/rollout/served_rollouts.py), or generate
-    on the training model; single completions there from the trainer's random stream, as TRL's own generate drew
-    them (``PolicyRollouts`` says why)."""
+    episodes, drawn by the engine of ``backend``, opened on first use."""
     import os
 
     from stages.rollout.episodes import EpisodeRunner
@@ -349,7 +339,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     records = read_materialized(inputs.data)
     dataset = Dataset.from_list(_prompt_rows(config, records))
     rewards: dict[str, RewardSpec] = inputs.rewards
-    step_metrics = StepMetrics()  # what our rewards, rollouts and loss measure in a step, logged with TRL's
+    step_metrics = StepMetrics()
     backend = stage_backend(config, inputs.policy, ctx)
     rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics, ctx.work_dir)
     scorer, reward_funcs = _reward_funcs(config, inputs, ctx, rollouts, step_metrics)
@@ -387,23 +377,21 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
 
     trainer.model.config.name_or_path = str(inputs.policy)  # was the KL anchor's, for TRL
     model.generation_config = own_generation_config  # `model` is also what a LoRA policy wraps
-    outputs = save_trained(trainer.model, tokenizer, ctx)  # stages/models/lora.py: with lora, also the adapter alone
+    outputs = save_trained(trainer.model, tokenizer, ctx)
     return {**outputs, "metrics": metrics}
 
 
 def _reward_funcs(config, inputs: StageInputs, ctx, rollouts, step_metrics) -> tuple:
     """(the scorer, TRL's reward function of each of the stage's rewards, in the order of their weights)."""
     scorer = _scorer(config, inputs, ctx)
-    environment = (getattr(rollouts, "inner", rollouts).runner.environment  # served: the inner draw's
+    environment = (getattr(rollouts, "inner", rollouts).runner.environment
                    if config.environment is not None else None)
     return scorer, [make_reward_func(name, scorer, step_metrics, environment) for name in inputs.rewards]
 
 
 def _attach(trainer, config, step_metrics, correction, rollouts) -> None:
-    """What posttrain's trainer subclass reads: the step's own metrics; the sampler correction where another
-    sampler draws or one is declared (None where the training model samples, HF generate or an environment's
-    episodes on it: nothing to correct or measure, no extra forward pass for it); and with a server
-    drawing ahead, each new version of the weights pushed as soon as it exists."""
+    """Give the trainer subclass its step metrics and sampler correction (None: no extra forward pass), and
+    with a server drawing ahead, push each new version of the weights as soon as it exists."""
     trainer.step_metrics = step_metrics
     trainer.correction = correction
     if config.generation.max_staleness > 0:
@@ -419,8 +407,7 @@ def _close_rollouts(rollouts, ctx) -> None:
 
 
 def push_after_each_step(trainer, rollouts):
-    """A callback that serves the policy's new weights right after each optimizer step, so rollouts drawn
-    ahead (stages/rollout/served_rollouts.py) can use them while the next step trains."""
+    """A callback serving the policy's new weights after each optimizer step, to rollouts drawn ahead."""
     from transformers import TrainerCallback
 
     class PushWeights(TrainerCallback):
@@ -431,8 +418,7 @@ def push_after_each_step(trainer, rollouts):
 
 
 def _step_logger(config, trainer, history: list[dict], watch: SilentFailureWatch, ctx):
-    """What happens at each step's log: its metrics kept for the curves, the silent-failure ``watch``
-    (stages/training/alerts.py), and every ``sample_every`` steps a table of sample completions."""
+    """At each step's log: keep its metrics, report to ``watch``, every ``sample_every`` steps log samples."""
 
     def on_metrics(state, metrics):
         if "reward/mean" not in metrics:  # the end-of-training summary log, or a reused batch's update
@@ -446,11 +432,8 @@ def _step_logger(config, trainer, history: list[dict], watch: SilentFailureWatch
 
 
 def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollouts, scorer: Scorer):
-    """What a resumed GRPO stage needs besides the trainer's checkpoint (stages/training/resume.py): the
-    curves so far, the silent-failure watch, the rollouts' seed counter and weight syncs, the reward error
-    count, dynamic sampling's prompt draws, and, drawing ahead on a server, the batches drawn by versions
-    older than the checkpoint (stages/rollout/served_rollouts.py). (A judge's audit schedule restarts with the
-    execution.)"""
+    """What a resumed GRPO stage restores besides the trainer's checkpoint (stages/training/resume.py).
+    A judge's audit schedule restarts with the execution."""
     from stages.training.resume import StageState
 
     from stages.rollout.served_rollouts import ServedRollouts
@@ -480,8 +463,7 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
 
 
 def _prompt_rows(config, records: list[dict]) -> list[dict]:
-    """TRL's dataset rows: the prompt (where an environment's episode starts, when the stage has one), the
-    reference answer and the generated task (JSON, for Arrow)."""
+    """TRL's dataset rows: the prompt (an environment's start), the answer and the task as JSON."""
     start = prompt_messages
     if config.environment is not None:
         from stages.rollout.environments import build_environment
@@ -510,9 +492,7 @@ def _load_policy(inputs: StageInputs):
 
 
 def _scorer(config, inputs: StageInputs, ctx) -> Scorer:
-    """The stage's scorer: its rewards (reward models placed where ``placement.reward_model`` says, judges
-    bound to their checkpoints), its ``reward_errors`` policy, and judges audited against the verifiers
-    every ``audit_every`` batches."""
+    """The stage's scorer: its bound rewards, ``reward_errors`` policy and judge auditor."""
     from stages.rewards.judge import batch_auditor
     from stages.scorers import bind_scorers
 
@@ -530,8 +510,7 @@ def _final_metrics(history: list[dict], steps: int, reward_errors: int) -> dict[
 
 
 def _prepare(trainer, config, dataset, seed: int) -> None:
-    """Dropout off in the policy and the reference, the reference placed (stages/models/placement.py); dynamic
-    sampling's pool of prompts, when declared."""
+    """Dropout off in policy and reference, the reference placed, dynamic sampling's prompt pool set."""
     for network in (trainer.model, trainer.ref_model):
         if network is not None:
             turn_off_dropout(network)
