@@ -66,18 +66,11 @@ SAMPLE_TABLE_ROWS = 16
 MAX_GRAD_NORM = 1.0
 
 
-# ---------------------------------------------------------------- rollouts
-
-
 @dataclass
 class Rollout:
-    """One rollout batch of B sequences: prompts left-padded to P, completions right-padded to T.
-
-    Every completion starts at column P, so the logits at columns P-1 .. P+T-2 predict the
-    completion tokens. Built from recorded token ids only, never from decoded text.
-    ``mask_B_T`` is 1 on the policy's own tokens (its actions) only: 0 on padding and on an
-    environment's observation tokens, which the attention mask keeps as context.
-    """
+    """One rollout batch of B sequences: prompts left-padded to P, completions right-padded to T, so
+    the logits at columns P-1 .. P+T-2 predict the completion. Built from recorded token ids, never
+    decoded text. ``mask_B_T`` is 1 on the policy's own tokens only, 0 on padding and observations."""
 
     input_ids_B_L: torch.Tensor
     attention_mask_B_L: torch.Tensor
@@ -106,8 +99,7 @@ def build_rollout(prompt_ids: list[list[int]], groups: list[list[Sample]], pad_i
 
 
 def build_episode_rollout(episodes, prompt_index: list[int], tokenizer) -> Rollout:
-    """An environment's episodes (stages/rollout/episodes.py) as one batch: each episode's ids as appended turn by
-    turn, its ``env_mask`` (1: sampled by the policy, 0: an observation) as the action mask."""
+    """An environment's episodes as one batch, each episode's ``env_mask`` its action mask."""
     rows = [(e.prompt_ids, e.completion_ids, e.logprobs, e.env_mask) for e in episodes]
     samples = [Sample(text=tokenizer.decode(e.completion_ids, skip_special_tokens=True), token_ids=e.completion_ids,
                       logprobs=e.logprobs, truncated=e.budget_hit, weights_version=e.weights_version)
@@ -151,9 +143,6 @@ def completion_values(critic: ValueModel, rollout: Rollout, rows) -> torch.Tenso
     return values_B_L[:, -width_T - 1 : -1].float()
 
 
-# ---------------------------------------------------------------- rewards and advantages
-
-
 @dataclass
 class Targets:
     """What the PPO epochs train toward, all B x T and fixed during the update."""
@@ -171,10 +160,8 @@ class Targets:
 @torch.no_grad()
 def compute_targets(policy, reference, critic, rollout: Rollout, scores: torch.Tensor, beta: float,
                     config: RLStageConfig) -> Targets:
-    """Old log-probs and entropy of the rollout-time policy (full tempered distribution), per-token
-    reward = -beta * k1 + the scores, then GAE and whitening, all over the actions (``mask_B_T``): an
-    episode's observation tokens get none of them. ``scores``: one per completion (B, placed at its last
-    action), or already placed on the tokens (B x T, ``placed_scores``: a process reward's steps)."""
+    """Old log-probs, entropy, per-token reward -beta * k1 + ``scores``, GAE and whitening, over the actions
+    only. ``scores``: B (added at each last action) or B x T (``placed_scores``)."""
     everything = slice(None)
     mask = rollout.mask_B_T
     policy_logits = completion_logits(policy, rollout, everything, config.sampling.temperature)
@@ -197,11 +184,8 @@ def compute_targets(policy, reference, critic, rollout: Rollout, scores: torch.T
 
 
 def step_credits(scores: list[float], rule: str, centre: float = 0.0) -> list[float]:
-    """What each step of one completion earns at its last token, by ``rule`` (``step_credit``): ``sum`` its
-    score; ``mean`` its score over the number of steps (the completion earns its mean step score); ``min`` the
-    drop of the running minimum (the first step its score, a later one min(so far, its score) - min(so far):
-    the completion earns its worst step, and a step can only take away); ``centred`` its score minus
-    ``centre`` (the batch's mean step score: a step of average quality earns 0)."""
+    """What each step of one completion earns at its last token, by ``rule`` (``step_credit``; the rules
+    are in docs/algorithms.md, section `stages/ppo.py`)."""
     if rule == "sum":
         return list(scores)
     if rule == "mean":
@@ -218,8 +202,7 @@ def step_credits(scores: list[float], rule: str, centre: float = 0.0) -> list[fl
 
 
 def process_credits(scored: ScoredBatch, process_weight: float, step_credit: str) -> dict[str, list[list[float]]]:
-    """For each process reward (one that scored steps): per completion, each step's credit (``step_credits``)
-    times ``process_weight``, before the reward's weight."""
+    """Per process reward, per completion: each step's credit times ``process_weight``, before the reward's weight."""
     credits = {}
     for component in (c for c in scored.components if c.steps is not None):
         every = [step.score for steps in component.steps for step in steps]
@@ -232,11 +215,8 @@ def process_credits(scored: ScoredBatch, process_weight: float, step_credit: str
 
 def placed_scores(rollout: Rollout, scored: ScoredBatch, tokenizer, process_weight: float,
                   step_credit: str = "sum") -> torch.Tensor:
-    """B x T: each completion's reward on its tokens. A process reward (one that scored the completion's
-    steps, stages/rewards/steps.py) puts ``process_weight`` x its weight x each step's credit (``step_credits``
-    by ``step_credit``) at the step's last token, and (1 - ``process_weight``) x its weight x its completion
-    score at the last action; every other reward's weighted score goes to the last action. A step's last token
-    is the first whose decoded prefix reaches the step's last character."""
+    """B x T: each completion's reward on its tokens. A process reward's step credits go to each step's last
+    token (the first whose decoded prefix reaches the step's end), everything else to the last action."""
     mask = rollout.mask_B_T
     placed = torch.zeros(mask.shape, dtype=torch.float32)
     last = last_actions(mask).tolist()
@@ -255,9 +235,8 @@ def placed_scores(rollout: Rollout, scored: ScoredBatch, tokenizer, process_weig
 
 
 def credited_means(scored: ScoredBatch, process_weight: float, step_credit: str) -> dict[str, float]:
-    """``reward/<name>/credited``: for each process reward, the mean over completions of what it pays a
-    completion before its weight (its step credits plus (1 - ``process_weight``) x its completion score): what
-    the policy is paid, where ``reward/<name>/mean`` is the completion score. The reward hacking watch reads it."""
+    """``reward/<name>/credited``: per process reward, the mean of what it pays a completion before its
+    weight (``reward/<name>/mean`` is the completion score). The reward hacking watch reads it."""
     metrics = {}
     for name, rows in process_credits(scored, process_weight, step_credit).items():
         component = next(c for c in scored.components if c.name == name)
@@ -274,9 +253,6 @@ def whiten_over_processes(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8
     var = (all_sum((((x - mean) ** 2) * mask).sum().double()) / count).to(x.dtype)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
-
-
-# ---------------------------------------------------------------- the update
 
 
 def minibatch_losses(policy, critic, rollout: Rollout, targets: Targets, rows, config: RLStageConfig):
@@ -296,11 +272,8 @@ def minibatch_losses(policy, critic, rollout: Rollout, targets: Targets, rows, c
 
 def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, config: RLStageConfig,
                generator: torch.Generator) -> dict[str, float]:
-    """``ppo_epochs`` passes of shuffled minibatches; returns the mean of each statistic.
-
-    On several processes each holds its shard of the rollout and takes ``minibatch_size / world``
-    of its rows per minibatch; its losses are scaled by its share of the minibatch's tokens and the
-    gradients summed, so every update is the token-level mean over the global minibatch."""
+    """``ppo_epochs`` passes of shuffled minibatches; returns the mean of each statistic. On several
+    processes every update is the token-level mean over the global minibatch."""
     world = world_size()
     n_rows = rollout.mask_B_T.shape[0]
     minibatch = min(config.minibatch_size // world, n_rows)
@@ -336,9 +309,6 @@ def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, c
     totals = all_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64)).tolist() if world > 1 else \
         [sums[n] for n in names]
     return {name: total / counts[name] for name, total in zip(names, totals)}
-
-
-# ---------------------------------------------------------------- one step, logged
 
 
 def rollout_metrics(rollout: Rollout, scored: ScoredBatch, targets: Targets, group_size: int) -> dict[str, float]:
@@ -387,7 +357,7 @@ class PPORun:
     critic: ValueModel
     optimizers: list
     kl_control: FixedKLController | AdaptiveKLController
-    scorer: Scorer  # the stage's rewards, bound scorers, reward_errors policy and judge auditor
+    scorer: Scorer
     seed: int
     device: torch.device
     engine: Engine | None = None  # what samples the policy (stages/engines/opening.py), opened by train_ppo
@@ -396,8 +366,7 @@ class PPORun:
 
     @classmethod
     def load(cls, config: RLStageConfig, inputs: StageInputs, seed: int, ctx=None) -> "PPORun":
-        """Policy, reference, critic and optimisers loaded for ``config``; judges are audited against the
-        verifiers into ``ctx``'s run (none without one)."""
+        """Policy, reference, critic and optimisers loaded for ``config``; judges audited into ``ctx``'s run."""
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         check_devices(config.placement)  # before anything loads
         policy_path = inputs.policy
@@ -484,12 +453,11 @@ class PPORun:
 
     def save(self, ctx) -> dict[str, str]:
         """The policy as the stage's ``checkpoint`` (and, with lora, ``adapter``) outputs."""
-        return save_trained(self.policy, self.tokenizer, ctx)  # stages/models/lora.py
+        return save_trained(self.policy, self.tokenizer, ctx)
 
     def resumable_state(self, generator: torch.Generator) -> tuple[dict, dict]:
         """(tensors, JSON-able state) of everything the next step depends on besides the loop's own record
-        (stages/training/resume.py ``LoopCheckpoints``): both networks, both optimizers, the minibatch order's
-        generator and torch's RNG, the KL coefficient (adaptive control moves it), the reward error count."""
+        (stages/training/resume.py ``LoopCheckpoints``)."""
         tensors = {"policy": self.policy.state_dict(), "critic": self.critic.state_dict(),
                    "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
                    "generator": generator.get_state(), "torch_rng": torch.get_rng_state()}
