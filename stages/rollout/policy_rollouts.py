@@ -14,26 +14,13 @@ from stages.sampling import SamplingSettings
 
 class PolicyRollouts:
     """TRL ``rollout_func``: ``group_size`` episodes of each distinct prompt TRL hands over, by ``runner``
-    (stages/rollout/episodes.py): one-turn completions, or an environment's episodes, returned with ``env_mask``
-    (TRL's ``tool_mask``: observation tokens carry no loss, KL or ratio) and, per episode, its final answer,
-    whether it may be rewarded and the episode itself (the reward functions read them, stages/grpo.py); the
-    episode metrics go to ``step_metrics`` (stages/training/callbacks.py ``StepMetrics``), logged with TRL's.
+    (one-turn completions or an environment's episodes), with ``env_mask`` (TRL's ``tool_mask``) and, per
+    episode, what the reward functions read (stages/grpo.py); episode metrics go to ``step_metrics``.
 
-    They are sampled by posttrain's vLLM engine (``opener``: () -> the engine, opened on first use and
-    synced after each update), by the engine a caller hands ``draw`` (a generation server,
-    stages/rollout/served_rollouts.py), or else by transformers' generate on the training model itself (on-policy by
-    construction). TRL hands over the step's prompts with each repeated ``group_size`` times in a row (its
-    ``RepeatSampler``); a call's draws are seeded ``seed + call * SEED_STRIDE + prompt index``
-    (stages/engines/interface.py ``draw_offset``; distinct prompts counted over all processes), so a rerun
-    draws the same rollouts.
-
-    ``trainer_stream``: generate on the training model draws single completions from the trainer's random
-    stream instead (TRL seeds it with the stage's seed, and every checkpoint saves and a resume restores it,
-    so a rerun and a resume draw the same rollouts too). That is the stream TRL's own generate drew GRPO's
-    rollouts from before they came here: one generate over the step's prompts with the group's attempts of
-    each in a row, which this draw repeats call for call (for up to 256 prompts a step; more are drawn in
-    several calls), so the README's quickstart figures, drawn so, stand (tests/test_grpo.py holds the two
-    equal).
+    Sampled by the engine ``opener`` returns (opened on first use, synced after each update), by the engine a
+    caller hands ``draw``, or else by generate on the training model. A call's draws are seeded
+    ``seed + draw_offset(call, prompt index)``, so a rerun draws the same rollouts; ``trainer_stream`` draws
+    from the trainer's random stream instead (docs/algorithms.md, section `stages/rollout/policy_rollouts.py`).
     """
 
     def __init__(self, runner, tokenizer, settings: SamplingSettings, opener=None, step_metrics=None,
@@ -42,10 +29,10 @@ class PolicyRollouts:
         self.trainer_stream = trainer_stream
         self.settings, self.group_size = settings, settings.attempts  # seeded with the stage's seed
         self.step_metrics = step_metrics
-        self.engine = None  # opened by ``opener`` on first use
+        self.engine = None
         self.synced_step: int | None = None
         self.syncs = 0
-        self.calls = 0  # generation calls so far: seeds each call's draws (several per step with dynamic sampling)
+        self.calls = 0  # seeds each call's draws (several per step with dynamic sampling)
 
     def close(self) -> None:
         if self.engine is not None:
@@ -57,16 +44,15 @@ class PolicyRollouts:
         if self.engine is None:
             self.engine = self.opener()
         step = trainer.state.global_step
-        if self.synced_step != step:  # the policy moved since the last rollout: the engine follows
+        if self.synced_step != step:
             self.engine.take_weights(trainer.model, step)
             self.synced_step, self.syncs = step, self.syncs + 1
         return self.engine
 
     @contextmanager
     def engine_for(self, trainer):
-        """What samples the policy ``trainer`` trains now: the synced engine, or else its own generate on the
-        training model, unwrapped as TRL unwraps it for its own generate (a ZeRO-3 model's weights gathered, an
-        FSDP v1 model's summoned; TRL calls a ``rollout_func`` without doing so)."""
+        """What samples the policy ``trainer`` trains now: the synced engine, or else generate on the training
+        model, unwrapped as TRL unwraps it for its own generate (it calls a ``rollout_func`` without doing so)."""
         if self.opener is not None:
             yield self.synced(trainer)
             return

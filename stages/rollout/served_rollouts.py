@@ -31,15 +31,14 @@ def planned_batches(trainer):
 
 
 class ServedRollouts:
-    """TRL ``rollout_func`` over a generation server; ``inner`` (stages/rollout/policy_rollouts.py PolicyRollouts)
-    draws a batch from a given engine, and reads what a used batch measured; ``opener`` starts the server's
-    engine on first use."""
+    """TRL ``rollout_func`` over a generation server: ``inner`` (a ``PolicyRollouts``) draws each batch from
+    the engine ``opener`` starts on first use."""
 
     def __init__(self, inner, opener, max_staleness: int, step_metrics=None):
         self.inner, self.opener, self.max_staleness = inner, opener, max_staleness
         self.step_metrics = step_metrics
         self.engine: ServerEngine | None = None
-        self.calls = 0  # generation calls so far: seeds each call's draws, and names its planned batch
+        self.calls = 0  # seeds each call's draws, and names its planned batch
         self.syncs = 0
         self.dropped = 0
         self.mispredicted = 0
@@ -52,9 +51,8 @@ class ServedRollouts:
         self._failure: BaseException | None = None
         self._closing = False
         self._updates, self._last_call = 1, 0  # optimizer steps per generation call, the stage's last call
-        self.startup_seconds = 0.0  # the server's, once started
+        self.startup_seconds = 0.0
 
-    # -- the trainer's side -------------------------------------------------------------------------------
     def opened_engine(self) -> ServerEngine:
         """The server's engine, started on first use."""
         if self.engine is None:
@@ -63,8 +61,8 @@ class ServedRollouts:
         return self.engine
 
     def save_drawn(self, checkpoint: Path, step: int) -> None:
-        """Keep in checkpoint ``step``'s folder the batches planned to be drawn by versions older than ``step``
-        (waiting for those not drawn yet): what a resumed execution could not draw again."""
+        """Keep in checkpoint ``step``'s folder the batches planned for versions older than ``step``, which a
+        resumed execution could not draw again."""
         if self._producer is None:
             return  # synchronous: every batch is drawn by the weights of the step that trains on it
         import pickle
@@ -95,9 +93,8 @@ class ServedRollouts:
             self.engine = None
 
     def sync(self, trainer) -> None:
-        """Serve the weights ``trainer`` holds now (version: its optimizer steps), if not served yet. In full
-        fine-tuning the server holds one version, so the push first waits for every planned batch that
-        must be drawn by an older one."""
+        """Serve the weights ``trainer`` holds now (version: its optimizer steps), if not served yet; in full
+        fine-tuning (one version served) after every batch planned for an older version is drawn."""
         engine = self.opened_engine()
         version = trainer.state.global_step
         if engine.weights_version >= version:
@@ -169,11 +166,9 @@ class ServedRollouts:
                     self.engine.server.check()
                 self._changed.wait(timeout=1.0)
 
-    # -- the producer's side ------------------------------------------------------------------------------
     def version_for(self, call: int, updates_per_batch: int) -> int:
-        """The weights version that draws generation call ``call``'s batch: ``max_staleness`` updates before the
-        step that trains on it, but none older than this execution's first step (what older versions drew, a
-        checkpoint kept)."""
+        """The weights version that draws call ``call``'s batch: ``max_staleness`` updates before the step that
+        trains on it, none older than this execution's first step (a checkpoint kept those)."""
         first_call, first_step = self._first
         return max(first_step, (call - first_call) * updates_per_batch + first_step - self.max_staleness)
 
@@ -182,7 +177,7 @@ class ServedRollouts:
         call = self._drawn_through + 1
         while self.version_for(call, self._updates) < version:
             call += 1
-        return min(call - 1, self._last_call)  # none is drawn past the stage's last step
+        return min(call - 1, self._last_call)
 
     def _start(self, trainer, from_call: int) -> None:
         first_call, first_step = self._first
