@@ -102,18 +102,14 @@ class Environment:
         """Raise if the environment cannot run here (before any episode is sampled)."""
 
     def score(self, episode, answer: str | None, task: dict | None) -> float | None:
-        """The environment's own score of a finished episode (stages/rollout/episodes.py ``Episode``: its ``answer``,
-        ``messages``, ``tool_results``, ``ended``), given the record's reference ``answer`` and generated
-        ``task``; None when the episode cannot be scored (no answer to read): 0, counted as unparsed. A
-        stage uses it as a reward by listing ``environment`` among its rewards. Override to define one."""
+        """The environment's own score of a finished ``episode``, given the record's ``answer`` and ``task``;
+        None when it cannot be scored (counted as unparsed). A stage lists ``environment`` to reward it."""
         raise NotImplementedError(f"{type(self).__name__} defines no score of its own")
 
 
 def has_own_score(cls: type[Environment]) -> bool:
     return cls.score is not Environment.score
 
-
-# ---------------------------------------------------------------- built-ins
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -164,10 +160,9 @@ class CalculatorEnvironment(Environment):
         return {"calculator": calculator}
 
     def score(self, episode, answer: str | None, task: dict | None) -> float | None:
-        """1 when the final answer is the reference answer read off the calculator: its integer (the whole
-        answer, as ``exact_answer`` strict reads it) equals the reference and the result of one of the
-        episode's successful calculator calls; 0 otherwise, so a right answer never computed with the tool
-        (from memory, or a call on other numbers) scores 0. None when the episode gave no integer answer."""
+        """1 when the final answer's integer (``exact_answer`` strict) equals the reference and the result of a
+        successful calculator call, else 0 (a right answer not computed with the tool scores 0); None without
+        an integer answer."""
         from stages.rewards.builtin_rewards import extract_integer
 
         if answer is None:
@@ -261,9 +256,6 @@ def tool_schemas(tools: dict[str, Callable[..., Any]]) -> list[dict]:
     from transformers.utils import get_json_schema
 
     return [get_json_schema(fn) for fn in tools.values()]
-
-
-# ---------------------------------------------------------------- tool calls
 
 
 @dataclass

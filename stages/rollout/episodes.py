@@ -50,8 +50,7 @@ class Episode:
         return self.tool_calls > self.tool_errors
 
     def as_sample(self) -> Sample:
-        """The episode as one sample: its answer (empty when it ended on a budget; a completion's text either
-        way), its model tokens and their log-probs, whether a budget cut it."""
+        """The episode as one sample: its answer (empty when a budget ended it), model tokens and log-probs."""
         model = [i for i, m in enumerate(self.env_mask) if m]
         return Sample(text=self.answer or "", token_ids=[self.completion_ids[i] for i in model],
                       logprobs=[self.logprobs[i] for i in model] if self.sampler_logprobs else [],
@@ -82,10 +81,8 @@ def observation_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
 
 
 class EpisodeRunner:
-    """Runs episodes at fixed settings through an engine's ``generate_ids``: an environment's (model turns and
-    observations), or, with none, one-turn episodes: a single completion of each prompt, which is how every
-    sample in posttrain is made (evaluation, GRPO's rollouts, PPO, online DPO, the difficulty filter, a model
-    judge; stages/rollout/policy_rollouts.py ``PolicyRollouts``, ``complete``)."""
+    """Runs episodes at fixed settings through an engine's ``generate_ids``: an environment's, or with none,
+    one-turn episodes (a single completion of each prompt: how every sample in posttrain is made)."""
 
     def __init__(self, environment: Environment | None, spec: EnvironmentSpec | None, tokenizer):
         self.environment, self.spec, self.tokenizer = environment, spec, tokenizer
@@ -95,8 +92,7 @@ class EpisodeRunner:
 
     @classmethod
     def completions(cls, tokenizer) -> EpisodeRunner:
-        """One-turn episodes, no environment: the turn's text is the answer, cut by its budget or not (a single
-        completion is scored as it stands)."""
+        """One-turn episodes, no environment: the turn's text is the answer, cut by its budget or not."""
         return cls(None, None, tokenizer)
 
     def start(self, messages: list[dict]) -> Episode:
@@ -111,9 +107,8 @@ class EpisodeRunner:
     def run(self, engine, starts: list[list[dict]], settings: SamplingSettings,
             seed_offset: int = 0) -> list[list[Episode]]:
         """``settings.attempts`` episodes per start conversation, grouped by start; ``settings.max_tokens`` is
-        the per-turn budget. The first turn is one request per start for all its attempts (one prefill, the
-        engine's ``n``), start i seeded ``settings.seed + seed_offset + i`` as every draw is
-        (stages/engines/interface.py); each later turn is one request per episode still running."""
+        the per-turn budget. Start i is seeded ``settings.seed + seed_offset + i`` (its first turn one request
+        for all attempts); each later turn is one request per episode still running."""
         groups = []
         for messages in starts:
             first = self.start(messages)
@@ -220,9 +215,8 @@ def shortcut(episode: Episode, spec: EnvironmentSpec) -> bool:
 
 def environment_scorers(rewards: dict[str, RewardSpec], environment: Environment,
                         episodes: list[Episode]) -> dict:
-    """Bound scorers (``score_completions``' ``fns``) for the rewards whose fn is ``environment``: the
-    environment's own score of each episode, in the order of ``episodes`` (a score that raises is a counted
-    reward error, scored 0; None is unparsed, scored 0)."""
+    """Bound scorers for the rewards whose fn is ``environment``: the environment's own score of each of
+    ``episodes`` (one that raises is a counted reward error; None is unparsed; both score 0)."""
 
     def scorer(completions, answer=None, task=None, **_):
         answers, tasks = answer or [None] * len(episodes), task or [None] * len(episodes)
