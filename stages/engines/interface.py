@@ -23,8 +23,7 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]  # the sampler's, per token; empty when the engine was asked not to keep them
     truncated: bool
-    # the policy version that drew it: optimizer updates applied to the weights it was sampled with (0: the
-    # checkpoint as loaded); a training stage's engine is told the version at each sync (``take_weights``)
+    # optimizer updates applied to the weights that drew it (0: the checkpoint as loaded)
     weights_version: int = 0
 
 

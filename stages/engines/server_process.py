@@ -1,7 +1,5 @@
-"""A stage's generation server as a process: a vLLM OpenAI-compatible server on 127.0.0.1, started under a guard
-(``server_guard``) so it never outlives its stage, its log followed, stopped with its whole process group; and,
-on a machine without a GPU, how the cores are split between it and the trainer. Its HTTP client, which samples
-from it, is ``server_client``.
+"""A stage's generation server as a process: vLLM's OpenAI server on 127.0.0.1 under a guard, stopped with its
+process group, and on a machine without a GPU the cores split between it and the trainer (client: ``server_client``).
 
 Design notes, departures and why: docs/algorithms.md, section `stages/engines/server_process.py`.
 """
@@ -93,8 +91,7 @@ class GenerationServer:
         self.max_model_len, self.lora_rank, self.max_loras = max_model_len, lora_rank, max_loras
         self.trust_remote_code, self.startup_timeout_s, self.echo = trust_remote_code, startup_timeout_s, echo
         self.cpus = cpus  # the cores the server's processes and vLLM's threads are bound to (None: all)
-        # each batch held until the engine has all of it, then scheduled in the client's order, one batch at a
-        # time (ServerEngine); False: requests batched as they arrive (kept to measure what whole batches change)
+        # each batch scheduled whole, in the client's order (ServerEngine); False: requests as they arrive
         self.whole_batches = whole_batches
         self.port = 0
         self.startup_seconds = 0.0  # from launch to /health answering
@@ -142,12 +139,7 @@ class GenerationServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.engine.kv_cache_gib))), "PYTHONUNBUFFERED": "1"}
         if not torch.cuda.is_available():
-            # vLLM's default on a CPU runs the model in a worker process of its own, handed each engine step over
-            # shared memory (both ends busy-wait for 1 s after each message: a core-second after every batch, out
-            # of the trainer's next step) and bound to all cores but one. Here the engine core runs the model
-            # itself (set explicitly: an in-process engine created earlier in this process leaves the same value
-            # behind), with as many threads as that worker had: the server's own cores, or all but one when it
-            # shares them with the trainer (a thread on every core drew rollouts faster but not the same twice).
+            # the engine core runs the model itself, not in vLLM's busy-waiting CPU worker (docs/algorithms.md)
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             env["OMP_NUM_THREADS"] = str(len(self.cpus) if self.cpus else max(1, len(os.sched_getaffinity(0)) - 1))
         return env
@@ -228,8 +220,7 @@ class GenerationServer:
                                f"({self.log_path}):\n{self.last_lines()}")
 
     def request(self, path: str, body: dict | None = None, timeout: float = 3600.0) -> dict:
-        """POST ``body`` (JSON) to ``path`` and return the JSON answer; a refusal or a dead server raises
-        ``ServerFailed`` saying which."""
+        """POST ``body`` (JSON) to ``path``, return the JSON answer; a refusal or a dead server raises ``ServerFailed``."""
         data = json.dumps(body or {}).encode()
         ask = urllib.request.Request(f"{self.url}{path}", data=data, method="POST",
                                      headers={"Content-Type": "application/json"})
@@ -285,10 +276,8 @@ class GenerationServer:
 
 def start_server(config, checkpoint: Path, tokenizer, prompts: list[list[dict]], work_dir: Path,
                  trust_remote_code: bool = False) -> GenerationServer:
-    """The one place a stage (rl, online_dpo) starts its generation server on ``checkpoint``: the stage's
-    ``engine`` settings, a context sized for its longest prompt plus its rollout budget, LoRA served when the
-    policy trains adapters served as such (room for ``max_staleness + 2`` versions at once), its log in the
-    stage's work dir."""
+    """The one place a stage (rl, online_dpo) starts its generation server on ``checkpoint``, its context sized
+    for the longest prompt plus the rollout budget, room for ``max_staleness + 2`` LoRA versions at once."""
     generation = config.generation
     adapters = config.lora is not None and generation.lora_weights == "adapter"
     server = GenerationServer(

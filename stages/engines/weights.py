@@ -1,7 +1,5 @@
-"""The policy's weights out of the trainer and into an engine: the one place a training stage's weights are
-exported (in its checkpoint's naming, LoRA adapters merged or alone) and synced, into the in-process vLLM
-engine (replaced in place) or a generation server (a new served version: an adapter over HTTP, or the full
-weights reloaded from disk). The engines call it from their ``take_weights``."""
+"""The one place a training stage's weights are exported (in its checkpoint's naming, LoRA merged or alone) and
+synced into the in-process vLLM engine or a generation server, from the engines' ``take_weights``."""
 
 from __future__ import annotations
 
@@ -25,9 +23,8 @@ def adapters_merged(model):
 
 
 def merged_named_weights(model):
-    """``(name, tensor)`` of the policy in its checkpoint's naming (a PEFT model's adapter tensors left
-    out: merge them first). The state dict, not ``named_parameters``: a tied LM head appears under its
-    own name too, and vLLM's CPU build keeps its own copy of it (measured: docs/figures-from-code.md)."""
+    """``(name, tensor)`` of the policy in its checkpoint's naming, adapter tensors left out (merge first). The
+    state dict, not ``named_parameters``: vLLM's CPU build keeps its own copy of a tied LM head."""
     named = []
     for name, tensor in model.state_dict().items():
         if "lora_" in name or "modules_to_save" in name:
@@ -38,11 +35,8 @@ def merged_named_weights(model):
 
 
 def save_weights(model, folder: Path, dtype: str | None = None) -> None:
-    """The policy's weights as one safetensors file in its checkpoint's naming, a tied LM head included
-    under its own name (``save_pretrained`` leaves it out, and vLLM's CPU build keeps its own copy of it:
-    ``merged_named_weights`` above). Floating-point tensors are cast to ``dtype``
-    (the server's): vLLM casts what it loads to its own dtype by the same rounding, so it serves the same
-    weights, from half the bytes when a float32 trainer feeds a bfloat16 server."""
+    """The policy's weights as one safetensors file in its checkpoint's naming, a tied LM head included (unlike
+    ``save_pretrained``), floats cast to the server's ``dtype`` (vLLM would round them the same way)."""
     import torch
     from safetensors.torch import save_file
 
@@ -67,9 +61,8 @@ def _remove(path: Path) -> None:
 
 
 def load_in_process(engine, model, version: int) -> None:
-    """Replace the in-process vLLM ``engine``'s weights in place with ``model``'s after ``version`` optimizer
-    updates (LoRA adapters merged while they are copied), and drop cached prefixes computed with the old
-    weights; later samples carry ``version``."""
+    """Replace the in-process vLLM ``engine``'s weights in place with ``model``'s (LoRA merged) and drop the
+    prefix cache; later samples carry ``version``."""
     with adapters_merged(model):
         named = merged_named_weights(model)
         engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named))})
@@ -78,10 +71,8 @@ def load_in_process(engine, model, version: int) -> None:
 
 
 def push_to_server(engine, model, version: int, folder: Path, keep: int = 1) -> float:
-    """Serve ``model``'s weights after ``version`` optimizer updates on the server ``engine`` (a
-    stages/engines/server_client.py ``ServerEngine``), saved under ``folder``: a LoRA adapter alone, served beside
-    the newest ``keep`` versions before it, or the full weights (adapters merged) reloaded in place. Returns the
-    seconds it took."""
+    """Serve ``model``'s weights as ``version`` on the server ``engine``, saved under ``folder``: a LoRA adapter
+    beside the newest ``keep`` versions, or the full weights reloaded in place. Returns the seconds it took."""
     from stages.engines.server_process import BASE_NAME
 
     started = time.perf_counter()
