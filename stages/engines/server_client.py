@@ -23,10 +23,8 @@ WHOLE_BATCH = 1024  # the most requests taken in whole at once (a thread each); 
 
 
 class ServerEngine:
-    """posttrain's generation interface over a ``GenerationServer`` (stopped by ``close`` where ``owns_server``);
-    each batch is drawn by one version of the policy's weights, named by ``version`` (0: the checkpoint as loaded),
-    and its samples carry it. Pushed weights are written under ``folder``; versions older than the newest ``keep``
-    stop being served."""
+    """posttrain's generation interface over a ``GenerationServer``; each batch is drawn by one ``version`` of the
+    policy's weights, which its samples carry. Versions older than the newest ``keep`` stop being served."""
 
     name = "vllm_server"
     why = "generation mode server"
@@ -106,8 +104,7 @@ class ServerEngine:
         return group
 
     def _whole(self, bodies: list[dict]) -> list[dict]:
-        """The answers to ``bodies``, each batch of up to ``WHOLE_BATCH`` of them taken in whole by the paused
-        engine and scheduled in their order (stages/engines/server_routes.py), one batch after another."""
+        """The answers to ``bodies``, in batches of up to ``WHOLE_BATCH`` taken whole and scheduled in order."""
         answers = []
         for start in range(0, len(bodies), WHOLE_BATCH):
             answers += self._held(bodies[start:start + WHOLE_BATCH])
@@ -130,8 +127,7 @@ class ServerEngine:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _wait_registered(self, prefix: str, futures: list, timeout_s: float = 300.0) -> None:
-        """Until the server has taken in all of ``futures``' requests, or one of them failed (its error is
-        raised with the answers)."""
+        """Until the server has taken in all of ``futures``' requests, or one of them failed."""
         deadline = time.monotonic() + timeout_s
         while self.server.request(f"{server_routes.ROUTE}?prefix={prefix}")["count"] < len(futures):
             if any(future.done() and future.exception() is not None for future in futures):
