@@ -97,9 +97,6 @@ class OnlineDPOStageConfig(ExecutionLimits, Resumable):
         return list(self.rewards)
 
 
-# ---------------------------------------------------------------- pairs as one batch
-
-
 @dataclass
 class PairBatch:
     """B pairs as 2B right-padded rows, chosen rows first: ``input_ids`` / ``attention`` 2B x L and
@@ -157,9 +154,6 @@ def dpo_step_loss(policy, reference, batch: PairBatch, beta: float):
     return loss, chosen, rejected, policy_logps, reference_logps
 
 
-# ---------------------------------------------------------------- the run
-
-
 @dataclass
 class OnlineDPORun:
     """What one online_dpo stage holds between steps."""
@@ -169,7 +163,7 @@ class OnlineDPORun:
     reference: object
     tokenizer: object
     optimizer: object
-    scorer: object  # stages/rewards/scoring.py Scorer: the rewards, bound scorers, reward_errors policy, judge auditor
+    scorer: object  # stages/rewards/scoring.py Scorer
     seed: int
     engine: object = None  # what samples the policy (stages/engines/opening.py), opened by ``run``
     engine_syncs: int = 0
@@ -178,8 +172,7 @@ class OnlineDPORun:
 
     @classmethod
     def load(cls, config: OnlineDPOStageConfig, inputs: StageInputs, seed: int, ctx=None) -> "OnlineDPORun":
-        """Policy, reference and optimiser loaded for ``config``; judges are audited against the verifiers
-        into ``ctx``'s run (none without one)."""
+        """Policy, reference and optimiser loaded for ``config``; judges audited into ``ctx``'s run."""
         import torch
 
         from stages.rewards.judge import batch_auditor
@@ -203,8 +196,7 @@ class OnlineDPORun:
                    Scorer(inputs.rewards, RewardErrorPolicy.of(config), bound, auditor), seed)
 
     def resumable_state(self) -> tuple[dict, dict]:
-        """(tensors, JSON-able state) of everything the next step depends on besides the loop's record
-        (stages/training/resume.py): the policy, its optimizer, torch's RNG, the counts so far."""
+        """(tensors, JSON-able state) of everything the next step depends on besides the loop's record."""
         import torch
 
         tensors = {"policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -341,8 +333,7 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
 
 
 def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed: int, ctx):
-    """``max_steps`` steps, each logged, resumable (stages/training/resume.py ``train_loop``); the engine (if
-    any) closed at the end. (history, the step it resumed from, start time)."""
+    """``max_steps`` logged, resumable steps, the engine closed at the end: (history, resumed step, start time)."""
     from stages.engines.opening import close_engine
     from stages.training.alerts import SilentFailureWatch
     from stages.training.resume import LoopState, train_loop

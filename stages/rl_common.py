@@ -51,8 +51,7 @@ class SamplerCorrection(SpecModel):
 
 def resolve_correction(config, backend) -> tuple[SamplerCorrection, str]:
     """(correction, why): the declared one, else token_tis at cap 3 where another engine than the training model
-    samples (``backend``: stages/engines/opening.py ``Backend``; in its own dtype and kernels: not the trainer's
-    distribution) and none where the trainer samples."""
+    samples (its own dtype and kernels), and none where the trainer samples."""
     if config.correction is not None:
         return config.correction, "declared"
     if backend.samples_apart:
@@ -61,9 +60,8 @@ def resolve_correction(config, backend) -> tuple[SamplerCorrection, str]:
 
 
 class RLCommon(ExecutionLimits, Resumable):
-    """What every ``rl`` stage declares, whichever its algorithm: the two algorithms' configs
-    (``GRPOStageConfig``, ``PPOStageConfig``) add their own fields, and ``RLStageConfig`` is
-    their union, told apart by ``algorithm``."""
+    """What every ``rl`` stage declares, whichever its algorithm; ``RLStageConfig`` is the union of the two
+    algorithms' configs, told apart by ``algorithm``."""
 
     model_config = ConfigDict(extra="forbid")
     renamed: ClassVar[dict[str, str]] = {
