@@ -97,8 +97,8 @@ def _trainer_class():
         ``dynamic_sampling``) trains only on groups that carry signal."""
 
         dynamic = None  # (DynamicSampling, the training rows, random.Random) when the stage declares it
-        step_metrics = None  # stages/training/callbacks.py StepMetrics, set by train_grpo before training
-        correction = None  # stages/rl_common.py SamplerCorrection where another sampler draws, set by train_grpo
+        step_metrics = None
+        correction = None  # a SamplerCorrection where another sampler draws
 
         def _generate_and_score_completions(self, inputs):
             batch = self._dynamic_batch(inputs)
@@ -482,8 +482,7 @@ def _load_policy(inputs: StageInputs):
     tokenizer.padding_side = "left"
     # TRL builds the KL reference from the policy's `name_or_path`: point it at the anchor.
     model.config.name_or_path = str(inputs.reference or inputs.policy)
-    # transformers fills what TRL's sampling config leaves unset (min_p, suppress_tokens, ...) from the
-    # model's own generation config: sample from a neutral one, keep the checkpoint's for saving.
+    # sample from a neutral generation config, keep the checkpoint's for saving (stages/engines/hf_generate.py)
     own_generation_config = model.generation_config
     model.generation_config = neutral_generation_config(
         eos_token_id=own_generation_config.eos_token_id, pad_token_id=own_generation_config.pad_token_id,

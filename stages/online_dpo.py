@@ -165,7 +165,7 @@ class OnlineDPORun:
     optimizer: object
     scorer: object  # stages/rewards/scoring.py Scorer
     seed: int
-    engine: object = None  # what samples the policy (stages/engines/opening.py), opened by ``run``
+    engine: object = None
     engine_syncs: int = 0
     tied_prompts: int = 0
     pairs_trained: int = 0
@@ -218,7 +218,7 @@ class OnlineDPORun:
         from stages.engines.interface import draw_offset
         from stages.rollout.episodes import complete
 
-        settings = self.config.sampling.seeded(self.seed + draw_offset(step - 1))  # the stage's draw step - 1
+        settings = self.config.sampling.seeded(self.seed + draw_offset(step - 1))
         # the policy the last update left: sampled itself, merged into the engine, or served
         self.engine_syncs += self.engine.take_weights(self.policy, step - 1)
         return complete(self.engine, prompts, settings)

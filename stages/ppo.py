@@ -360,9 +360,9 @@ class PPORun:
     scorer: Scorer
     seed: int
     device: torch.device
-    engine: Engine | None = None  # what samples the policy (stages/engines/opening.py), opened by train_ppo
-    runner: EpisodeRunner | None = None  # one-turn completions, or the stage's environment's episodes
-    correction: SamplerCorrection = field(default_factory=lambda: SamplerCorrection(kind="none"))  # train_ppo
+    engine: Engine | None = None
+    runner: EpisodeRunner | None = None
+    correction: SamplerCorrection = field(default_factory=lambda: SamplerCorrection(kind="none"))
 
     @classmethod
     def load(cls, config: RLStageConfig, inputs: StageInputs, seed: int, ctx=None) -> "PPORun":

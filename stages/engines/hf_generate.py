@@ -60,7 +60,7 @@ class HFEngine:
         self.progress = progress
         # Evaluation needs no log-probs; keeping them stacks (rows x tokens x vocab) scores.
         self.keep_logprobs = keep_logprobs
-        self.weights_version = weights_version  # the updates ``model`` has had (a training stage's policy)
+        self.weights_version = weights_version
         # False: draw from the caller's random stream (a GRPO trainer's) instead of seeding each draw
         self.seeded = seeded
 

@@ -26,7 +26,7 @@ class VLLMEngine:
         import torch
         from transformers import AutoTokenizer
 
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its per-step warnings drown the stage's output
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
         import vllm
@@ -57,7 +57,7 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
-        self.weights_version = 0  # the checkpoint as loaded; take_weights sets the version it pushes
+        self.weights_version = 0
 
     def identity(self) -> dict:
         """What about this engine changes samples (beyond the sampling settings): part of the eval hash."""

@@ -135,8 +135,7 @@ def _load_hf_engine(checkpoint: Path, engine: EngineSettings, trust_remote_code:
     from stages.engines.hf_generate import HFEngine
     from stages.models.loading import load_model_and_tokenizer
 
-    # HF generate computes in a declared dtype, else in the checkpoint's own (``auto`` stays float32 for
-    # our checkpoints: evaluations drawn before the machine rule existed keep their settings hash)
+    # HF generate: a declared dtype, else the checkpoint's own, so evaluations keep their settings hash
     dtype = None if engine.dtype == "auto" else engine.dtype
     model, tokenizer = load_model_and_tokenizer(checkpoint, for_generation=True, dtype=dtype,
                                                 trust_remote_code=trust_remote_code)

@@ -35,7 +35,7 @@ class ServerEngine:
         self.folder, self.keep, self.owns_server = folder, keep, owns_server
         self.lora = server.lora_rank is not None
         self.served: dict[int, str] = {0: BASE_NAME}  # version -> served model name
-        self.weights_version = 0  # the newest version pushed
+        self.weights_version = 0
         self.slot = threading.Lock()  # full weights: one version at a time, not swapped under a batch (weights.py)
         self._one_batch = threading.Lock()  # whole batches: one batch on the engine at a time, from intake to answers
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="generation-request")
