@@ -3,9 +3,7 @@
 Departs from DeepSeekMath's GRPO: group-centred advantages without the std division by default
 (``group_normalized`` is the paper's); the loss is TRL's ``loss_type`` (grpo, dr_grpo, dapo, cispo); the
 k3 KL is in the loss; samples from another engine are weighted by a truncated pi_trainer / pi_sampler.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/grpo.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Stage kind ``online_dpo``: DPO on pairs sampled from the policy being trained, ranked by a reward.
 
 Departs from TRL's OnlineDPOTrainer: best against worst of ``attempts`` samples per prompt, ties
-skipped and counted rather than trained on; sigmoid DPO against a frozen reference.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/online_dpo.py`.
-"""
+skipped and counted rather than trained on; sigmoid DPO against a frozen reference. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -2,10 +2,7 @@
 
 Departs from PPO and InstructGPT: no PPO-ptx term; a per-token k1 KL penalty in the reward; old
 log-probs recomputed by the trainer; a separate critic with its own optimiser (no vf_coef); token-level
-losses; advantages whitened, rewards not.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/ppo.py`.
-"""
+losses; advantages whitened, rewards not. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

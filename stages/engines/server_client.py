@@ -1,10 +1,7 @@
 """The server engine: posttrain's HTTP client of a stage's generation server (``server_process``), each batch
 drawn by one version of the policy's weights. Departs from sending requests as they come: a batch is taken in
 whole by the paused engine and scheduled in the client's order (``server_routes``), so a rerun draws the same
-samples.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/engines/server_client.py`.
-"""
+samples. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """``python -m stages.engines.server_guard PARENT -- COMMAND...``: run COMMAND and take its whole process group down
-with PARENT.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/engines/server_guard.py`.
-"""
+with PARENT. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """A stage's generation server as a process: vLLM's OpenAI server on 127.0.0.1 under a guard, stopped with its
 process group, and on a machine without a GPU the cores split between it and the trainer (client: ``server_client``).
-
-Design notes, departures and why: docs/algorithms.md, section `stages/engines/server_process.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """What posttrain adds to the vLLM server it starts (loaded in the server's API process through vLLM's
 ``--middleware``): one route, ``/posttrain/registered?prefix=P``, answering how many requests whose id starts
-with ``P`` the server has taken in.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/engines/server_routes.py`.
-"""
+with ``P`` the server has taken in. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Environments: what an agent's episode runs against, a registry like the rewards'.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rollout/environments.py`.
-"""
+"""Environments: what an agent's episode runs against, a registry like the rewards'. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

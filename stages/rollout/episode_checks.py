@@ -1,7 +1,5 @@
 """Known episodes of an environment, scored before training (``check-reward`` for agents).
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rollout/episode_checks.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

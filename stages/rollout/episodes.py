@@ -1,7 +1,5 @@
 """The agent loop: multi-turn episodes of model turns and environment observations, as token ids.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rollout/episodes.py`.
-"""
+Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """GRPO's rollouts for TRL (its ``rollout_func``): each step's episodes drawn by the stage's engine, with the
-policy's weights synced into it, or by generate on the training model itself.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rollout/policy_rollouts.py`.
-"""
+policy's weights synced into it, or by generate on the training model itself. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """GRPO's rollouts from a generation server (its TRL ``rollout_func``): a producer thread draws the next steps'
 batches while the trainer trains, each by the weights of up to ``max_staleness`` optimizer steps before the step
-that trains on it; synchronous at ``max_staleness: 0``.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/rollout/served_rollouts.py`.
-"""
+that trains on it; synchronous at ``max_staleness: 0``. Design: docs/algorithms.md."""
 
 from __future__ import annotations
 
