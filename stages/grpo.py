@@ -91,8 +91,7 @@ def _trainer_class():
     from trl import GRPOTrainer
 
     class PosttrainGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer that also logs the importance ratio's mean and sample tables, and (with
-        ``dynamic_sampling``) trains only on groups that carry signal."""
+        """GRPOTrainer that also logs the ratio's mean, and with ``dynamic_sampling`` trains on signal only."""
 
         dynamic = None  # (DynamicSampling, the training rows, random.Random) when the stage declares it
         step_metrics = None
@@ -289,8 +288,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
 
 def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: Backend, step_metrics=None,
                   work_dir: Path | None = None):
-    """posttrain's rollouts for TRL (stages/rollout/policy_rollouts.py): single completions or an environment's
-    episodes, drawn by the engine of ``backend``, opened on first use."""
+    """posttrain's rollouts for TRL, drawn by the engine of ``backend``, opened on first use."""
     import os
 
     from stages.rollout.episodes import EpisodeRunner
@@ -430,8 +428,7 @@ def _step_logger(config, trainer, history: list[dict], watch: SilentFailureWatch
 
 
 def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollouts, scorer: Scorer):
-    """What a resumed GRPO stage restores besides the trainer's checkpoint (stages/training/resume.py).
-    A judge's audit schedule restarts with the execution."""
+    """What a resumed GRPO stage restores besides the trainer's checkpoint (a judge's audit schedule restarts)."""
     from stages.training.resume import StageState
 
     from stages.rollout.served_rollouts import ServedRollouts

@@ -181,8 +181,7 @@ def compute_targets(policy, reference, critic, rollout: Rollout, scores: torch.T
 
 
 def step_credits(scores: list[float], rule: str, centre: float = 0.0) -> list[float]:
-    """What each step of one completion earns at its last token, by ``rule`` (``step_credit``; the rules
-    are in docs/algorithms.md, section `stages/ppo.py`)."""
+    """What each step of one completion earns at its last token, by ``rule`` (``step_credit``)."""
     if rule == "sum":
         return list(scores)
     if rule == "mean":
@@ -309,8 +308,7 @@ def ppo_update(policy, critic, optimizers, rollout: Rollout, targets: Targets, c
 
 
 def rollout_metrics(rollout: Rollout, scored: ScoredBatch, targets: Targets, group_size: int) -> dict[str, float]:
-    """The rollout batch's statistics; on several processes over the global batch (each holds a shard of
-    whole prompt groups), so every rank sees the same ``kl/sequence`` for the KL controller."""
+    """The rollout batch's statistics, over the global batch so every rank's KL controller sees the same."""
     mask = rollout.mask_B_T
     total = torch.tensor(scored.total)
     groups = total.view(-1, group_size)
@@ -440,8 +438,7 @@ class PPORun:
         return metrics, sample_rows(rollout, prompts, answers, scored)
 
     def score(self, texts: list[str], columns: dict, episodes) -> ScoredBatch:
-        """The rewards of the completions, or of the episodes' final answers (the environment's own score
-        bound to the episodes where a reward is ``environment``; a shortcut episode scores 0 on every reward)."""
+        """The rewards of the completions, or of the episodes' final answers (a shortcut episode scores 0)."""
         if episodes is None:
             return self.scorer.score(texts, columns)
         scored = self.scorer.score(texts, columns, environment_scorers(self.scorer.specs, self.runner.environment,
@@ -453,8 +450,7 @@ class PPORun:
         return save_trained(self.policy, self.tokenizer, ctx)
 
     def resumable_state(self, generator: torch.Generator) -> tuple[dict, dict]:
-        """(tensors, JSON-able state) of everything the next step depends on besides the loop's own record
-        (stages/training/resume.py ``LoopCheckpoints``)."""
+        """(tensors, JSON-able state) of everything the next step depends on besides the loop's own record."""
         tensors = {"policy": self.policy.state_dict(), "critic": self.critic.state_dict(),
                    "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
                    "generator": generator.get_state(), "torch_rng": torch.get_rng_state()}

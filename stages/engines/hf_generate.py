@@ -11,8 +11,7 @@ from stages.sampling import SamplingSettings
 
 
 def neutral_generation_config(**settings):
-    """A ``GenerationConfig`` with exactly ``settings`` and every other sampling knob neutral (docs/algorithms.md,
-    section `stages/engines/`)."""
+    """A ``GenerationConfig`` with exactly ``settings`` and every other sampling knob neutral."""
     from transformers import GenerationConfig
 
     neutral = {"repetition_penalty": 1.0, **({"top_k": 0} if settings.get("do_sample") else {})}
@@ -39,8 +38,7 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 
 
 class HFEngine:
-    """Batched sampling with ``model.generate``: all attempts of a prompt batch in one call (``prompt_batch_size``
-    prompts at a time; None: all of them)."""
+    """Batched sampling with ``model.generate``: all attempts of ``prompt_batch_size`` prompts in one call."""
 
     name = "hf"
     why = "declared"
@@ -102,8 +100,7 @@ class HFEngine:
 
     def generate_ids(self, prompt_ids: list[list[int]], settings: SamplingSettings,
                      seed_offset: int = 0) -> list[list[Sample]]:
-        """Like ``generate``, from prompts already tokenised (left-padded here), the sampler seeded with
-        ``settings.seed + seed_offset``: what an episode's later turns continue from."""
+        """Like ``generate``, from prompts already tokenised, seeded ``settings.seed + seed_offset``."""
         import torch
 
         results: list[list[Sample]] = []

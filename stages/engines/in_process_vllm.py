@@ -64,8 +64,7 @@ class VLLMEngine:
         return {"engine": f"vllm-{self.version}", "device": "cuda" if self.on_gpu else "cpu", "dtype": self.dtype}
 
     def take_weights(self, model, version: int) -> bool:
-        """``model``'s weights after ``version`` updates, replacing the engine's in place (stages/engines/weights.py);
-        later samples carry ``version``."""
+        """``model``'s weights after ``version`` updates, replacing the engine's in place."""
         from stages.engines.weights import load_in_process
 
         load_in_process(self, model, version)

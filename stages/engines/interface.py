@@ -39,8 +39,7 @@ class Engine(Protocol):
         """Like ``generate``, from prompts already tokenised, seeded ``settings.seed + seed_offset``."""
 
     def take_weights(self, model, version: int) -> bool:
-        """Sample ``model``'s current weights, after ``version`` optimizer updates, from now on; whether weights
-        were pushed (stages/engines/weights.py)."""
+        """Sample ``model``'s weights, after ``version`` optimizer updates, from now on; whether any were pushed."""
 
     def close(self) -> None:
         """Free the model (and its GPU memory, or its server) before the next stage of the same process loads one."""
@@ -54,8 +53,7 @@ def prompt_token_ids(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
 
 
 def context_length(tokenizer, prompts: list[list[dict]], max_tokens: int) -> int:
-    """Tokens the engine must hold for the longest rendered prompt plus the completion budget
-    (vLLM sizes its caches from it; the model's own maximum may be far longer)."""
+    """Tokens the engine must hold for the longest rendered prompt plus the completion budget."""
     longest = max(len(ids) for ids in prompt_token_ids(tokenizer, prompts))
     return longest + max_tokens + 8
 

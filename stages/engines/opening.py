@@ -148,8 +148,7 @@ def _load_hf_engine(checkpoint: Path, engine: EngineSettings, trust_remote_code:
 
 
 def close_engine(engine, ctx) -> None:
-    """Stop a training stage's engine: the in-process one, or its generation server (the server's start-up
-    logged)."""
+    """Stop a training stage's engine or generation server, logging the server's start-up."""
     if engine is None:
         return
     engine.close()

@@ -136,8 +136,7 @@ class ServerEngine:
             time.sleep(0.002)
 
     def take_weights(self, model, version: int) -> bool:
-        """Serve ``model``'s weights after ``version`` updates, unless that version is served already
-        (stages/engines/weights.py); whether weights were pushed."""
+        """Serve ``model``'s weights as ``version`` unless served already; whether weights were pushed."""
         from stages.engines.weights import push_to_server
 
         if self.weights_version >= version:

@@ -218,7 +218,7 @@ class GenerationServer:
                                f"({self.log_path}):\n{self.last_lines()}")
 
     def request(self, path: str, body: dict | None = None, timeout: float = 3600.0) -> dict:
-        """POST ``body`` (JSON) to ``path``, return the JSON answer; a refusal or a dead server raises ``ServerFailed``."""
+        """POST ``body`` (JSON) to ``path``, return the JSON answer; a refusal or dead server raises."""
         data = json.dumps(body or {}).encode()
         ask = urllib.request.Request(f"{self.url}{path}", data=data, method="POST",
                                      headers={"Content-Type": "application/json"})

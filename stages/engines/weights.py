@@ -10,8 +10,7 @@ from pathlib import Path
 
 @contextmanager
 def adapters_merged(model):
-    """A PEFT ``model``'s LoRA adapters folded into its base weights inside the block (what
-    ``merged_named_weights`` reads), unfolded after; any other model as it is."""
+    """A PEFT ``model``'s LoRA adapters folded into its base weights inside the block, unfolded after."""
     peft = hasattr(model, "merge_adapter") and hasattr(model, "peft_config")
     if peft:
         model.merge_adapter()
@@ -61,8 +60,7 @@ def _remove(path: Path) -> None:
 
 
 def load_in_process(engine, model, version: int) -> None:
-    """Replace the in-process vLLM ``engine``'s weights in place with ``model``'s (LoRA merged) and drop the
-    prefix cache; later samples carry ``version``."""
+    """Replace the in-process vLLM ``engine``'s weights with ``model``'s (LoRA merged), prefix cache dropped."""
     with adapters_merged(model):
         named = merged_named_weights(model)
         engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named))})

@@ -163,16 +163,14 @@ class EpisodeRunner:
 
 
 def complete(engine, prompts: list[list[dict]], settings: SamplingSettings, seed_offset: int = 0) -> list[list[Sample]]:
-    """``settings.attempts`` single completions of every prompt by ``engine`` (one-turn episodes, seeded as
-    ``EpisodeRunner.run``), as samples grouped by prompt."""
+    """``settings.attempts`` single completions of every prompt by ``engine``, as samples grouped by prompt."""
     groups = EpisodeRunner.completions(engine.tokenizer).run(engine, prompts, settings, seed_offset)
     return [[episode.as_sample() for episode in group] for group in groups]
 
 
 def advance(episode: Episode, text: str, truncated: bool, last_turn: bool, tools: dict,
             spec: EnvironmentSpec) -> list[dict] | None:
-    """A model turn's text, applied to the episode: it ends it (an answer, or a budget), or its tool calls are
-    executed and the ``tool`` messages to observe are returned (also added to the transcript)."""
+    """Apply a model turn's text: it ends the episode, or its tool calls run and their ``tool`` messages return."""
     episode.turns += 1
     episode.messages.append({"role": "assistant", "content": text})
     calls = parse_tool_calls(text)

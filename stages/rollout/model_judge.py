@@ -32,8 +32,7 @@ class ModelJudge:
 
 
 def open_model_judge(spec: RewardSpec, checkpoint: Path, trust_remote_code: bool = False) -> tuple[ModelJudge, str]:
-    """The judge of ``spec`` on ``checkpoint``, not loaded yet, and the backend it will sample on (part of the key
-    of its reply cache)."""
+    """The judge of ``spec`` on ``checkpoint``, not loaded yet, and the backend it will sample on."""
     from stages.engines.opening import choose_backend
 
     return ModelJudge(spec, checkpoint, trust_remote_code), choose_backend(spec.backend, checkpoint, refuse=False).name

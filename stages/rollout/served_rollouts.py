@@ -28,8 +28,7 @@ def planned_batches(trainer):
 
 
 class ServedRollouts:
-    """TRL ``rollout_func`` over a generation server: ``inner`` (a ``PolicyRollouts``) draws each batch from
-    the engine ``opener`` starts on first use."""
+    """TRL ``rollout_func`` over a generation server: ``inner`` (a ``PolicyRollouts``) draws each batch."""
 
     def __init__(self, inner, opener, max_staleness: int, step_metrics=None):
         self.inner, self.opener, self.max_staleness = inner, opener, max_staleness
