@@ -106,8 +106,7 @@ def build_episode_rollout(episodes, prompt_index: list[int], tokenizer) -> Rollo
 
 def pad_rollout(rows: list[tuple[list[int], list[int], list[float], list[int]]], samples: list[Sample],
                 prompt_index: list[int], pad_id: int) -> Rollout:
-    """(prompt ids, completion ids, their sampled log-probs, their action mask) per row, padded into one batch;
-    every completion token, action or observation, is attended to."""
+    """(prompt ids, completion ids, sampled log-probs, action mask) per row, padded into one batch."""
     width_P = max(len(prompt) for prompt, *_ in rows)
     width_T = max(len(completion) for _, completion, *_ in rows)
     n_rows = len(rows)
@@ -242,8 +241,7 @@ def credited_means(scored: ScoredBatch, process_weight: float, step_credit: str)
 
 
 def whiten_over_processes(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``masked_whiten`` with the mean and (population) variance of the global rollout batch, every
-    process holding its shard: the advantages one process would compute over the whole batch."""
+    """``masked_whiten`` with the mean and (population) variance of the global rollout batch."""
     count = all_sum(mask.sum().double())
     mean = (all_sum((x * mask).sum().double()) / count).to(x.dtype)
     var = (all_sum((((x - mean) ** 2) * mask).sum().double()) / count).to(x.dtype)
@@ -252,8 +250,7 @@ def whiten_over_processes(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8
 
 
 def minibatch_losses(policy, critic, rollout: Rollout, targets: Targets, rows, config: RLStageConfig):
-    """(policy loss, value loss, clip fraction, mean ratio, value clip fraction) of the rows ``rows``: token
-    means over the rows' actions (``mask_B_T``), an environment's observation tokens weighing nothing."""
+    """(policy loss, value loss, clip fraction, mean ratio, value clip fraction): token means over ``rows``' actions."""
     mask = rollout.mask_B_T[rows]
     logits = completion_logits(policy, rollout, rows, config.sampling.temperature)
     logprobs = token_logprobs(logits, rollout.completion_ids_B_T[rows])

@@ -1,9 +1,5 @@
-"""What the two algorithms of the ``rl`` stage share: its config and the reward / KL curves.
-
-``stages/rl.py`` (the stage kind) dispatches to ``stages/grpo.py`` or ``stages/ppo.py``;
-both read their settings and plot their curves from here, so neither imports the other
-nor the stage that chooses between them.
-"""
+"""What the two algorithms of the ``rl`` stage share, so neither grpo nor ppo imports the other: its config and
+the reward / KL curves."""
 
 from __future__ import annotations
 

@@ -97,8 +97,7 @@ class VLLMEngine:
 
     def generate_ids(self, prompt_ids: list[list[int]], settings: SamplingSettings,
                      seed_offset: int = 0) -> list[list[Sample]]:
-        """Like ``generate``, from prompts already tokenised; prompt i is seeded ``settings.seed +
-        seed_offset + i``, so its samples do not depend on what else is in the batch."""
+        """Like ``generate``, from prompts already tokenised; prompt i is seeded ``settings.seed + seed_offset + i``."""
         from vllm import SamplingParams
 
         params = [

@@ -46,8 +46,7 @@ class Engine(Protocol):
 
 
 def prompt_token_ids(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
-    """Each conversation rendered with the chat template (generation prompt added) and tokenised without
-    special tokens: how every engine, rollout and trainer in posttrain encodes a prompt."""
+    """Each conversation rendered with the chat template, tokenised without special tokens: the one encoding."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 

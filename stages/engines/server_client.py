@@ -59,8 +59,7 @@ class ServerEngine:
 
     def generate_ids(self, prompt_ids: list[list[int]], settings: SamplingSettings, seed_offset: int = 0,
                      version: int | None = None) -> list[list[Sample]]:
-        """Prompt i seeded ``settings.seed + seed_offset + i`` (as the in-process engine), all drawn by weights
-        ``version`` (default the newest pushed), one request per prompt, sent together."""
+        """Prompt i seeded ``settings.seed + seed_offset + i``, all drawn by weights ``version`` (default: newest)."""
         version = self.weights_version if version is None else version
         if self.lora:
             return self._draw(prompt_ids, settings, seed_offset, version)

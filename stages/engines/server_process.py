@@ -77,8 +77,7 @@ def lora_rank_limit(rank: int) -> int:
 
 
 class GenerationServer:
-    """A vLLM OpenAI server for ``checkpoint`` on 127.0.0.1, started by ``start`` and stopped by ``close``
-    (also as a context manager); its output goes to ``log_path`` and, line by line, to ``echo``."""
+    """A vLLM OpenAI server for ``checkpoint`` on 127.0.0.1 (``start``, ``close``), logging to ``log_path``."""
 
     def __init__(self, checkpoint: Path, log_path: Path, *, engine: EngineSettings | None = None,
                  max_model_len: int | None = None, lora_rank: int | None = None, max_loras: int = 2,

@@ -79,8 +79,7 @@ def observation_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
 
 
 class EpisodeRunner:
-    """Runs episodes at fixed settings through an engine's ``generate_ids``: an environment's, or with none,
-    one-turn episodes (a single completion of each prompt: how every sample in posttrain is made)."""
+    """Runs episodes at fixed settings through an engine's ``generate_ids``; with no environment, one turn each."""
 
     def __init__(self, environment: Environment | None, spec: EnvironmentSpec | None, tokenizer):
         self.environment, self.spec, self.tokenizer = environment, spec, tokenizer

@@ -48,8 +48,7 @@ class PolicyRollouts:
 
     @contextmanager
     def engine_for(self, trainer):
-        """What samples the policy ``trainer`` trains now: the synced engine, or else generate on the training
-        model, unwrapped as TRL unwraps it for its own generate (it calls a ``rollout_func`` without doing so)."""
+        """The synced engine, or else generate on the training model unwrapped as TRL unwraps it for its own."""
         if self.opener is not None:
             yield self.synced(trainer)
             return
