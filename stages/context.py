@@ -105,6 +105,11 @@ class StageKind:
         return self.config if self.choose is None else self.choose(value)
 
 
+def references_to(**stages: str | None) -> dict[str, str]:
+    """A stage config's ``references()``: field name -> the stage it names, fields left unset dropped."""
+    return {field: stage for field, stage in stages.items() if stage is not None}
+
+
 def no_world_issues(config, world: int, resources) -> list[str]:
     """A kind that trains on any number of processes under the orchestrator's generic rules."""
     return []

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from stages.context import ExecutionLimits, StageInputs, StageKind
+from stages.context import ExecutionLimits, StageInputs, StageKind, references_to
 from stages.intervals import clustered_mean_and_se
 from stages.data.sources import prompt_messages, read_materialized
 from stages.rollout.environments import EnvironmentSpec
@@ -102,10 +102,7 @@ class EvalConfig(ExecutionLimits):
         return self
 
     def references(self) -> dict[str, str]:
-        refs = {"model": self.model}
-        if self.reward_model is not None:
-            refs["reward_model"] = self.reward_model
-        return refs
+        return references_to(model=self.model, reward_model=self.reward_model)
 
     reward_model_references: ClassVar[tuple[str, ...]] = ("reward_model",)
 

@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from stages.engines.settings import BackendName, EngineSettings, GenerationSettings, generation_rules
 from stages.training.alerts import AlertSettings
-from stages.context import ExecutionLimits, StageInputs, StageKind
+from stages.context import ExecutionLimits, StageInputs, StageKind, references_to
 from stages.training.resume import Resumable
 from stages.data.sources import prompt_batches, prompt_messages, read_materialized
 from stages.sampling import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, SamplingSettings
@@ -82,10 +82,7 @@ class OnlineDPOStageConfig(ExecutionLimits, Resumable):
         return self
 
     def references(self) -> dict[str, str]:
-        refs = {"model": self.model}
-        if self.reference is not None:
-            refs["reference"] = self.reference
-        return refs
+        return references_to(model=self.model, reference=self.reference)
 
     def dataset_names(self) -> list[str]:
         return [self.data]

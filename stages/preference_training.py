@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from stages.context import ExecutionLimits, StageInputs
+from stages.context import ExecutionLimits, StageInputs, references_to
 from stages.training.resume import Resumable
 from stages.data.sources import read_materialized
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
@@ -58,10 +58,7 @@ class PreferenceOptimisationConfig(ExecutionLimits, Resumable):
         return self
 
     def references(self) -> dict[str, str]:
-        refs = {"model": self.model}
-        if self.reference is not None:
-            refs["reference"] = self.reference
-        return refs
+        return references_to(model=self.model, reference=self.reference)
 
     def dataset_names(self) -> list[str]:
         return [self.data]

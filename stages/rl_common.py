@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from stages.training.alerts import AlertSettings
-from stages.context import ExecutionLimits
+from stages.context import ExecutionLimits, references_to
 from stages.training.resume import Resumable
 from stages.difficulty import DifficultyFilter
 from stages.rollout.environments import EnvironmentSpec
@@ -198,10 +198,7 @@ class RLCommon(ExecutionLimits, Resumable):
         return self
 
     def references(self) -> dict[str, str]:
-        refs = {"policy": self.policy}
-        if self.reference is not None:
-            refs["reference"] = self.reference
-        return refs
+        return references_to(policy=self.policy, reference=self.reference)
 
     def world_issues(self, world: int, resources) -> list[str]:
         """Why this stage cannot train on ``world`` processes (empty when it can)."""
@@ -321,10 +318,7 @@ class PPOStageConfig(RLCommon):
         return issues + super().world_issues(world, resources)
 
     def references(self) -> dict[str, str]:
-        refs = super().references()
-        if self.critic is not None:
-            refs["critic"] = self.critic
-        return refs
+        return {**super().references(), **references_to(critic=self.critic)}
 
 
 RL_ALGORITHMS: dict[str, type[RLCommon]] = {"grpo": GRPOStageConfig, "ppo": PPOStageConfig}
