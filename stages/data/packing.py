@@ -1,5 +1,5 @@
 """Packed SFT rows that keep documents apart: tokenise, pack best-fit decreasing, collate.
-Design: docs/algorithms.md; figures: docs/figures-from-code.md."""
+Design: docs/algorithms.md; figures: docs/benchmarks.md."""
 
 from __future__ import annotations
 
