@@ -26,7 +26,7 @@ class StageTimeLimit(Exception):
 
 
 class Resources(SpecModel):
-    """Where and on what a stage runs."""
+    """Where and on what a stage runs (never part of what it computes: not in its fingerprint)."""
 
     model_config = ConfigDict(extra="forbid")
     renamed: ClassVar[dict[str, str]] = {"accelerate_config": "strategy"}
