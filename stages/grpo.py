@@ -311,8 +311,9 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
     if backend.on_server:  # the server's engine is opened by ServedRollouts, which hands each draw its version
         from stages.rollout.served_rollouts import ServedRollouts
 
-        inner = PolicyRollouts(runner, tokenizer, settings, None, step_metrics)
-        return ServedRollouts(inner, opener, config.generation.max_staleness, step_metrics)
+        # the server starts from the policy's checkpoint: it serves version 0 as opened
+        inner = PolicyRollouts(runner, tokenizer, settings, opener, step_metrics, opened_holds_weights=True)
+        return ServedRollouts(inner, config.generation.max_staleness, step_metrics)
     # with none opened, generate on the training model draws (PolicyRollouts.engine_for)
     return PolicyRollouts(runner, tokenizer, settings, opener if backend.samples_apart else None, step_metrics,
                           trainer_stream=not backend.samples_apart and env is None)
