@@ -397,7 +397,7 @@ def _attach(trainer, config, step_metrics, correction, rollouts) -> None:
 
 def _close_rollouts(rollouts, ctx) -> None:
     """Stop the rollouts' engine or server (and its producer), logging its weight syncs and start-up."""
-    ctx.log_metrics({"engine_weight_syncs": float(rollouts.syncs)})
+    ctx.log_metrics({"engine_weight_syncs": float(rollouts.sampler.syncs)})
     if hasattr(rollouts, "startup_seconds"):
         ctx.log_metrics({"generation_server_startup_seconds": rollouts.startup_seconds})
     rollouts.close()
@@ -436,7 +436,7 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
 
     def save() -> dict:
         return {"history": history, "watch": watch.state(), "reward_errors": scorer.policy.state(),
-                "calls": rollouts.calls, "syncs": rollouts.syncs,
+                "calls": rollouts.calls, "syncs": rollouts.sampler.syncs,
                 "dropped": getattr(rollouts, "dropped", 0),
                 "dynamic_rng": trainer.dynamic[2].getstate() if trainer.dynamic is not None else None}
 
@@ -444,7 +444,7 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
         history[:] = saved["history"]
         watch.restore(saved["watch"])
         scorer.policy.restore(saved["reward_errors"])
-        rollouts.calls, rollouts.syncs = saved["calls"], saved["syncs"]
+        rollouts.calls, rollouts.sampler.syncs = saved["calls"], saved["syncs"]
         if hasattr(rollouts, "dropped"):
             rollouts.dropped = saved.get("dropped", 0)
         if trainer.dynamic is not None:

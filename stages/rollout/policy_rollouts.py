@@ -38,14 +38,6 @@ class PolicyRollouts:
     def settings(self) -> SamplingSettings:
         return self.sampler.settings
 
-    @property
-    def syncs(self) -> int:
-        return self.sampler.syncs
-
-    @syncs.setter
-    def syncs(self, value: int) -> None:  # a resumed stage's count
-        self.sampler.syncs = value
-
     def close(self) -> None:
         self.sampler.close()
 

@@ -57,4 +57,4 @@ class PolicySampler:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-            self.engine = None
+            self.engine, self.held = None, None

@@ -34,7 +34,6 @@ class ServedRollouts:
         self.inner, self.sampler, self.max_staleness = inner, inner.sampler, max_staleness
         self.step_metrics = step_metrics
         self.calls = 0  # seeds each call's draws, and names its planned batch
-        self.syncs = 0
         self.dropped = 0
         self.mispredicted = 0
         self._first: tuple[int, int] | None = None  # (call, step) of this execution's first call
@@ -51,14 +50,6 @@ class ServedRollouts:
     @property
     def engine(self) -> ServerEngine | None:
         return self.sampler.engine
-
-    @property
-    def syncs(self) -> int:
-        return self.sampler.syncs
-
-    @syncs.setter
-    def syncs(self, value: int) -> None:  # a resumed stage's count
-        self.sampler.syncs = value
 
     def opened_engine(self) -> ServerEngine:
         """The server's engine, started on first use."""
