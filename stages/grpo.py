@@ -311,8 +311,9 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
     if backend.on_server:  # the server's engine is opened by ServedRollouts, which hands each draw its version
         from stages.rollout.served_rollouts import ServedRollouts
 
-        inner = PolicyRollouts(runner, tokenizer, settings, None, step_metrics)
-        return ServedRollouts(inner, opener, config.generation.max_staleness, step_metrics)
+        # the server starts from the policy's checkpoint: it serves version 0 as opened
+        inner = PolicyRollouts(runner, tokenizer, settings, opener, step_metrics, opened_holds_weights=True)
+        return ServedRollouts(inner, config.generation.max_staleness, step_metrics)
     # with none opened, generate on the training model draws (PolicyRollouts.engine_for)
     return PolicyRollouts(runner, tokenizer, settings, opener if backend.samples_apart else None, step_metrics,
                           trainer_stream=not backend.samples_apart and env is None)
@@ -396,7 +397,7 @@ def _attach(trainer, config, step_metrics, correction, rollouts) -> None:
 
 def _close_rollouts(rollouts, ctx) -> None:
     """Stop the rollouts' engine or server (and its producer), logging its weight syncs and start-up."""
-    ctx.log_metrics({"engine_weight_syncs": float(rollouts.syncs)})
+    ctx.log_metrics({"engine_weight_syncs": float(rollouts.sampler.syncs)})
     if hasattr(rollouts, "startup_seconds"):
         ctx.log_metrics({"generation_server_startup_seconds": rollouts.startup_seconds})
     rollouts.close()
@@ -435,7 +436,7 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
 
     def save() -> dict:
         return {"history": history, "watch": watch.state(), "reward_errors": scorer.policy.state(),
-                "calls": rollouts.calls, "syncs": rollouts.syncs,
+                "calls": rollouts.calls, "syncs": rollouts.sampler.syncs,
                 "dropped": getattr(rollouts, "dropped", 0),
                 "dynamic_rng": trainer.dynamic[2].getstate() if trainer.dynamic is not None else None}
 
@@ -443,7 +444,7 @@ def _stage_state(trainer, history: list[dict], watch: SilentFailureWatch, rollou
         history[:] = saved["history"]
         watch.restore(saved["watch"])
         scorer.policy.restore(saved["reward_errors"])
-        rollouts.calls, rollouts.syncs = saved["calls"], saved["syncs"]
+        rollouts.calls, rollouts.sampler.syncs = saved["calls"], saved["syncs"]
         if hasattr(rollouts, "dropped"):
             rollouts.dropped = saved.get("dropped", 0)
         if trainer.dynamic is not None:

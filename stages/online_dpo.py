@@ -159,7 +159,7 @@ class OnlineDPORun:
     optimizer: object
     scorer: object  # stages/rewards/scoring.py Scorer
     seed: int
-    engine: object = None
+    sampler: object = None  # stages/rollout/policy_sampler.py PolicySampler: draws each step's samples
     engine_syncs: int = 0
     tied_prompts: int = 0
     pairs_trained: int = 0
@@ -209,13 +209,10 @@ class OnlineDPORun:
         self.scorer.policy.restore(state["reward_errors"])
 
     def sample(self, prompts: list[list[dict]], step: int):
-        from stages.engines.interface import draw_offset
-        from stages.rollout.episodes import complete
-
-        settings = self.config.sampling.seeded(self.seed + draw_offset(step - 1))
+        """``attempts`` single completions of each prompt: the stage's draw ``step - 1``, as samples."""
         # the policy the last update left: sampled itself, merged into the engine, or served
-        self.engine_syncs += self.engine.take_weights(self.policy, step - 1)
-        return complete(self.engine, prompts, settings)
+        self.engine_syncs += self.sampler.take(self.policy, step - 1)
+        return [[episode.as_sample() for episode in group] for group in self.sampler.draw(prompts, step - 1)]
 
     def score(self, batch: list[dict], prompts, groups):
         """The ScoredBatch of every sample (prompt-major), under the stage's ``reward_errors`` policy."""
@@ -300,15 +297,19 @@ def run(config: OnlineDPOStageConfig, inputs: StageInputs, ctx) -> dict:
     from stages.models.lora import save_trained
     from stages.rl_common import log_curves
     from stages.engines.opening import open_engine, stage_backend
+    from stages.rollout.episodes import EpisodeRunner
+    from stages.rollout.policy_sampler import PolicySampler
 
     seed = ctx.seed
     torch.manual_seed(seed)
     records = read_materialized(inputs.data)
     state = OnlineDPORun.load(config, inputs, seed, ctx)
     backend = stage_backend(config, inputs.model, ctx)
-    state.engine = open_engine(backend, inputs.model, stage=config, tokenizer=state.tokenizer,
-                               prompts=[prompt_messages(r) for r in records], work_dir=ctx.work_dir,
-                               policy=state.policy, trust_remote_code=inputs.trust_remote_code, keep_logprobs=False)
+    engine = open_engine(backend, inputs.model, stage=config, tokenizer=state.tokenizer,
+                         prompts=[prompt_messages(r) for r in records], work_dir=ctx.work_dir,
+                         policy=state.policy, trust_remote_code=inputs.trust_remote_code, keep_logprobs=False)
+    # completions rendered by the engine's own tokenizer, as stages/rollout/episodes.py ``complete`` renders them
+    state.sampler = PolicySampler(EpisodeRunner.completions(engine.tokenizer), config.sampling.seeded(seed), engine)
     ctx.log_params({"resolved_backend": backend.name, "backend_reason": backend.why, "resolved_seed": seed,
                     "prompts": len(records), "samples_per_step": config.prompts_per_step * config.sampling.attempts})
     history, resumed, started = train_steps(config, state, records, seed, ctx)
@@ -340,7 +341,7 @@ def train_steps(config: OnlineDPOStageConfig, state: OnlineDPORun, records, seed
         history, resumed = train_loop(ctx, "online_dpo", config, lambda step: state.step(step, next(batches)), loop,
                                       SilentFailureWatch(config.alerts, config.sampling.max_tokens))
     finally:
-        close_engine(state.engine, ctx)
+        close_engine(state.sampler.engine, ctx)
     return history, resumed, started
 
 

@@ -30,7 +30,8 @@ from stages.training.data_parallel import (
 )
 from stages.rollout.environments import build_environment
 from stages.rollout.episodes import EpisodeRunner, environment_scorers, episode_metrics, zero_shortcuts
-from stages.engines.interface import Engine, Sample, draw_offset
+from stages.rollout.policy_sampler import PolicySampler
+from stages.engines.interface import Sample
 from stages.engines.opening import close_engine, open_engine, stage_backend
 from stages.rewards.judge import batch_auditor
 from stages.models.lora import AdaptersOff, save_trained, wrap
@@ -352,8 +353,8 @@ class PPORun:
     scorer: Scorer
     seed: int
     device: torch.device
-    engine: Engine | None = None
     runner: EpisodeRunner | None = None
+    sampler: PolicySampler | None = None  # draws each step's batch (stages/rollout/policy_sampler.py)
     correction: SamplerCorrection = field(default_factory=lambda: SamplerCorrection(kind="none"))
 
     @classmethod
@@ -391,13 +392,12 @@ class PPORun:
         """Sample, score, update on one batch of prompts: the step's metrics and sample rows."""
         config = self.config
         answers = [r.get("answer") for r in batch]
-        # draw step - 1 of the stage, this process's shard at its offset in the step's batch
-        settings = config.sampling.seeded(self.seed + draw_offset(step - 1, rank() * len(batch)))
         # the policy the last update left: sampled itself, merged into the engine, or served as a version
-        self.engine.take_weights(self.policy, step - 1)
+        self.sampler.take(self.policy, step - 1)
         environment = self.runner.environment
         prompts = [environment.start(r) if environment is not None else prompt_messages(r) for r in batch]
-        groups = self.runner.run(self.engine, prompts, settings)
+        # draw step - 1 of the stage, this process's shard at its offset in the step's batch
+        groups = self.sampler.draw(prompts, step - 1, rank() * len(batch))
         episodes = [e for group in groups for e in group]
         texts = [e.answer or "" for e in episodes]  # an episode's final answer is scored, not its transcript
         if environment is None:
@@ -473,9 +473,10 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
     broadcast_parameters(run.policy, run.critic)
     records = read_materialized(inputs.data)
     backend = stage_backend(config, inputs.policy, ctx)
-    run.engine = open_engine(backend, inputs.policy, stage=config, tokenizer=run.tokenizer,
-                             prompts=[prompt_messages(r) for r in records], work_dir=ctx.work_dir, policy=run.policy,
-                             trust_remote_code=inputs.trust_remote_code)
+    engine = open_engine(backend, inputs.policy, stage=config, tokenizer=run.tokenizer,
+                         prompts=[prompt_messages(r) for r in records], work_dir=ctx.work_dir, policy=run.policy,
+                         trust_remote_code=inputs.trust_remote_code)
+    run.sampler = PolicySampler(run.runner, config.sampling.seeded(seed), engine)
     run.correction, correction_why = resolve_correction(config, backend)
     ctx.log_params({"resolved_backend": backend.name, "backend_reason": backend.why,
                     "resolved_correction": f"{run.correction.kind} cap {run.correction.cap}",
@@ -495,7 +496,7 @@ def train_ppo(config: RLStageConfig, inputs: StageInputs, ctx) -> dict:
                                       SilentFailureWatch(config.alerts, config.sampling.max_tokens, hacking_pairs(
                                           {name: (spec.fn, spec.weight) for name, spec in inputs.rewards.items()})))
     finally:
-        close_engine(run.engine, ctx)
+        close_engine(run.sampler.engine, ctx)
 
     log_curves(ctx, history)
     outputs = run.save(ctx)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from stages.engines.interface import draw_offset
+from stages.rollout.policy_sampler import PolicySampler
 from stages.sampling import SamplingSettings
 
 
@@ -21,35 +21,35 @@ class PolicyRollouts:
     """
 
     def __init__(self, runner, tokenizer, settings: SamplingSettings, opener=None, step_metrics=None,
-                 trainer_stream: bool = False):
-        self.runner, self.tokenizer, self.opener = runner, tokenizer, opener
+                 trainer_stream: bool = False, opened_holds_weights: bool = False):
+        self.tokenizer = tokenizer
         self.trainer_stream = trainer_stream
-        self.settings, self.group_size = settings, settings.attempts  # seeded with the stage's seed
+        self.group_size = settings.attempts
+        # settings seeded with the stage's seed
+        self.sampler = PolicySampler(runner, settings, opener=opener, opened_holds_weights=opened_holds_weights)
         self.step_metrics = step_metrics
-        self.engine = None
-        self.synced_step: int | None = None
-        self.syncs = 0
         self.calls = 0  # seeds each call's draws (several per step with dynamic sampling)
 
+    @property
+    def runner(self):
+        return self.sampler.runner
+
+    @property
+    def settings(self) -> SamplingSettings:
+        return self.sampler.settings
+
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        self.sampler.close()
 
     def synced(self, trainer):
-        """The engine, holding the weights of the policy ``trainer`` trains now."""
-        if self.engine is None:
-            self.engine = self.opener()
-        step = trainer.state.global_step
-        if self.synced_step != step:
-            self.engine.take_weights(trainer.model, step)
-            self.synced_step, self.syncs = step, self.syncs + 1
-        return self.engine
+        """The engine, holding the weights of the policy ``trainer`` trains now (taken once per optimizer step)."""
+        self.sampler.take(trainer.model, trainer.state.global_step)
+        return self.sampler.engine
 
     @contextmanager
     def engine_for(self, trainer):
         """The synced engine, or else generate on the training model unwrapped as TRL unwraps it for its own."""
-        if self.opener is not None:
+        if self.sampler.opener is not None:
             yield self.synced(trainer)
             return
         from contextlib import nullcontext
@@ -70,20 +70,21 @@ class PolicyRollouts:
     def __call__(self, prompts: list, trainer) -> dict:
         first = trainer.accelerator.process_index * (len(prompts) // self.group_size)  # this process's shard
         with self.engine_for(trainer) as engine:
-            out = self.draw(prompts, engine, draw_offset(self.calls, first))
+            out = self.draw(prompts, engine, self.calls, first)
         self.calls += 1
         self.consumed(out, trainer)
         return out
 
-    def draw(self, prompts: list, engine, seed_offset: int) -> dict:
-        """The episodes of each distinct prompt by ``engine``: TRL's rollout columns, and an environment's."""
+    def draw(self, prompts: list, engine, call: int, first_prompt: int = 0) -> dict:
+        """The episodes of each distinct prompt by ``engine``, the stage's draw ``call`` (``first_prompt``: this
+        process's first distinct prompt in it): TRL's rollout columns, and an environment's."""
         from stages.rollout.episodes import shortcut
 
         distinct = prompts[:: self.group_size]
         if [p for p in distinct for _ in range(self.group_size)] != list(prompts):
             raise RuntimeError(f"expected each prompt {self.group_size} times in a row from TRL's sampler; "
                                f"got {len(prompts)} prompts that are not so grouped")
-        episodes = [e for group in self.runner.run(engine, distinct, self.settings, seed_offset) for e in group]
+        episodes = [e for group in self.sampler.draw(distinct, call, first_prompt, engine) for e in group]
         out = {"prompt_ids": [e.prompt_ids for e in episodes],
                "completion_ids": [e.completion_ids for e in episodes],
                "logprobs": [e.logprobs for e in episodes]}
@@ -109,6 +110,7 @@ class PolicyRollouts:
         import copy
 
         twin = copy.copy(self)
-        twin.runner = copy.copy(self.runner)
-        twin.tokenizer = twin.runner.tokenizer = copy.deepcopy(self.tokenizer)
+        twin.sampler = copy.copy(self.sampler)
+        twin.sampler.runner = copy.copy(self.runner)
+        twin.tokenizer = twin.sampler.runner.tokenizer = copy.deepcopy(self.tokenizer)
         return twin

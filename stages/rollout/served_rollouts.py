@@ -8,7 +8,6 @@ import threading
 import time
 from pathlib import Path
 
-from stages.engines.interface import draw_offset
 from stages.engines.server_client import ServerEngine
 
 DRAWN_FILE = "drawn-ahead.pkl"  # in a checkpoint: the batches drawn by versions older than it
@@ -28,14 +27,13 @@ def planned_batches(trainer):
 
 
 class ServedRollouts:
-    """TRL ``rollout_func`` over a generation server: ``inner`` (a ``PolicyRollouts``) draws each batch."""
+    """TRL ``rollout_func`` over a generation server: ``inner`` (a ``PolicyRollouts``) draws each batch, its
+    policy sampler holding the server's engine (opened by ``inner``'s opener on first use)."""
 
-    def __init__(self, inner, opener, max_staleness: int, step_metrics=None):
-        self.inner, self.opener, self.max_staleness = inner, opener, max_staleness
+    def __init__(self, inner, max_staleness: int, step_metrics=None):
+        self.inner, self.sampler, self.max_staleness = inner, inner.sampler, max_staleness
         self.step_metrics = step_metrics
-        self.engine: ServerEngine | None = None
         self.calls = 0  # seeds each call's draws, and names its planned batch
-        self.syncs = 0
         self.dropped = 0
         self.mispredicted = 0
         self._first: tuple[int, int] | None = None  # (call, step) of this execution's first call
@@ -49,11 +47,14 @@ class ServedRollouts:
         self._updates, self._last_call = 1, 0  # optimizer steps per generation call, the stage's last call
         self.startup_seconds = 0.0
 
+    @property
+    def engine(self) -> ServerEngine | None:
+        return self.sampler.engine
+
     def opened_engine(self) -> ServerEngine:
         """The server's engine, started on first use."""
         if self.engine is None:
-            self.engine = self.opener()
-            self.startup_seconds = self.engine.server.startup_seconds
+            self.startup_seconds = self.sampler.opened().server.startup_seconds
         return self.engine
 
     def save_drawn(self, checkpoint: Path, step: int) -> None:
@@ -84,22 +85,19 @@ class ServedRollouts:
             self._changed.notify_all()
         if self._producer is not None:
             self._producer.join(timeout=60)
-        if self.engine is not None:
-            self.engine.close()  # and its server
-            self.engine = None
+        self.sampler.close()  # the engine and its server
 
     def sync(self, trainer) -> None:
         """Serve the weights ``trainer`` holds now (version: its optimizer steps), if not served yet; in full
         fine-tuning (one version served) after every batch planned for an older version is drawn."""
         engine = self.opened_engine()
         version = trainer.state.global_step
-        if engine.weights_version >= version:
+        if self.sampler.holds(version):
             return
         started = time.perf_counter()
         if not engine.lora and self._producer is not None:
             self._wait(lambda: self._drawn_through >= self._last_call_before(version))
-        engine.take_weights(trainer.model, version)  # versions older than the last max_staleness + 1 unserved
-        self.syncs += 1
+        self.sampler.take(trainer.model, version)  # versions older than the last max_staleness + 1 unserved
         self._measure("ahead/sync_seconds", time.perf_counter() - started)
         with self._changed:
             self._changed.notify_all()
@@ -142,7 +140,7 @@ class ServedRollouts:
         """Call ``call``'s batch drawn now, by weights ``version`` (default: the newest served)."""
         engine = self.opened_engine()
         version = engine.weights_version if version is None else version
-        return self.inner.draw(prompts, engine.at(version), draw_offset(call)), version
+        return self.inner.draw(prompts, engine.at(version), call), version
 
     def _measure(self, name: str, value: float) -> None:
         if self.step_metrics is not None:
@@ -200,7 +198,7 @@ class ServedRollouts:
                         self._changed.wait(timeout=1.0)
                     if self._closing:
                         return
-                out = inner.draw(prompts, self.engine.at(version), draw_offset(call))
+                out = inner.draw(prompts, self.engine.at(version), call)
                 with self._changed:
                     self._ready[call] = (prompts, out, version)
                     self._drawn_through = call
