@@ -12,6 +12,7 @@ from pathlib import Path
 
 from stages.training.alerts import SilentFailureWatch, hacking_pairs
 from stages.context import StageInputs
+from stages.data.prompt_order import GenerationPrompts
 from stages.data.sources import prompt_messages, read_materialized
 from stages.engines.hf_generate import neutral_generation_config
 from stages.engines.opening import Backend, open_engine, stage_backend
@@ -278,6 +279,7 @@ def build_grpo_config(config, output_dir: Path, seed: int):
         report_to="none",
         seed=seed,
         data_seed=seed,
+        shuffle_dataset=False,  # the rows come in posttrain's order (stages/data/prompt_order.py)
         **device_arguments(),
         gradient_checkpointing=False,
         disable_dropout=True,  # nn.Dropout modules; turn_off_dropout below catches the rest
@@ -287,8 +289,9 @@ def build_grpo_config(config, output_dir: Path, seed: int):
 
 
 def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: Backend, step_metrics=None,
-                  work_dir: Path | None = None):
-    """posttrain's rollouts for TRL, drawn by the engine of ``backend``, opened on first use."""
+                  work_dir: Path | None = None, ordered: GenerationPrompts | None = None):
+    """posttrain's rollouts for TRL, drawn by the engine of ``backend``, opened on first use; from a server they
+    draw ahead the prompts of ``ordered``."""
     import os
 
     from stages.rollout.episodes import EpisodeRunner
@@ -313,7 +316,7 @@ def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, ba
 
         # the server starts from the policy's checkpoint: it serves version 0 as opened
         inner = PolicyRollouts(runner, tokenizer, settings, opener, step_metrics, opened_holds_weights=True)
-        return ServedRollouts(inner, config.generation.max_staleness, step_metrics)
+        return ServedRollouts(inner, ordered, config.generation.max_staleness, step_metrics)
     # with none opened, generate on the training model draws (PolicyRollouts.engine_for)
     return PolicyRollouts(runner, tokenizer, settings, opener if backend.samples_apart else None, step_metrics,
                           trainer_stream=not backend.samples_apart and env is None)
@@ -335,10 +338,12 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
 
     records = read_materialized(inputs.data)
     dataset = Dataset.from_list(_prompt_rows(config, records))
+    ordered = GenerationPrompts(dataset, config.prompts_per_step, config.sampling.attempts, config.max_steps,
+                                config.updates_per_batch, seed)
     rewards: dict[str, RewardSpec] = inputs.rewards
     step_metrics = StepMetrics()
     backend = stage_backend(config, inputs.policy, ctx)
-    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics, ctx.work_dir)
+    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics, ctx.work_dir, ordered)
     scorer, reward_funcs = _reward_funcs(config, inputs, ctx, rollouts, step_metrics)
 
     args = build_grpo_config(config, ctx.resume_dir, seed)
@@ -346,7 +351,7 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     correction, correction_why = resolve_correction(config, backend)
     ctx.log_params({"resolved_backend": backend.name, "backend_reason": backend.why,
                     "resolved_correction": f"{correction.kind} cap {correction.cap}", "correction_reason": correction_why})
-    trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+    trainer = _trainer_class()(model=model, reward_funcs=reward_funcs, args=args, train_dataset=ordered.rows,
                                processing_class=tokenizer, rollout_func=rollouts,
                                peft_config=config.lora.peft_config() if config.lora else None)
     _prepare(trainer, config, dataset, seed)
@@ -471,13 +476,13 @@ def _prompt_rows(config, records: list[dict]) -> list[dict]:
 
 def _load_policy(inputs: StageInputs):
     """(model, tokenizer, the checkpoint's own generation config) of the policy, ready for TRL."""
-    from stages.models.loading import load_model_and_tokenizer
+    from stages.models.loading import load_model_and_tokenizer, reference_checkpoint
 
     model, tokenizer = load_model_and_tokenizer(inputs.policy,
                                                 trust_remote_code=inputs.trust_remote_code)
     tokenizer.padding_side = "left"
     # TRL builds the KL reference from the policy's `name_or_path`: point it at the anchor.
-    model.config.name_or_path = str(inputs.reference or inputs.policy)
+    model.config.name_or_path = str(reference_checkpoint(inputs.policy, inputs.reference))
     # sample from a neutral generation config, keep the checkpoint's for saving (stages/engines/hf_generate.py)
     own_generation_config = model.generation_config
     model.generation_config = neutral_generation_config(

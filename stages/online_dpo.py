@@ -15,9 +15,10 @@ from stages.engines.settings import BackendName, EngineSettings, GenerationSetti
 from stages.training.alerts import AlertSettings
 from stages.context import ExecutionLimits, StageInputs, StageKind, references_to
 from stages.training.resume import Resumable
-from stages.data.sources import prompt_batches, prompt_messages, read_materialized
+from stages.data.prompt_order import prompt_batches
+from stages.data.sources import prompt_messages, read_materialized
 from stages.sampling import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, SamplingSettings
-from stages.models.lora import LORA_DESCRIPTION, AdaptersOff, LoraSpec
+from stages.models.lora import LORA_DESCRIPTION, LoraSpec
 
 MAX_GRAD_NORM = 1.0
 SAMPLE_TABLE_ROWS = 16
@@ -170,19 +171,14 @@ class OnlineDPORun:
         import torch
 
         from stages.rewards.judge import batch_auditor
-        from stages.models.lora import wrap
-        from stages.models.loading import load_frozen_reference, load_model_and_tokenizer
+        from stages.models.loading import load_policy_and_reference
         from stages.scorers import bind_scorers
         from stages.rewards.scoring import RewardErrorPolicy, Scorer
 
         start = inputs.model
         trust = inputs.trust_remote_code
-        policy, tokenizer = load_model_and_tokenizer(start, trust_remote_code=trust)
-        policy = wrap(policy, config.lora).eval()  # eval mode: no dropout anywhere; with lora only adapters train
-        if config.lora:
-            reference = AdaptersOff(policy)
-        else:
-            reference = load_frozen_reference(inputs.reference or start, trust)
+        policy, reference, tokenizer = load_policy_and_reference(start, inputs.reference, config.lora, trust)
+        policy.eval()  # no dropout anywhere
         trainable = [p for p in policy.parameters() if p.requires_grad]
         bound = bind_scorers(inputs.rewards, inputs)
         auditor = batch_auditor(inputs.rewards, bound, ctx) if ctx is not None else None

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from stages.training.alerts import SilentFailureWatch, hacking_pairs
 from stages.context import StageInputs
-from stages.data.sources import prompt_batches, prompt_messages, read_materialized
+from stages.data.prompt_order import prompt_batches
+from stages.data.sources import prompt_messages, read_materialized
 from stages.training.data_parallel import (
     all_max,
     all_sum,
@@ -34,9 +34,9 @@ from stages.rollout.policy_sampler import PolicySampler
 from stages.engines.interface import Sample
 from stages.engines.opening import close_engine, open_engine, stage_backend
 from stages.rewards.judge import batch_auditor
-from stages.models.lora import AdaptersOff, save_trained, wrap
+from stages.models.lora import AdaptersOff, save_trained
 from stages.models.critic import ValueModel
-from stages.models.loading import load_frozen_reference, load_model_and_tokenizer
+from stages.models.loading import load_policy_and_reference
 from stages.models.placement import check_devices, place, placement_params
 from stages.rewards.reward_model import reward_model_correlations
 from stages.scorers import bind_scorers
@@ -364,12 +364,10 @@ class PPORun:
         check_devices(config.placement)  # before anything loads
         policy_path = inputs.policy
         trust = inputs.trust_remote_code
-        policy, tokenizer = load_model_and_tokenizer(policy_path, trust_remote_code=trust)
-        policy = wrap(policy, config.lora)  # with lora: only the adapters require grad
+        policy, reference, tokenizer = load_policy_and_reference(policy_path, inputs.reference, config.lora, trust)
         policy.to(device).eval()
-        reference = (AdaptersOff(policy) if config.lora
-                     else place(load_frozen_reference(Path(inputs.reference or policy_path), trust),
-                                config.placement.reference, device))
+        if not config.lora:
+            reference = place(reference, config.placement.reference, device)
         critic = (ValueModel.from_reward_model(inputs.critic, trust) if inputs.critic
                   else ValueModel.from_policy_checkpoint(policy_path, trust)).to(device).eval()
         trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]

@@ -4,7 +4,6 @@ reference or adapters-off policy, held-out pairs, publication)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -93,10 +92,8 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     """Run a TRL preference trainer (DPO or KTO) from ``model`` against a frozen ``reference`` (with
     ``lora``: the adapters-off policy); ``to_dataset`` turns records into the trainer's dataset (default:
     conversational pairs)."""
-    from transformers import AutoModelForCausalLM
-
     from stages.models.lora import save_trained
-    from stages.models.loading import load_model_and_tokenizer
+    from stages.models.loading import load_policy_and_reference
     from stages.data.preferences import check_preference_records, split_heldout, trl_dataset
     from stages.training.callbacks import quiet_trainer, tracking_callback
     from stages.training.resume import train_measured
@@ -108,10 +105,8 @@ def train_on_preferences(trainer_class, args, config: PreferenceOptimisationConf
     train, heldout = split_heldout(records, config.heldout_fraction, seed)
     trust = inputs.trust_remote_code
     check_devices(config.placement)  # before anything loads
-    model, tokenizer = load_model_and_tokenizer(inputs.model, trust_remote_code=trust)
-    # with lora TRL takes the reference log-probs from the policy with its adapters disabled
-    reference = None if config.lora else AutoModelForCausalLM.from_pretrained(
-        Path(inputs.reference or inputs.model), trust_remote_code=trust)
+    model, reference, tokenizer = load_policy_and_reference(inputs.model, inputs.reference, config.lora, trust,
+                                                            trainer_adds_adapters=True)
 
     trainer = trainer_class(
         model=model, ref_model=reference, args=args, train_dataset=to_dataset(train),

@@ -353,7 +353,7 @@ def test_async_grpo_draws_each_step_one_version_behind_and_leaves_no_server(poli
         "ahead/staleness_max", "ahead/dropped_samples", "ahead/mispredicted", "ahead/sync_seconds",
         "correction/logp_diff_abs_mean")}
     assert history["ahead/staleness_max"] == [0.0] + [1.0] * (steps - 1), history  # the first: nothing ahead of it
-    assert history["ahead/mispredicted"] == [0.0] * steps, history  # the plan was TRL's own batches
+    assert history["ahead/mispredicted"] == [0.0] * steps, history  # TRL took its rows in posttrain's order
     assert history["ahead/dropped_samples"] == [0.0] * steps, history
     assert len(history["ahead/sync_seconds"]) >= 2 and all(s > 0 for s in history["ahead/sync_seconds"]), history
     # a float32 server: the first step is on-policy to float error; later ones are one update stale (the

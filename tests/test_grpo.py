@@ -267,8 +267,11 @@ def test_the_grpo_stage_computes_what_trl_computes_on_the_same_batches(tiny_chec
                log_completions=False, dataloader_num_workers=0),
         **trl_fields})
     ours_args = build_grpo_config(config, tmp_path / "ours", seed).to_dict()
-    differ = {k: (v, plain.to_dict().get(k)) for k, v in ours_args.items()  # where checkpoints go, not what is computed
-              if k not in CHECKPOINTING and v != plain.to_dict().get(k)}
+    # where checkpoints go, not what is computed; and ours takes its rows in posttrain's order, which must be the
+    # order TRL's own sampler draws (stages/data/prompt_order.py): the equal histories below say it is
+    differ = {k: (v, plain.to_dict().get(k)) for k, v in ours_args.items()
+              if k not in (*CHECKPOINTING, "shuffle_dataset") and v != plain.to_dict().get(k)}
+    assert ours_args["shuffle_dataset"] is False and plain.shuffle_dataset is True
     assert not differ, differ
 
     inputs = inputs_for(home, tiny_checkpoint,

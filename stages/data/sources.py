@@ -338,14 +338,3 @@ def prompt_messages(record: dict) -> list[dict]:
     """The conversation up to where the model should answer (drops a final assistant turn)."""
     messages = record["messages"]
     return messages[:-1] if messages[-1]["role"] == "assistant" else messages
-
-
-def prompt_batches(records: list[dict], per_step: int, seed: int):
-    """Endless batches of records: a fresh shuffle every pass over the data."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    while True:
-        while len(order) < per_step:
-            order += rng.sample(range(len(records)), len(records))
-        batch, order = order[:per_step], order[per_step:]
-        yield [records[i] for i in batch]

@@ -304,3 +304,26 @@ def load_frozen_reference(path: Path, trust_remote_code: bool = False) -> nn.Mod
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code).eval()
     model.requires_grad_(False)
     return model
+
+
+def reference_checkpoint(policy: Path, reference: Path | None) -> Path:
+    """The checkpoint a policy is anchored to: the stage's ``reference``, else the policy's own starting one."""
+    return Path(reference or policy)
+
+
+def load_policy_and_reference(policy: Path, reference: Path | None, lora=None, trust_remote_code: bool = False,
+                              *, trainer_adds_adapters: bool = False):
+    """(policy, reference, tokenizer): the model a stage trains and the frozen anchor of its KL penalty or
+    preference loss, the one loader of both. With ``lora`` only the policy's adapters train and its reference is
+    the policy with the adapters off; else ``reference_checkpoint`` loaded frozen. ``trainer_adds_adapters``
+    (TRL's DPO and KTO): the policy comes back unwrapped and, with ``lora``, no reference (TRL reads it with the
+    adapters off). GRPO's reference TRL loads itself, from ``reference_checkpoint`` (stages/grpo.py)."""
+    from stages.models.lora import AdaptersOff, wrap
+
+    model, tokenizer = load_model_and_tokenizer(policy, trust_remote_code=trust_remote_code)
+    if lora and trainer_adds_adapters:
+        return model, None, tokenizer
+    if lora:
+        model = wrap(model, lora)
+        return model, AdaptersOff(model), tokenizer
+    return model, load_frozen_reference(reference_checkpoint(policy, reference), trust_remote_code), tokenizer

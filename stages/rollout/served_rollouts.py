@@ -13,25 +13,14 @@ from stages.engines.server_client import ServerEngine
 DRAWN_FILE = "drawn-ahead.pkl"  # in a checkpoint: the batches drawn by versions older than it
 
 
-def planned_batches(trainer):
-    """The prompts of each generation batch the trainer's dataloader will yield, in order, from a copy of
-    TRL's sampler (same seed, same permutations): one per ``updates_per_batch`` steps, epoch after epoch."""
-    sampler = trainer._get_train_sampler(trainer.train_dataset)
-    size = trainer.args.train_batch_size * trainer.args.steps_per_generation  # TRL's _train_batch_size
-    prompts = trainer.train_dataset["prompt"]
-    while True:
-        indices = list(iter(sampler))
-        batches = [indices[i:i + size] for i in range(0, len(indices), size)]
-        for batch in batches[::trainer.num_iterations * trainer.args.steps_per_generation]:
-            yield [prompts[i] for i in batch]
-
-
 class ServedRollouts:
     """TRL ``rollout_func`` over a generation server: ``inner`` (a ``PolicyRollouts``) draws each batch, its
-    policy sampler holding the server's engine (opened by ``inner``'s opener on first use)."""
+    policy sampler holding the server's engine (opened by ``inner``'s opener on first use); drawn ahead, the
+    prompts ``ordered`` gives each generation call (stages/data/prompt_order.py ``GenerationPrompts``)."""
 
-    def __init__(self, inner, max_staleness: int, step_metrics=None):
+    def __init__(self, inner, ordered, max_staleness: int, step_metrics=None):
         self.inner, self.sampler, self.max_staleness = inner, inner.sampler, max_staleness
+        self.ordered = ordered
         self.step_metrics = step_metrics
         self.calls = 0  # seeds each call's draws, and names its planned batch
         self.dropped = 0
@@ -118,7 +107,7 @@ class ServedRollouts:
             out, version = self._draw_now(prompts, call, self.version_for(call, self._updates))
         else:  # drawn ahead, or (this execution's first) kept by the checkpoint it resumes from
             planned, out, version = self._take(call)
-            if planned != list(prompts):  # the plan is a copy of TRL's sampler: a mismatch is drawn again
+            if planned != list(prompts):  # TRL no longer taking its rows in order: drawn again, counted
                 self.mispredicted += 1
                 out, version = self._draw_now(prompts, call)
             elif step - version > self.max_staleness:
@@ -179,19 +168,15 @@ class ServedRollouts:
         self._last_call = first_call + -(-(trainer.state.max_steps - first_step) // self._updates) - 1
         from_call = max(from_call, self._kept_through + 1)  # a checkpoint's kept batches are drawn already
         self._drawn_through = from_call - 1
-        plan = planned_batches(trainer)
-        for _ in range(from_call):  # the batches this execution already had (a resumed stage)
-            next(plan)
-        self._producer = threading.Thread(target=self._produce, args=(self.inner.for_thread(), plan, from_call),
+        self._producer = threading.Thread(target=self._produce, args=(self.inner.for_thread(), from_call),
                                           name="rollouts-ahead",
                                           daemon=True)
         self._producer.start()
 
-    def _produce(self, inner, plan, call: int) -> None:
+    def _produce(self, inner, call: int) -> None:
         try:
-            for prompts in plan:
-                if call > self._last_call:
-                    return
+            while call <= self._last_call:
+                prompts = self.ordered.of_call(call)
                 version = self.version_for(call, self._updates)
                 with self._changed:
                     while self.engine.weights_version < version and not self._closing:
