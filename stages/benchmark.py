@@ -1,5 +1,4 @@
-"""Stage kind ``benchmark``: a checkpoint on standard benchmarks through lm-evaluation-harness, in MLflow.
-Design: docs/algorithms.md."""
+"""Stage kind ``benchmark``: a checkpoint on standard benchmarks by lm-evaluation-harness (docs/algorithms.md)."""
 
 from __future__ import annotations
 

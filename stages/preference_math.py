@@ -1,5 +1,4 @@
-"""The maths of preference learning, as small functions checked against hand computations.
-Design: docs/algorithms.md."""
+"""The maths of preference learning, as small functions checked against hand computations (docs/algorithms.md)."""
 
 from __future__ import annotations
 

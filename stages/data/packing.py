@@ -1,5 +1,4 @@
-"""Packed SFT rows that keep documents apart: tokenise, pack best-fit decreasing, collate.
-Design: docs/algorithms.md; figures: docs/benchmarks.md."""
+"""Packed SFT rows that keep documents apart: tokenise, pack best-fit decreasing, collate (docs/algorithms.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""reasoning-gym tasks: their records, their answer formats, and the ``reasoning_gym`` reward.
-Design: docs/algorithms.md."""
+"""reasoning-gym tasks: their records, their answer formats, and the ``reasoning_gym`` reward (docs/algorithms.md)."""
 
 from __future__ import annotations
 

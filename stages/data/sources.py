@@ -1,5 +1,4 @@
-"""Datasets: built-in generators and local JSONL / parquet files, in one canonical form.
-Design: docs/algorithms.md."""
+"""Datasets: built-in generators and local JSONL / parquet files, in one canonical form (docs/algorithms.md)."""
 
 from __future__ import annotations
 

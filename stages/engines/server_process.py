@@ -1,6 +1,5 @@
 """A stage's generation server as a process: vLLM's OpenAI server on 127.0.0.1 under a guard, stopped with its
-process group, and on a machine without a GPU the cores split between it and the trainer (client: ``server_client``).
-Design: docs/algorithms.md."""
+process group; without a GPU the cores split between it and the trainer (docs/algorithms.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Where a stage's frozen models live: ``placement: {reference: ..., reward_model: ...}``.
-Design: docs/algorithms.md."""
+"""Where a stage's frozen models live: ``placement: {reference: ..., reward_model: ...}`` (docs/algorithms.md)."""
 
 from __future__ import annotations
 

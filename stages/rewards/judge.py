@@ -1,5 +1,4 @@
-"""LLM-as-judge (``fn: judge``) and the audit of a judge against a verifier or a reward model.
-Design: docs/algorithms.md."""
+"""LLM-as-judge (``fn: judge``) and the audit of a judge against a verifier or a reward model (docs/algorithms.md)."""
 
 from __future__ import annotations
 

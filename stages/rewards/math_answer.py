@@ -1,5 +1,4 @@
-"""``math_answer``: is the completion's final answer mathematically equal to the reference?
-Design: docs/algorithms.md."""
+"""``math_answer``: is the completion's final answer mathematically equal to the reference? (docs/algorithms.md)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a pipeline declares of a reward (``RewardSpec``) and what a reward function returns.
-Design: docs/algorithms.md."""
+"""What a pipeline declares of a reward (``RewardSpec``) and what a reward function returns (docs/algorithms.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Reward functions under a wall-clock bound that holds in any thread: a worker process.
-Design: docs/algorithms.md."""
+"""Reward functions under a wall-clock bound that holds in any thread: a worker process (docs/algorithms.md)."""
 
 from __future__ import annotations
 

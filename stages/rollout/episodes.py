@@ -1,5 +1,4 @@
-"""The agent loop: multi-turn episodes of model turns and environment observations, as token ids.
-Design: docs/algorithms.md."""
+"""The agent loop: episodes of model turns and environment observations, as token ids (docs/algorithms.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Silent failures named: an RL or online DPO stage that learns nothing says why, while it runs.
-Design: docs/algorithms.md."""
+"""Silent failures named: an RL or online DPO stage that learns nothing says why, while it runs (docs/algorithms.md)."""
 
 from __future__ import annotations
 

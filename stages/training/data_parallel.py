@@ -1,5 +1,4 @@
-"""A stage trained by several processes at once (``resources: {processes: N}``, flows/execution/distributed.py).
-Design: docs/algorithms.md."""
+"""A stage trained by several processes at once (``resources: {processes: N}``; docs/algorithms.md)."""
 
 from __future__ import annotations
 

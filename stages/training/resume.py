@@ -1,5 +1,4 @@
-"""A training stage that stops (Ctrl-C, kill -9, its time limit) continues where it stopped.
-Design: docs/algorithms.md."""
+"""A training stage that stops (Ctrl-C, kill -9, its time limit) continues where it stopped (docs/algorithms.md)."""
 
 from __future__ import annotations
 
