@@ -31,9 +31,8 @@ class ServerFailed(RuntimeError):
 
 
 def cpu_split(generation: GenerationSettings) -> tuple[list[int] | None, int | None]:
-    """(the cores the server is bound to, the trainer's thread count): on a machine without a GPU where
-    generation overlaps training, the server gets ``server_cpus`` of the cores (default half) and the
-    trainer the rest; else (None, None), each uses every core."""
+    """(the server's cores, the trainer's thread count): without a GPU, generation overlapping training, the
+    server gets ``server_cpus`` of the cores (default half), the trainer the rest; else (None, None)."""
     import torch
 
     if generation.mode != "server" or generation.max_staleness == 0 or torch.cuda.is_available():
