@@ -142,8 +142,7 @@ HARNESS_GEN_KEYS = ("until", "do_sample", "temperature", "max_gen_toks", "max_ne
 
 
 def gen_kwargs_problem(spec: LmEvalSpec) -> str | None:
-    """Why a key of ``gen_kwargs`` would fail the first request, or None: a key the harness does not read
-    must be a field of the backend's GenerationConfig or SamplingParams (checked where that is installed)."""
+    """Why a ``gen_kwargs`` key would fail the first request (neither the harness's nor the backend's), or None."""
     if spec.backend == "hf":
         from transformers import GenerationConfig
 
@@ -174,8 +173,7 @@ def unchecked_here(spec: LmEvalSpec) -> str | None:
 
 
 def task_manager(spec: LmEvalSpec, base_dir: Path, extra: Path | None = None):
-    """The harness's task index with the pipeline's task folder, then ``extra``'s tasks over shipped ones of the
-    same name; built once per folders' content (indexing takes seconds)."""
+    """The harness's task index with the pipeline's task folder, then ``extra``'s over same-named shipped ones."""
     folders = ([Path(base_dir) / spec.include_path] if spec.include_path else []) + ([extra] if extra else [])
     return _task_manager(tuple((str(f), folder_digest(f) if f.is_dir() else None) for f in folders))
 
