@@ -71,8 +71,7 @@ class ReplyCache:
 
 
 class JudgeReward:
-    """The reward function of a ``fn: judge`` reward: ``(completions, prompts, answer) -> RewardOutput``;
-    ``last`` holds the verdicts of its last call (for the audit)."""
+    """A ``fn: judge`` reward: ``(completions, prompts, answer) -> RewardOutput``; ``last``: its last verdicts."""
 
     def __init__(self, spec: RewardSpec, ask: Callable[[list[list[dict]]], list[str]], cache: ReplyCache):
         self.spec, self.ask, self.cache = spec, ask, cache
@@ -107,8 +106,7 @@ def model_identity(checkpoint: Path) -> str:
 
 def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs,
                 open_model_judge: Callable | None = None) -> dict[str, JudgeReward]:
-    """The reward function of every ``fn: judge`` reward; ``open_model_judge(spec, checkpoint,
-    trust_remote_code) -> (ask, backend)`` opens a model judge (handed in by stages/scorers.py)."""
+    """Every ``fn: judge`` reward bound; ``open_model_judge(spec, checkpoint, trust_remote_code) -> (ask, backend)``."""
     cache_dir = inputs.judge_cache
     bound = {}
     for name, spec in rewards.items():
