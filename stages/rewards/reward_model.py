@@ -207,7 +207,7 @@ def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, wher
 
 
 def reward_model_correlations(scored: ScoredBatch, rewards: dict[str, RewardSpec]) -> dict[str, float]:
-    """``reward/<rm>/corr/<other>``: each reward model's Pearson correlation with each other reward (where both vary)."""
+    """``reward/<rm>/corr/<other>``: each reward model's Pearson correlation with each other reward (if both vary)."""
     from stages.preference_math import pearson
 
     learned = [c for c in scored.components if rewards[c.name].fn == REWARD_MODEL_FN]
