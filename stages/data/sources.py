@@ -212,7 +212,7 @@ def located_file_records(spec: FileData | HubData, base_dir: Path) -> list[tuple
 
 
 def normalise_step_record(raw, where: str) -> dict:
-    """A step-rated record (PRM800K's shape) as a conversation: its steps the reply, one a line; ``step_ratings`` kept."""
+    """A step-rated record (PRM800K's shape) as a conversation: the reply its steps, one a line, ``step_ratings``."""
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     prompt, steps, ratings = raw.get("prompt"), raw.get("steps"), raw.get("ratings")
