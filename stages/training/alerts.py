@@ -42,7 +42,7 @@ def hacking_pairs(rewards: dict[str, tuple[str, float]]) -> list[tuple[str, str]
 
 
 class RewardHackingWatch:
-    """Window means of each learned reward and its check: did the learned rise as the check fell, window after window?"""
+    """Window means of each learned reward and its check: did the learned one rise as the check fell, in a row?"""
 
     def __init__(self, settings: AlertSettings, pairs: list[tuple[str, str]]):
         self.settings, self.pairs = settings, pairs
