@@ -13,8 +13,7 @@ from stages.sampling import SamplingSettings
 
 
 class VLLMEngine:
-    """Sampling with vLLM: every prompt's attempts in one request (``n``), all prompts in one call. Log-probs
-    are vLLM's ``processed_logprobs`` (after temperature and top-p), as HF's."""
+    """vLLM: a prompt's attempts one request (``n``), all prompts one call; log-probs after temperature and top-p."""
 
     name = "vllm"
     why = "declared"
