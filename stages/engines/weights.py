@@ -69,8 +69,7 @@ def load_in_process(engine, model, version: int) -> None:
 
 
 def push_to_server(engine, model, version: int, folder: Path, keep: int = 1) -> float:
-    """Serve ``model``'s weights as ``version`` on the server ``engine``, saved under ``folder``: a LoRA adapter
-    beside the newest ``keep`` versions, or the full weights reloaded in place. Returns the seconds it took."""
+    """Serve ``model``'s weights as ``version`` (an adapter beside the newest ``keep``, or all reloaded): seconds."""
     from stages.engines.server_process import BASE_NAME
 
     started = time.perf_counter()

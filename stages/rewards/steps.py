@@ -82,8 +82,7 @@ def check_chain(text: str, terms: list[tuple[str, int]], split: SplitRule = "del
 
 def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delimiter", delimiter: str = ",",
                 **_):
-    """Chain arithmetic's verifiable process reward: the share of the chain's steps done right (missing and
-    extra ones wrong); a completion with no "a op b = c" is unparsed."""
+    """Chain arithmetic's process reward: the share of the chain's steps done right; none "a op b = c": unparsed."""
     from stages.rewards.spec import RewardError, RewardOutput
 
     scores, parsed, steps = [], [], []
@@ -101,8 +100,7 @@ def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delim
 
 
 def step_token_indices(tokenizer, token_ids: list[int], ends: list[int]) -> list[int]:
-    """For each step end (a character offset into the decoded ``token_ids``), the first token whose decoded
-    prefix reaches it (the last token when none does)."""
+    """For each step end (a character offset), the first token whose decoded prefix reaches it (else the last)."""
     decoded = [len(tokenizer.decode(token_ids[:i + 1], skip_special_tokens=True)) for i in range(len(token_ids))]
     last = max(len(token_ids) - 1, 0)
     return [next((i for i, length in enumerate(decoded) if length >= end), last) for end in ends]
