@@ -1,4 +1,4 @@
-"""An ``rl`` stage's difficulty filter: train on the prompts the starting policy sometimes solves (docs/algorithms.md)."""
+"""An ``rl`` stage's difficulty filter: train on prompts the starting policy sometimes solves (docs/algorithms.md)."""
 
 from __future__ import annotations
 
