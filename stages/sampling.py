@@ -55,8 +55,7 @@ class SamplingSettings(SpecModel):
         return [drawn[0]] * self.attempts if self.greedy else drawn
 
     def seeded(self, seed: int, **update) -> SamplingSettings:
-        """These settings drawing from ``seed`` (``update`` replaces other fields, e.g. ``attempts=1`` for
-        one episode at a time): what a backend is asked for, from what a stage declared."""
+        """What a backend is asked for: these settings drawing from ``seed``, ``update`` replacing other fields."""
         return self.model_copy(update={"seed": seed, **update})
 
 

@@ -57,8 +57,7 @@ def all_max(values: torch.Tensor) -> torch.Tensor:
 
 
 def agreed_flags(*flags: bool) -> tuple[bool, ...]:
-    """Each flag, raised if any process raised it: every rank stops after the same step (a rank that
-    stopped alone would leave the others waiting in a collective)."""
+    """Each flag, raised if any process raised it: every rank stops after the same step, none left waiting."""
     import torch.distributed as dist
 
     if not _group_ready():
