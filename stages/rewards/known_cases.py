@@ -76,8 +76,7 @@ class CaseResult:
 
 def check_reward_cases(name: str, spec: RewardSpec, cases: list[RewardCase],
                        fn: Callable[..., Any] | None = None) -> list[CaseResult]:
-    """Score every known case of one reward; a result with violations means do not train on it.
-    ``fn``: the bound scorer of a judge."""
+    """Score every known case of one reward (``fn``: a judge's bound scorer); a violation: do not train on it."""
     completions = [c.completion for c in cases]
     columns = reward_columns([{"answer": c.answer, "task": c.task} for c in cases],
                              [[{"role": "user", "content": c.prompt or ""}] for c in cases], 1)
