@@ -28,8 +28,7 @@ def _revision(revision: str) -> str:
 
 
 def revision_problem(revision: str) -> str | None:
-    """Why ``revision`` cannot be a hub revision (a commit, branch or tag), or None. A branch may hold ``/``
-    (``refs/pr/1``), but never a path step: the revision names a folder of the local cache."""
+    """Why ``revision`` cannot be a hub revision, or None: ``refs/pr/1`` may be, never a path step (a cache folder)."""
     if not revision.strip() or revision != revision.strip():
         return f"{revision!r} is not a commit, branch or tag (empty, or white space around it)"
     parts = revision.split("/")
