@@ -1,5 +1,4 @@
-"""Sampling settings: the one schema of every ``sampling:`` a pipeline declares, and the rules each place
-that samples takes it under (rollouts, a judge). Imports nothing of posttrain but the config base class."""
+"""The one schema of every ``sampling:`` and each sampling place's rules; it imports only the config base class."""
 
 from __future__ import annotations
 
