@@ -1,5 +1,4 @@
-"""The ``reward_model`` stage at ``level: step``: a process reward model (PRM), with a ``surprise``
-head over the frozen LM (default) or a whole ``token`` classifier. Design: docs/algorithms.md."""
+"""The ``reward_model`` stage at ``level: step``: a process reward model (PRM); design in docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The in-process vLLM engine: vLLM's ``LLM`` in the stage's own process, so a training stage can push new
-weights into it between steps. Departs from vLLM's defaults on a CPU: eager, no chunked prefill, blocks of 32
-tokens, a KV cache of ``engine.kv_cache_gib`` and a dtype this machine computes natively."""
+"""vLLM's ``LLM`` in the stage's process, to take new weights between steps. Departs from vLLM's CPU defaults:
+eager, no chunked prefill, blocks of 32, a KV cache of ``engine.kv_cache_gib``, a dtype computed natively."""
 
 from __future__ import annotations
 

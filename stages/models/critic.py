@@ -1,5 +1,4 @@
-"""The PPO critic: a transformer backbone and a scalar value head, started from the policy's checkpoint or
-from a reward model's backbone and score head."""
+"""The PPO critic: a backbone and a scalar value head, from the policy's checkpoint or a reward model's."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The built-in rewards that need no machinery of their own: exact answers, a format, a length penalty,
-and the placeholders of the scorers a stage binds (reward model, judge, environment)."""
+"""The built-in rewards with no machinery of their own, and placeholders of the scorers a stage binds."""
 
 from __future__ import annotations
 

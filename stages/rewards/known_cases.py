@@ -1,5 +1,4 @@
-"""Known cases of a reward (``reward_checks:``, ``posttrain check-reward``): completions whose score is known
-before training, scored and checked against the range each must get."""
+"""A reward's known cases (``reward_checks:``, ``posttrain check-reward``), checked against their ranges."""
 
 from __future__ import annotations
 
