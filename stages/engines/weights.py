@@ -22,8 +22,7 @@ def adapters_merged(model):
 
 
 def merged_named_weights(model):
-    """``(name, tensor)`` of the policy in its checkpoint's naming, adapter tensors left out (merge first). The
-    state dict, not ``named_parameters``: vLLM's CPU build keeps its own copy of a tied LM head."""
+    """``(name, tensor)`` of the policy's state dict (a tied LM head too) in its checkpoint's naming, no adapters."""
     named = []
     for name, tensor in model.state_dict().items():
         if "lora_" in name or "modules_to_save" in name:
@@ -34,8 +33,7 @@ def merged_named_weights(model):
 
 
 def save_weights(model, folder: Path, dtype: str | None = None) -> None:
-    """The policy's weights as one safetensors file in its checkpoint's naming, a tied LM head included (unlike
-    ``save_pretrained``), floats cast to the server's ``dtype`` (vLLM would round them the same way)."""
+    """The policy's weights as one safetensors file, a tied LM head included, floats cast to ``dtype``."""
     import torch
     from safetensors.torch import save_file
 

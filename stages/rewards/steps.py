@@ -50,8 +50,7 @@ def split_steps(text: str, split: SplitRule = "delimiter", delimiter: str = ",")
 
 
 def chain_terms(prompt_text: str) -> list[tuple[str, int]] | None:
-    """The chain a prompt asks for as (op, operand) pairs, the first with op "" ("12+5-3" ->
-    [("", 12), ("+", 5), ("-", 3)]), or None where the prompt holds none."""
+    """The chain a prompt asks for as (op, operand) pairs ("12+5-3" -> [("", 12), ("+", 5), ("-", 3)]), or None."""
     found = CHAIN.search(prompt_text)
     if not found:
         return None
@@ -107,8 +106,7 @@ def step_token_indices(tokenizer, token_ids: list[int], ends: list[int]) -> list
 
 
 def process_metrics(components, correct: list[bool]) -> dict[str, float]:
-    """For each process reward among ``components``: the share of attempts with every step right, and the
-    share of ``correct`` attempts that are not (right answers through a wrong, missing or extra step)."""
+    """Per process reward: the share of attempts with every step right, and of ``correct`` attempts with one wrong."""
     metrics = {}
     for component in components:
         if component.steps is None:
