@@ -22,7 +22,7 @@ def adapters_merged(model):
 
 
 def merged_named_weights(model):
-    """``(name, tensor)`` of the policy's state dict (a tied LM head too) in its checkpoint's naming, no adapters."""
+    """``(name, tensor)`` of the policy's state dict (tied LM head too) in checkpoint naming; adapters: merge first."""
     named = []
     for name, tensor in model.state_dict().items():
         if "lora_" in name or "modules_to_save" in name:
