@@ -171,9 +171,8 @@ APPLIES_WHEN = "applies_when"  # the key of a field's ``json_schema_extra`` that
 
 
 def applies_when(*alternatives: dict, why: str) -> dict:
-    """``Field(json_schema_extra=...)`` of a field that applies only where one of ``alternatives`` holds (each
-    maps dotted paths from the entry's root to a value, a list of values, ``{"set": bool}``, ``{"not": [...]}``
-    or ``{"min": x}``, all of which must hold). Elsewhere the field is refused, saying ``why``."""
+    """``json_schema_extra`` of a field refused (saying ``why``) unless one of ``alternatives`` holds, each mapping
+    dotted paths (all must hold) to a value, values, ``{"set": bool}``, ``{"not": [...]}`` or ``{"min": x}``."""
     return {APPLIES_WHEN: {"any_of": [dict(a) for a in alternatives], "why": why}}
 
 

@@ -140,8 +140,7 @@ def _state_writer(trainer, state: StageState, loss_sum_before: float, run_id: st
 
 
 class StopRequest:
-    """Ctrl-C or the time limit as a request to stop after the current step: ``due()`` (agreed by every
-    process), then ``stop(done, total)`` raises KeyboardInterrupt or StageTimeLimit."""
+    """Ctrl-C or the time limit, a stop after this step: ``due()`` (agreed by all processes), then ``stop()`` raises."""
 
     def __init__(self, ctx):
         self.deadline = getattr(ctx, "deadline", None)
