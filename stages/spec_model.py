@@ -172,7 +172,7 @@ APPLIES_WHEN = "applies_when"  # the key of a field's ``json_schema_extra`` that
 
 def applies_when(*alternatives: dict, why: str) -> dict:
     """``json_schema_extra`` of a field refused (saying ``why``) unless one of ``alternatives`` holds, each mapping
-    dotted paths (all must hold) to a value, values, ``{"set": bool}``, ``{"not": [...]}`` or ``{"min": x}``."""
+    paths from the entry's root (all must hold) to a value, values, ``{"set": b}``, ``{"not": []}``, ``{"min": x}``."""
     return {APPLIES_WHEN: {"any_of": [dict(a) for a in alternatives], "why": why}}
 
 
