@@ -56,6 +56,6 @@ def context_length(tokenizer, prompts: list[list[dict]], max_tokens: int) -> int
 
 
 def rollout_budget(config) -> int:
-    """Tokens a rollout may add after its prompt: ``sampling.max_tokens``, or an episode's budget + 64 (the tools)."""
+    """Tokens a rollout may add after its prompt: ``sampling.max_tokens``, or an episode's budget + 64 (tools line)."""
     environment = getattr(config, "environment", None)
     return config.sampling.max_tokens if environment is None else environment.max_episode_tokens + 64

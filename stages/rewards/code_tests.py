@@ -93,7 +93,7 @@ def code_tests(
 
 
 def require_sandbox(sandbox: str) -> None:
-    """RewardError (the stage stops, never a silent zero) when the sandbox cannot run, before any completion."""
+    """Raise RewardError (the stage stops, never a silent zero) if the sandbox cannot run, before any completion."""
     if sandbox not in ISOLATION_MODES:
         raise RewardError(f"code_tests: sandbox must be one of {', '.join(ISOLATION_MODES)}, got {sandbox!r}")
     try:

@@ -199,7 +199,7 @@ def log_audits(ctx, audits: list[Audit], suffix: str = "") -> dict[str, float]:
 
 
 class BatchAuditor:
-    """Audits every ``audit_every``-th reward batch of an rl stage (``record``: GRPO's by reward; ``record_batch``)."""
+    """Audits every ``audit_every``-th reward batch of an rl stage (``record``: GRPO's; ``record_batch``: PPO's)."""
 
     def __init__(self, rewards: dict[str, RewardSpec], judges: dict[str, JudgeReward], ctx):
         self.rewards, self.judges, self.ctx = rewards, judges, ctx

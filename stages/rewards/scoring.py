@@ -96,7 +96,7 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
 
 
 def _bounded_call(spec: RewardSpec) -> Callable[[list[str], dict[str, list]], Any]:
-    """``spec.fn`` on a chunk in the reward worker within ``spec.max_seconds``: a RewardError stays one."""
+    """``spec.fn`` on a chunk in the reward worker within ``spec.max_seconds``; a RewardError there is one here."""
     from stages.rewards.worker import RewardRaised, RewardTimeout, worker
 
     def call(texts, cols):
