@@ -1,5 +1,4 @@
-"""Stage kind ``benchmark``: a checkpoint on standard benchmarks through lm-evaluation-harness, in MLflow.
-Design: docs/algorithms.md."""
+"""Stage kind ``benchmark``: a checkpoint on standard benchmarks by lm-evaluation-harness (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -143,8 +142,7 @@ HARNESS_GEN_KEYS = ("until", "do_sample", "temperature", "max_gen_toks", "max_ne
 
 
 def gen_kwargs_problem(spec: LmEvalSpec) -> str | None:
-    """Why a key of ``gen_kwargs`` would fail the first request, or None: a key the harness does not read
-    must be a field of the backend's GenerationConfig or SamplingParams (checked where that is installed)."""
+    """Why a ``gen_kwargs`` key would fail the first request (neither the harness's nor the backend's), or None."""
     if spec.backend == "hf":
         from transformers import GenerationConfig
 
@@ -175,8 +173,7 @@ def unchecked_here(spec: LmEvalSpec) -> str | None:
 
 
 def task_manager(spec: LmEvalSpec, base_dir: Path, extra: Path | None = None):
-    """The harness's task index with the pipeline's task folder, then ``extra``'s tasks over shipped ones of the
-    same name; built once per folders' content (indexing takes seconds)."""
+    """The harness's task index with the pipeline's task folder, then ``extra``'s over same-named shipped ones."""
     folders = ([Path(base_dir) / spec.include_path] if spec.include_path else []) + ([extra] if extra else [])
     return _task_manager(tuple((str(f), folder_digest(f) if f.is_dir() else None) for f in folders))
 

@@ -76,8 +76,7 @@ SCORER_PREFIX = "rewards."  # ``rewards.<name>``: the checkpoint a reward scores
 
 @dataclass(frozen=True)
 class StageKind:
-    """One kind of stage (``KIND`` in its module, listed in stages/registry.py): what the orchestrator cannot
-    read from a config instance."""
+    """A stage kind (``KIND`` in its module, listed in stages/registry.py): what a config instance does not say."""
 
     name: str
     config: Any  # its config model, or a discriminated union of them (rl: one model per algorithm)
@@ -166,8 +165,7 @@ class StageInputs:
                        datasets={**self.datasets, **datasets})
 
     def paths(self) -> dict[str, str]:
-        """Every path, flat (``data``, ``policy``, ``data.<name>``, ``rewards.<reward>``, ...): recorded
-        as the stage run's ``input.*`` params and handed to the ranks of a multi-process stage."""
+        """Every path, flat (``data``, ``data.<name>``, ``rewards.<reward>``, ...): ``input.*`` params, the ranks'."""
         flat = {name: str(getattr(self, name)) for name in _PATH_FIELDS if getattr(self, name) is not None}
         if self.data is not None:
             flat["data"] = str(self.data)  # what iterate reads back from a collect run's ``input.data``

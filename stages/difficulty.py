@@ -1,5 +1,4 @@
-"""The difficulty filter of an ``rl`` stage: score the training prompts under the starting policy, train only on those
-it sometimes solves. Design: docs/algorithms.md."""
+"""An ``rl`` stage's difficulty filter: train on prompts the starting policy sometimes solves (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -92,9 +91,7 @@ def verdict(rate: float, min_pass: float, max_pass: float) -> str:
 
 
 def filter_prompts(config, inputs: StageInputs, ctx) -> Path:
-    """Score ``inputs.data`` under ``inputs.policy``, write the kept records, return their file.
-
-    ``config`` is the rl stage's config (its ``difficulty_filter`` set)."""
+    """The file of ``inputs.data``'s records kept under ``inputs.policy``; ``config``: the rl stage's."""
     spec: DifficultyFilter = config.difficulty_filter
     records = read_materialized(inputs.data)
     if spec.max_prompts:
@@ -172,10 +169,8 @@ def _require_enough(config, kept: list[dict], records: list[dict], verdicts: lis
 
 def score_attempts(config, inputs: StageInputs, records: list[dict], prompts: list, samples, verifier: str,
                    threshold: float) -> tuple[list[bool], list[tuple[int, str]]]:
-    """(per attempt, prompt-major: whether the verifier calls it correct; the verifier's exceptions).
-
-    Scored as every stage scores (stages/rewards/scoring.py): an attempt whose reward raised is not correct,
-    and the stage's ``reward_errors`` policy decides whether the stage goes on."""
+    """(whether the verifier calls each attempt correct, prompt-major; its exceptions), scored as every stage
+    scores: an attempt whose reward raised is not correct; ``reward_errors`` decides if the stage goes on."""
     from stages.scorers import bind_scorers
     from stages.rewards.scoring import reward_columns
     from stages.rewards.scoring import RewardErrorPolicy, Scorer

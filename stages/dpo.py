@@ -1,7 +1,5 @@
-"""Stage kind ``dpo``: direct preference optimisation with TRL's ``DPOTrainer``.
-
-Departs from the paper in the loss only when ``sft_weight > 0`` (RPO's NLL of the chosen replies).
-Design: docs/algorithms.md."""
+"""Stage kind ``dpo``: direct preference optimisation with TRL's ``DPOTrainer`` (docs/algorithms.md).
+Departs from the paper in the loss only when ``sft_weight > 0`` (RPO's NLL of the chosen replies)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Stage kind ``eval``: held-out evaluation at fixed sampling settings.
-
-Design notes, departures and why: docs/algorithms.md, section `stages/eval.py`.
-"""
+"""Stage kind ``eval``: held-out evaluation at fixed sampling settings (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -135,9 +132,8 @@ def pass_k_values(attempts: int) -> list[int]:
 
 def settings_hash(config: EvalConfig, data_path: Path, rewards: dict[str, RewardSpec],
                   engine: dict | None = None) -> str:
-    """Everything that changes a score except the models evaluated (the checkpoint and a best-of-N
-    selector's, trained per seed). ``engine``: the resolved backend's identity (empty for HF generate, so
-    older hashes stay valid)."""
+    """Everything that changes a score but the models evaluated (trained per seed); ``engine``: the resolved
+    backend's identity (empty for HF generate, so older hashes stay valid)."""
     payload = {
         "sampling": config.sampling.identity(),
         "data": Path(data_path).name,
@@ -234,8 +230,7 @@ def _audit(ctx, rewards: dict[str, RewardSpec], scored, bound: dict, prompts: li
 
 
 def _sample(config: EvalConfig, inputs: StageInputs, ctx, records: list[dict], verifier: str):
-    """``attempts`` samples (or episodes) per prompt, the settings hash tagged; (samples, seconds, episodes
-    prompt-major or None)."""
+    """(``attempts`` samples per prompt, seconds, episodes prompt-major or None); the settings hash tagged."""
     sampling = config.sampling
     prompts = start_messages(config, records)
     with ctx.progress(f"sampling {sampling.attempts} attempts x {len(prompts)} prompts", len(prompts)) as bar:

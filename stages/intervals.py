@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
-Z_95 = NormalDist().inv_cdf(0.975)  # 1.96
-Z_80_POWER = NormalDist().inv_cdf(0.80)  # 0.84
+Z_95 = NormalDist().inv_cdf(0.975)
+Z_80_POWER = NormalDist().inv_cdf(0.80)
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,8 @@ def mean_and_se(values: list[float]) -> tuple[float, float]:
 
 
 def clustered_mean_and_se(values: list[float], clusters: list | None = None) -> tuple[float, float]:
-    """Mean and its cluster-robust SE: residuals summed within each cluster (a dataset that holds one
-    question several times clusters by question), Var = C/(C-1) * sum_c (sum_i in c r_i)^2 / n^2. With every
-    value its own cluster this is the plain SE of ``mean_and_se``."""
+    """Mean and its cluster-robust SE (e.g. by question): Var = C/(C-1) * sum_c (sum_i in c r_i)^2 / n^2, residuals
+    r summed within each cluster c; with every value its own cluster, the plain SE of ``mean_and_se``."""
     if clusters is None:
         return mean_and_se(values)
     if len(clusters) != len(values):
@@ -69,16 +68,14 @@ def _prompts(n: int, clusters: list | None) -> str:
 
 
 def prompt_estimate(per_prompt: list[float], clusters: list | None = None) -> Estimate:
-    """A score's mean over prompts with its SE clustered by prompt (and by question, given ``clusters``: one
-    label per prompt) and a 95% z interval."""
+    """A score's mean over prompts, its SE clustered by prompt (or ``clusters``, a label a prompt), 95% z interval."""
     mean, se = clustered_mean_and_se(per_prompt, clusters)
     return Estimate(mean, se, len(per_prompt), mean - Z_95 * se, mean + Z_95 * se,
                     f"z over {_prompts(len(per_prompt), clusters)}")
 
 
 def paired_difference(a: list[float], b: list[float], clusters: list | None = None) -> Estimate:
-    """b - a on the same prompts, in the same order: the mean per-prompt difference and its 95% z interval
-    (clustered as ``prompt_estimate``)."""
+    """b - a on the same prompts, in order: the mean per-prompt difference, 95% z interval as ``prompt_estimate``."""
     if len(a) != len(b):
         raise ValueError(f"a paired difference needs the same prompts: {len(a)} against {len(b)}")
     mean, se = clustered_mean_and_se([y - x for x, y in zip(a, b)], clusters)
@@ -107,10 +104,8 @@ def t_quantile_975(df: int) -> float:
 
 
 def seed_estimate(per_seed: list[float]) -> Estimate:
-    """A mean over seeds (of scores, or of paired differences) with a 95% t interval (seeds - 1 df).
-
-    One seed has no spread to measure: its interval is empty of meaning, so it is reported
-    with SE 0 and an infinite interval rather than a false certainty."""
+    """A mean over seeds (of scores, or paired differences) with a 95% t interval (seeds - 1 df); one seed has no
+    spread: SE 0 and an infinite interval, not a false certainty."""
     mean, se = mean_and_se(per_seed)
     n = len(per_seed)
     if n < 2:

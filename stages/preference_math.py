@@ -1,5 +1,4 @@
-"""The maths of preference learning, as small functions checked against hand computations.
-Design: docs/algorithms.md."""
+"""The maths of preference learning, as small functions checked against hand computations (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -91,9 +90,8 @@ class RunningMeanStd:
 
 
 def best_worst_pairs(scores_P_K: list[list[float]]) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """Online DPO's pairs from K scored samples of each of P prompts: ``([(prompt, chosen, rejected)],
-    [tied prompts])``. Chosen is the highest-scoring sample (the first on ties), rejected the lowest (the
-    last on ties); a prompt whose samples all score the same carries no preference and is skipped."""
+    """Online DPO's ``([(prompt, chosen, rejected)], [tied prompts])`` from P x K scores: chosen the highest (first
+    on ties), rejected the lowest (last on ties); a prompt whose samples all score the same is skipped."""
     pairs, ties = [], []
     for p, row in enumerate(scores_P_K):
         if len(row) < 2:

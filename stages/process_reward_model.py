@@ -1,5 +1,4 @@
-"""The ``reward_model`` stage at ``level: step``: a process reward model (PRM), with a ``surprise``
-head over the frozen LM (default) or a whole ``token`` classifier. Design: docs/algorithms.md."""
+"""The ``reward_model`` stage at ``level: step``: a process reward model (PRM); design in docs/algorithms.md."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ from stages.data.sources import read_materialized
 
 
 def step_examples(config, inputs: StageInputs, tokenizer, records: list[dict] | None = None) -> list[dict]:
-    """One example per demonstration with labelled steps: input ids and labels (1 right, 0 wrong at each step's
-    last token, -100 elsewhere), the record, its step spans and (first, last) token indices. ``records``
-    replace the stage data's."""
+    """One example per demonstration with labelled steps (``records`` replace the stage data's): input ids, labels
+    (1 right, 0 wrong at each step's last token, -100 elsewhere), the record, step spans, (first, last) tokens."""
     from stages.rewards.reward_model import step_model_inputs
     from stages.rewards.steps import step_token_indices
 
@@ -53,8 +51,7 @@ TRAILING_NUMBER = re.compile(r"(-?\d+)$")
 
 
 def counterfactual_records(examples: list[dict], copies: int, seed: int) -> list[dict]:
-    """For each example, ``copies`` demonstrations with one step's last number moved by 1, relabelled by the
-    stage's labelling reward (never assumed wrong)."""
+    """``copies`` of each example with one step's last number moved by 1, to be relabelled (never assumed wrong)."""
     rng = random.Random(seed)
     made = []
     for example in examples:
@@ -72,8 +69,7 @@ def counterfactual_records(examples: list[dict], copies: int, seed: int) -> list
 
 
 def step_labels(config, inputs: StageInputs, records: list[dict], completions: list[str]) -> list[list]:
-    """Each demonstration's labelled steps (StepScores, 1.0 right), by the ``labels`` reward or a step-rated
-    file's ratings (+1 right, 0 and -1 not)."""
+    """Each demonstration's steps (StepScores, 1.0 right), by the ``labels`` reward or the file's ratings (+1 right)."""
     from stages.rewards.scoring import reward_columns, score_component
     from stages.rewards.steps import StepScore, split_steps
 
@@ -133,8 +129,7 @@ def step_metrics(probabilities: list[list[float]], examples: list[dict]) -> dict
 
 
 def class_weights(config, train: list[dict]) -> list[float] | None:
-    """(wrong, right) cross-entropy weights, total / (2 x count) each under ``step_class_weights: balanced``;
-    else None."""
+    """(wrong, right) cross-entropy weights, total / (2 x count) each under ``step_class_weights: balanced``."""
     if config.step_class_weights == "none":
         return None
     right = sum(sum(e["step_labels"]) for e in train)
@@ -266,8 +261,7 @@ def _per_example(probabilities_S: list[float], examples: list[dict]) -> list[lis
 
 
 def train_surprise_head(config, inputs: StageInputs, ctx, tokenizer, train: list[dict], heldout: list[dict]) -> dict:
-    """``step_head: surprise``: the frozen model reads every demonstration once, then a small head learns
-    P(right) from each step's features. Seconds long, so it does not checkpoint."""
+    """``step_head: surprise``: the frozen LM reads each demonstration once, a small head learns P(right) from it."""
     import torch
     from transformers import AutoModelForCausalLM, get_scheduler
 

@@ -22,9 +22,8 @@ STAGE_KINDS: dict[str, StageKind] = {kind.name: kind for kind in (
 
 
 def stage_runner(kind: str):
-    """The ``run(config, inputs, ctx)`` of a stage kind, torch's CPU threads capped by
-    ``POSTTRAIN_TORCH_THREADS`` (several torch processes on a small machine: docs/benchmarks.md, "Figures
-    behind choices in the code")."""
+    """A stage kind's ``run(config, inputs, ctx)``, torch's CPU threads capped by ``POSTTRAIN_TORCH_THREADS``
+    (several torch processes on a small machine: docs/benchmarks.md, "Figures behind choices in the code")."""
     run = STAGE_KINDS[kind].run
     threads = os.environ.get("POSTTRAIN_TORCH_THREADS")
     if not threads:

@@ -1,5 +1,4 @@
-"""Stage kind ``reward_model``: a Bradley-Terry reward model with TRL's ``RewardTrainer``, and the trained model used
-as a reward by later stages. Design: docs/algorithms.md."""
+"""Stage kind ``reward_model``: a Bradley-Terry reward model with TRL's ``RewardTrainer`` (docs/algorithms.md)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ class RewardCheckFailed(RuntimeError):
 
 
 def verify_rewards(inputs: StageInputs, ctx, environment=None) -> None:
-    """Run the declared reward cases, and ``environment``'s known episodes; refuse to train on any
-    violation (logged as tables)."""
+    """Run the reward cases and ``environment``'s known episodes; refuse to train on a violation (tabled)."""
     from stages.scorers import bind_scorers
     from stages.rewards.known_cases import check_reward_cases
     from stages.rewards.spec import JUDGE_FN

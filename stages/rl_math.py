@@ -44,9 +44,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 
 def kl_estimators(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token estimators of KL(p || q), tokens sampled from p (policy), q the reference: k1 = log p - log q
-    (unbiased, can be negative); k2 = 0.5 (log p - log q)^2 (biased, low variance); k3 = q/p - 1 - log(q/p)
-    (unbiased, never negative)."""
+    """Per-token KL(p || q) estimators, p the policy that sampled, q the reference: k1 = log p/q (unbiased, can be
+    negative); k2 = 0.5 (log p/q)^2 (biased, low variance); k3 = q/p - 1 - log(q/p) (unbiased, never negative)."""
     log_ratio = ref_logprobs - logprobs  # log q/p
     k1 = -log_ratio
     k2 = 0.5 * log_ratio**2
@@ -57,9 +56,8 @@ def kl_estimators(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> tuple[t
 def gae(
     rewards_B_T: torch.Tensor, values_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016) over the positions where ``mask`` is 1: masked-out positions (padding, an
-    agent's observation tokens) are skipped, not steps; the value past a row's last one is 0. Returns
-    (advantages_B_T, returns_B_T = advantages + values), both 0 where the mask is 0."""
+    """GAE (Schulman et al. 2016) over the positions where ``mask`` is 1 (the others skipped, not steps; 0 past
+    a row's end): (advantages_B_T, returns_B_T = advantages + values), both 0 where the mask is 0."""
     keep_B_T = mask_B_T.bool()
     mask_B_T = mask_B_T.to(values_B_T.dtype)
     values_B_T = values_B_T * mask_B_T
@@ -111,10 +109,8 @@ def ppo_value_loss(
 
 def sampler_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
                        kind: str, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """(weights_B_T, mismatch metrics) for samples another sampler drew (vLLM, a server, older weights):
-    the importance weight pi_trainer / pi_sampler, per ``kind`` (``token_tis``: per token, truncated at
-    ``cap``; ``sequence_mask``: per sequence, 0 above ``cap``; ``none``: 1). A NaN sampler log-prob weighs
-    1. The weight multiplies the policy-gradient term, never the KL term. Design: docs/algorithms.md."""
+    """(weights_B_T, mismatch metrics): pi_trainer / pi_sampler per ``kind`` for samples another sampler drew (a
+    NaN sampler log-prob weighs 1); it multiplies the policy-gradient term, never the KL term."""
     mask = mask.to(trainer_logprobs.dtype)
     diff = torch.nan_to_num((trainer_logprobs - sampler_logprobs.to(trainer_logprobs)) * mask, nan=0.0)
     if kind == "token_tis":

@@ -1,5 +1,4 @@
-"""Sampling settings: the one schema of every ``sampling:`` a pipeline declares, and the rules each place
-that samples takes it under (rollouts, a judge). Imports nothing of posttrain but the config base class."""
+"""The one schema of every ``sampling:`` and each sampling place's rules; it imports only the config base class."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class SamplingSettings(SpecModel):
         return [drawn[0]] * self.attempts if self.greedy else drawn
 
     def seeded(self, seed: int, **update) -> SamplingSettings:
-        """These settings drawing from ``seed`` (``update`` replaces other fields, e.g. ``attempts=1`` for
-        one episode at a time): what a backend is asked for, from what a stage declared."""
+        """What a backend is asked for: these settings drawing from ``seed``, ``update`` replacing other fields."""
         return self.model_copy(update={"seed": seed, **update})
 
 

@@ -10,6 +10,5 @@ from stages.rollout.model_judge import open_model_judge
 
 
 def bind_scorers(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy") -> dict:
-    """``bind_reward_models``: every reward model and judge of ``rewards``, a model judge sampling through the
-    generation engine."""
+    """Every reward model and judge of ``rewards`` bound, a model judge sampling through the generation engine."""
     return bind_reward_models(rewards, inputs, where, open_model_judge)

@@ -161,8 +161,7 @@ def packed_inputs(config: SFTStageConfig, conversations: list[list[dict]], token
 
 
 def packed_sft_trainer_class():
-    """SFTTrainer over ``PackedRowCollator`` batches, logging ``num_tokens`` as the collator counts them
-    (TRL's count assumes a 2D mask or one padding-free row)."""
+    """SFTTrainer over ``PackedRowCollator`` batches, ``num_tokens`` as the collator counts them (TRL's: a 2D mask)."""
     from trl import SFTTrainer
 
     class PackedSFTTrainer(SFTTrainer):

@@ -28,8 +28,7 @@ def _revision(revision: str) -> str:
 
 
 def revision_problem(revision: str) -> str | None:
-    """Why ``revision`` cannot be a hub revision (a commit, branch or tag), or None. A branch may hold ``/``
-    (``refs/pr/1``), but never a path step: the revision names a folder of the local cache."""
+    """Why ``revision`` cannot be a hub revision, or None: ``refs/pr/1`` may be, never a path step (a cache folder)."""
     if not revision.strip() or revision != revision.strip():
         return f"{revision!r} is not a commit, branch or tag (empty, or white space around it)"
     parts = revision.split("/")
@@ -172,9 +171,8 @@ APPLIES_WHEN = "applies_when"  # the key of a field's ``json_schema_extra`` that
 
 
 def applies_when(*alternatives: dict, why: str) -> dict:
-    """``Field(json_schema_extra=...)`` of a field that applies only where one of ``alternatives`` holds (each
-    maps dotted paths from the entry's root to a value, a list of values, ``{"set": bool}``, ``{"not": [...]}``
-    or ``{"min": x}``, all of which must hold). Elsewhere the field is refused, saying ``why``."""
+    """``json_schema_extra`` of a field refused (saying ``why``) unless one of ``alternatives`` holds, each mapping
+    paths from the entry's root (all must hold) to a value, values, ``{"set": b}``, ``{"not": []}``, ``{"min": x}``."""
     return {APPLIES_WHEN: {"any_of": [dict(a) for a in alternatives], "why": why}}
 
 

@@ -32,10 +32,7 @@ def read_failures(path: Path) -> list[dict]:
 
 
 def failure_training_records(cases: list[dict], demonstrations: bool, where: str = "failure set") -> list[dict]:
-    """Canonical records (``messages``, ``answer``) from failure cases.
-
-    ``demonstrations``: end each conversation with the expected answer as the assistant's
-    reply (for sft); otherwise keep the prompt alone (for rl)."""
+    """Records of failure cases: the prompt alone (rl), or with the expected answer replied (``demonstrations``)."""
     records = []
     for i, case in enumerate(cases, start=1):
         prompt = [m for m in case["messages"]]

@@ -1,5 +1,4 @@
-"""Hugging Face datasets (``data: {hub: ID, ...}`` or ``{folder: DIR, ...}``): where they come from, what identifies
-them, and how their columns become posttrain's records. Design: docs/algorithms.md."""
+"""Hugging Face datasets (``data: {hub: ID}`` or ``{folder: DIR}``) as posttrain's records (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def hub_answers(timeout: float = HUB_TIMEOUT_SECONDS) -> bool:
 
 
 def resolve(spec: HubData, base_dir: Path) -> tuple[Path, str]:
-    """(the folder the records are read from, the dataset's identity); DataError when neither the cache
-    nor the hub has it."""
+    """(the folder the records are read from, the dataset's identity); DataError where neither cache nor hub has it."""
     if spec.folder is not None:
         path = folder_path(spec, base_dir)
         if not path.is_dir():
@@ -113,7 +111,7 @@ def _rows(spec: HubData, path: Path):
 
 def located_hub_records(spec: HubData, base_dir: Path, normalise_record) -> list[tuple[str, dict]]:
     """(``dataset record i``, canonical record) for the first ``n`` rows; DataError names what is wrong.
-    ``normalise_record``: stages/data/sources.py's, for conversation rows (passed in: stages.data.sources imports this module)."""
+    ``normalise_record``: sources.py's, for conversation rows (passed in: stages.data.sources imports this module)."""
     from stages.data.preferences import normalise_preference
 
     path, _ = resolve(spec, base_dir)

@@ -1,5 +1,4 @@
-"""Packed SFT rows that keep documents apart: tokenise, pack best-fit decreasing, collate.
-Design: docs/algorithms.md; figures: docs/benchmarks.md."""
+"""Packed SFT rows that keep documents apart: tokenise, pack best-fit decreasing, collate (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,8 @@ IGNORE_INDEX = -100
 
 
 def training_chat_template(tokenizer, assistant_only_loss: bool) -> str | None:
-    """The template to render with: None for the tokenizer's own, or TRL's training variant
-    with `{% generation %}` markers when assistant-only loss needs them and it has none.
-    Warns, as TRL does, when the assistant's end-of-turn token would carry no loss."""
+    """None for the tokenizer's own template, or TRL's variant with `{% generation %}` markers where assistant-only
+    loss needs them; warns, as TRL does, when the assistant's end-of-turn token would carry no loss."""
     from trl.chat_template_utils import (
         get_training_chat_template,
         has_generation_markers,
@@ -56,8 +54,7 @@ def tokenize_conversations(
 
 
 def pack_documents(documents: dict[str, list[list[int]]], max_length: int):
-    """A `datasets.Dataset` of packed rows: `input_ids`, `labels` (concatenated documents,
-    at most `max_length` tokens) and `seq_lengths` (the documents' lengths, in order)."""
+    """Packed rows: `input_ids`, `labels` (documents, at most `max_length` tokens), `seq_lengths` (in order)."""
     from datasets import Dataset
     from trl import pack_dataset
 

@@ -1,5 +1,4 @@
-"""reasoning-gym tasks: their records, their answer formats, and the ``reasoning_gym`` reward.
-Design: docs/algorithms.md."""
+"""reasoning-gym tasks: their records, their answer formats, and the ``reasoning_gym`` reward (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def _config_json(config: dict) -> str:
 
 
 def config_problem(spec: ReasoningGymData) -> str | None:
-    """What reasoning-gym says against the task's config, or None; builds the dataset and its first
-    entry only, so validation stays cheap whatever ``n`` is."""
+    """What reasoning-gym says against the task's config, or None (from its first entry only: cheap for any n)."""
     try:
         _entry(spec.reasoning_gym, _config_json(spec.config), spec.seed, spec.n, 0)
     except (TypeError, AssertionError, ValueError, KeyError) as error:
@@ -102,8 +100,7 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract(text: str, answer_format: str) -> str | None:
-    """The answer in a reply, or None when the reply holds none in that format (empty tags or
-    an empty box hold none: a format error, not an answer)."""
+    """The answer in a reply, or None where it holds none in that format (empty tags or box: a format error)."""
     if answer_format == "answer_tags":
         from reasoning_gym.utils import extract_answer
 
@@ -122,8 +119,7 @@ def _answer_text(entry: dict) -> str | None:
 
 
 def wrong_answer(answer: str, dataset, index: int, rng: random.Random) -> str:
-    """An imperfect demonstrator's answer: a number off by 1 or 10 (a slipped digit), else the answer of
-    another entry; never the right one."""
+    """An imperfect demonstrator's answer, never the right one: a number off by 1 or 10, else another entry's."""
     try:
         value = int(answer)
     except ValueError:

@@ -1,5 +1,4 @@
-"""Datasets: built-in generators and local JSONL / parquet files, in one canonical form.
-Design: docs/algorithms.md."""
+"""Datasets: built-in generators and local JSONL / parquet files, in one canonical form (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -213,8 +212,7 @@ def located_file_records(spec: FileData | HubData, base_dir: Path) -> list[tuple
 
 
 def normalise_step_record(raw, where: str) -> dict:
-    """A step-rated record (PRM800K's shape: ``prompt``, ``steps``, ``ratings``) as a conversation whose reply is
-    the steps one per line, the ratings kept beside it (``step_ratings``)."""
+    """A step-rated record (PRM800K's shape) as a conversation: the reply its steps, one a line, ``step_ratings``."""
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     prompt, steps, ratings = raw.get("prompt"), raw.get("steps"), raw.get("ratings")
@@ -253,8 +251,7 @@ def _component(spec: MixtureData, name: str, datasets: dict | None):
 
 
 def data_key(spec, base_dir: Path, datasets: dict | None = None) -> str:
-    """Content key of a dataset: its spec, plus what else decides its records (a file's bytes, a hub commit,
-    the reasoning-gym version, a mixture's components' keys)."""
+    """Content key of a dataset: its spec and what else decides its records (file bytes, hub commit, versions)."""
     digest = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode())
     if isinstance(spec, MixtureData):
         digest.update(json.dumps({name: _materialized_key(_component(spec, name, datasets), base_dir, datasets)

@@ -1,6 +1,5 @@
-"""The HF engine: sampling with transformers' ``model.generate``, on a checkpoint loaded for it or on a training
-stage's own policy. Departs from generate's defaults: a neutral generation config, so nothing a checkpoint's
-generation_config.json sets shapes the samples."""
+"""The HF engine: transformers' ``model.generate`` on a checkpoint or a training stage's own policy. Departs from
+generate's defaults: a neutral generation config, so a checkpoint's generation_config.json shapes no sample."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ def neutral_generation_config(**settings):
 
 @contextmanager
 def generation_config_as(model, config):
-    """``model.generation_config`` is ``config`` inside the block, the checkpoint's own after it: transformers
-    fills what a passed config leaves unset from ``model.generation_config``."""
+    """``model.generation_config`` is ``config`` inside the block (transformers fills a passed one's gaps from it)."""
     target = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the wrapped model
     saved = target.generation_config
     target.generation_config = config
@@ -76,8 +74,7 @@ class HFEngine:
 
     @contextmanager
     def _random_stream(self, seed: int):
-        """generate() draws from the global RNG: a seeded engine seeds it with ``seed`` inside a fork (the
-        caller's random state is left as it was); an unseeded one draws from the caller's stream."""
+        """A seeded engine seeds the global RNG generate() draws from inside a fork; an unseeded one leaves it be."""
         import torch
 
         if not self.seeded:

@@ -1,6 +1,5 @@
-"""The in-process vLLM engine: vLLM's ``LLM`` in the stage's own process, so a training stage can push new
-weights into it between steps. Departs from vLLM's defaults on a CPU: eager, no chunked prefill, blocks of 32
-tokens, a KV cache of ``engine.kv_cache_gib`` and a dtype this machine computes natively."""
+"""vLLM's ``LLM`` in the stage's process, to take new weights between steps. Departs from vLLM's CPU defaults:
+eager, no chunked prefill, blocks of 32, a KV cache of ``engine.kv_cache_gib``, a dtype computed natively."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from stages.sampling import SamplingSettings
 
 
 class VLLMEngine:
-    """Sampling with vLLM: every prompt's attempts in one request (``n``), all prompts in one call. Log-probs
-    are vLLM's ``processed_logprobs`` (after temperature and top-p), as HF's."""
+    """vLLM: a prompt's attempts one request (``n``), all prompts one call; log-probs after temperature and top-p."""
 
     name = "vllm"
     why = "declared"

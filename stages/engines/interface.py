@@ -1,5 +1,4 @@
-"""What every engine returns and how its draws are seeded: the ``Engine`` protocol, a ``Sample``, the one seed
-scheme, and how a prompt is tokenised and sized for an engine."""
+"""The ``Engine`` protocol, a ``Sample``, the one seed scheme, and how a prompt is tokenised and sized for an engine."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ SEED_STRIDE = 100_003  # draw d of a stage is seeded stage seed + d * SEED_STRID
 
 
 def draw_offset(draw: int, first_prompt: int = 0) -> int:
-    """What a stage's draw ``draw`` (0 for its first generation call) adds to the stage's seed, for a batch
-    whose first prompt is prompt ``first_prompt`` of the draw (a process's shard of a step's prompts)."""
+    """What draw ``draw`` (0: a stage's first generation call) adds to the seed of a shard from ``first_prompt``."""
     return draw * SEED_STRIDE + first_prompt
 
 
@@ -58,7 +56,6 @@ def context_length(tokenizer, prompts: list[list[dict]], max_tokens: int) -> int
 
 
 def rollout_budget(config) -> int:
-    """Tokens a stage's rollout may add after its prompt: ``sampling.max_tokens``, or with an environment an
-    episode's ``max_episode_tokens`` + 64 (the tools' line in the prompt)."""
+    """Tokens a rollout may add after its prompt: ``sampling.max_tokens``, or an episode's budget + 64 (tools line)."""
     environment = getattr(config, "environment", None)
     return config.sampling.max_tokens if environment is None else environment.max_episode_tokens + 64

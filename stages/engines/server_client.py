@@ -1,7 +1,6 @@
-"""The server engine: posttrain's HTTP client of a stage's generation server (``server_process``), each batch
-drawn by one version of the policy's weights. Departs from sending requests as they come: a batch is taken in
-whole by the paused engine and scheduled in the client's order (``server_routes``), so a rerun draws the same
-samples. Design: docs/algorithms.md."""
+"""The server engine: posttrain's HTTP client of a stage's generation server (``server_process``). Departs from
+sending requests as they come: a batch is taken in whole, in the client's order, so a rerun draws the same samples
+(docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ WHOLE_BATCH = 1024  # the most requests taken in whole at once (a thread each); 
 
 
 class ServerEngine:
-    """posttrain's generation interface over a ``GenerationServer``; each batch is drawn by one ``version`` of the
-    policy's weights, which its samples carry. Versions older than the newest ``keep`` stop being served."""
+    """Samples from a ``GenerationServer``, each batch by one ``version`` of the weights (the newest ``keep`` kept)."""
 
     name = "vllm_server"
     why = "generation mode server"

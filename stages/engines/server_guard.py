@@ -1,5 +1,4 @@
-"""``python -m stages.engines.server_guard PARENT -- COMMAND...``: run COMMAND and take its whole process group down
-with PARENT. Design: docs/algorithms.md."""
+"""``python -m stages.engines.server_guard PARENT -- COMMAND...``: COMMAND, its process group taken down with PARENT."""
 
 from __future__ import annotations
 

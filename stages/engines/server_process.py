@@ -1,6 +1,5 @@
 """A stage's generation server as a process: vLLM's OpenAI server on 127.0.0.1 under a guard, stopped with its
-process group, and on a machine without a GPU the cores split between it and the trainer (client: ``server_client``).
-Design: docs/algorithms.md."""
+process group; without a GPU the cores split between it and the trainer (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -32,9 +31,8 @@ class ServerFailed(RuntimeError):
 
 
 def cpu_split(generation: GenerationSettings) -> tuple[list[int] | None, int | None]:
-    """(the cores the server is bound to, the trainer's thread count): on a machine without a GPU where
-    generation overlaps training, the server gets ``server_cpus`` of the cores (default half) and the
-    trainer the rest; else (None, None), each uses every core."""
+    """(the server's cores, the trainer's thread count): without a GPU, generation overlapping training, the
+    server gets ``server_cpus`` of the cores (default half), the trainer the rest; else (None, None)."""
     import torch
 
     if generation.mode != "server" or generation.max_staleness == 0 or torch.cuda.is_available():

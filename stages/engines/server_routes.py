@@ -1,6 +1,5 @@
-"""What posttrain adds to the vLLM server it starts (loaded in the server's API process through vLLM's
-``--middleware``): one route, ``/posttrain/registered?prefix=P``, answering how many requests whose id starts
-with ``P`` the server has taken in. Design: docs/algorithms.md."""
+"""posttrain's route in the vLLM server it starts (``--middleware``): ``/posttrain/registered?prefix=P``, how
+many requests whose id starts with ``P`` the server has taken in (docs/algorithms.md)."""
 
 from __future__ import annotations
 

@@ -76,8 +76,7 @@ class GenerationSettings(SpecModel):
 
 
 def generation_rules(generation: GenerationSettings, backend: str) -> None:
-    """What every stage with a ``generation:`` field keeps, whatever its kind (a ValueError saying which); where
-    each field applies is declared with the field (``applies_when``)."""
+    """What every stage with a ``generation:`` field keeps, whatever its kind (a ValueError saying which)."""
     if generation.mode == "server" and backend == "hf":
         raise ValueError("generation mode server samples with vLLM in a server of its own; backend hf samples "
                          "with the training model: remove one of them")

@@ -22,8 +22,7 @@ def adapters_merged(model):
 
 
 def merged_named_weights(model):
-    """``(name, tensor)`` of the policy in its checkpoint's naming, adapter tensors left out (merge first). The
-    state dict, not ``named_parameters``: vLLM's CPU build keeps its own copy of a tied LM head."""
+    """``(name, tensor)`` of the policy's state dict (tied LM head too) in checkpoint naming; adapters: merge first."""
     named = []
     for name, tensor in model.state_dict().items():
         if "lora_" in name or "modules_to_save" in name:
@@ -34,8 +33,7 @@ def merged_named_weights(model):
 
 
 def save_weights(model, folder: Path, dtype: str | None = None) -> None:
-    """The policy's weights as one safetensors file in its checkpoint's naming, a tied LM head included (unlike
-    ``save_pretrained``), floats cast to the server's ``dtype`` (vLLM would round them the same way)."""
+    """The policy's weights as one safetensors file, a tied LM head included, floats cast to ``dtype``."""
     import torch
     from safetensors.torch import save_file
 
@@ -69,8 +67,7 @@ def load_in_process(engine, model, version: int) -> None:
 
 
 def push_to_server(engine, model, version: int, folder: Path, keep: int = 1) -> float:
-    """Serve ``model``'s weights as ``version`` on the server ``engine``, saved under ``folder``: a LoRA adapter
-    beside the newest ``keep`` versions, or the full weights reloaded in place. Returns the seconds it took."""
+    """Serve ``model``'s weights as ``version`` (an adapter beside the newest ``keep``, or all reloaded): seconds."""
     from stages.engines.server_process import BASE_NAME
 
     started = time.perf_counter()

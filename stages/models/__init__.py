@@ -1,3 +1,2 @@
-"""Models: what a stage loads and where it lives: base models, the frozen reference and
-sequence scorers (``loading``), the PPO critic, converted checkpoints (``pretrained``), LoRA and
-device placement. It may import ``stages.spec_model`` only."""
+"""Models: what a stage loads (base models, the reference, the critic, converted checkpoints, LoRA) and where it
+lives. It may import ``stages.spec_model`` only."""

@@ -1,5 +1,4 @@
-"""The PPO critic: a transformer backbone and a scalar value head, started from the policy's checkpoint or
-from a reward model's backbone and score head."""
+"""The PPO critic: a backbone and a scalar value head, from the policy's checkpoint or a reward model's."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_reward_model(cls, path: Path, trust_remote_code: bool = False) -> "ValueModel":
-        """A reward model's backbone and score head: V starts as the reward model's score of the
-        prefix, which at the last token is the reward itself (before any offset or normalisation)."""
+        """A reward model's backbone and score head: V starts as its score of the prefix (at the end: the reward)."""
         from stages.models.loading import load_sequence_scorer
 
         scorer, _ = load_sequence_scorer(path, trust_remote_code=trust_remote_code)

@@ -48,8 +48,7 @@ class TrainingDiverged(RuntimeError):
 
 
 def check_finite(model, final_loss: float | None = None) -> None:
-    """Raise TrainingDiverged naming the first non-finite value (the final loss, or a parameter): a published
-    checkpoint is reused by every later run of the same fingerprint."""
+    """Raise TrainingDiverged naming the first non-finite value (the final loss, or a parameter)."""
     import math
 
     import torch
@@ -68,9 +67,8 @@ def check_finite(model, final_loss: float | None = None) -> None:
 
 
 def save_trained(model, tokenizer, ctx, padding_side: str = "left", final_loss: float | None = None) -> dict[str, str]:
-    """Save ``checkpoint`` (adapters merged, the tokenizer padding on ``padding_side``) and, with LoRA,
-    ``adapter``; returns their paths by output name. A diverged model is refused (nothing saved).
-    Merging changes the wrapped model in place: call this last."""
+    """Save ``checkpoint`` (adapters merged, padding on ``padding_side``) and, with LoRA, ``adapter``: their paths
+    by output name; a diverged model is refused. Merging changes the model in place: call this last."""
     from peft import PeftModel
 
     from stages.models.pretrained import set_padding_side
@@ -90,8 +88,7 @@ def save_trained(model, tokenizer, ctx, padding_side: str = "left", final_loss: 
 
 
 class AdaptersOff:
-    """The frozen reference of a LoRA policy: the policy itself with its adapters disabled, i.e. its
-    starting weights (called like a model; used under ``torch.no_grad`` only)."""
+    """A LoRA policy's frozen reference: the policy with its adapters disabled (used under ``torch.no_grad`` only)."""
 
     def __init__(self, policy):
         self.policy = policy

@@ -1,5 +1,4 @@
-"""Where a stage's frozen models live: ``placement: {reference: ..., reward_model: ...}``.
-Design: docs/algorithms.md."""
+"""Where a stage's frozen models live: ``placement: {reference: ..., reward_model: ...}`` (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ def check_devices(placement, what: str = "placement") -> None:
 
 
 def place(module, where: str, policy_device):
-    """``module`` (frozen, eval mode) put where ``where`` says; its forward passes take and return
-    tensors on the caller's device. Returns the module (hooked in place)."""
+    """``module`` (frozen, eval mode) hooked in place where ``where`` says, its tensors in and out on the caller's."""
     import torch
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
@@ -76,8 +74,7 @@ def place(module, where: str, policy_device):
 
 
 def _offload(module, execution_device):
-    """accelerate's ``cpu_offload`` with the whole model preloaded, tied weights sent to ``meta`` too (why:
-    docs/algorithms.md)."""
+    """accelerate's ``cpu_offload``, the model preloaded, tied weights sent to ``meta`` too (docs/algorithms.md)."""
     from accelerate import cpu_offload
     from accelerate.utils import set_module_tensor_to_device
 
@@ -98,8 +95,7 @@ def resident_devices(module) -> set[str]:
 
 
 def placement_params(reference=None, reward_fns=()) -> dict[str, str]:
-    """``reference_device`` and ``reward_model_device``: the devices those models' parameters
-    occupy once placed (``meta`` for ``offload``), logged as the stage's params."""
+    """``reference_device`` and ``reward_model_device`` params: where those models' parameters are once placed."""
     import torch
 
     params = {}

@@ -16,8 +16,7 @@ from pathlib import Path
 GGUF_SUFFIX = ".gguf"
 SOURCE_FILE = "posttrain_source.json"  # what a converted checkpoint was made from
 
-# ChatML's message line, and the same with assistant content marked for TRL's assistant-only loss
-# (the end-of-turn token inside the markers: the model must learn to stop)
+# ChatML's message line, and with assistant content marked for assistant-only loss (end-of-turn token inside)
 _CHATML_LINE = "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
 _CHATML_TRAINING_LINE = (
     "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
@@ -154,8 +153,7 @@ def machine_cache_dir() -> Path | None:
 
 
 def converted_gguf_checkpoint(path: Path, cache_dir: Path) -> Path:
-    """The converted checkpoint of a GGUF file in ``cache_dir`` (a home's), converted atomically on first use
-    and also kept in ``machine_cache_dir`` for other homes (an optimisation only, ignored where it fails)."""
+    """A GGUF file's checkpoint in ``cache_dir`` (a home's), converted atomically once; copied for other homes."""
     sha = file_sha256(path)
     name = f"gguf-{sha[:16]}"
     target = cache_dir / name
@@ -200,8 +198,7 @@ def _publish(staging: Path, target: Path) -> None:
 
 
 def _publish_copy(source: Path, target: Path) -> Path:
-    """``source``'s files at ``target`` (hard links, else copies), built aside and renamed into place with
-    the source file last, so a reader never takes half a copy."""
+    """``source``'s files at ``target`` (hard links, else copies), built aside, renamed into place whole."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".linking-", dir=target.parent))
     try:

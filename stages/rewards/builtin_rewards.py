@@ -1,5 +1,4 @@
-"""The built-in rewards that need no machinery of their own: exact answers, a format, a length penalty,
-and the placeholders of the scorers a stage binds (reward model, judge, environment)."""
+"""The built-in rewards with no machinery of their own, and placeholders of the scorers a stage binds."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")  # a decimal is one number: "2.5" is no
 
 
 def extract_integer(text: str, mode: str = "strict") -> str | None:
-    """The answer in ``text``: the whole reply as an integer (strict), or its last number,
-    decimals read whole (last_number)."""
+    """The answer in ``text``: the whole reply as an integer (strict), or its last number, read whole (last_number)."""
     text = text.strip()
     if mode == "strict":
         return text if _INTEGER.fullmatch(text) else None
@@ -23,8 +21,7 @@ def extract_integer(text: str, mode: str = "strict") -> str | None:
 
 
 def exact_answer(completions: list[str], answer: list[str | None], extract: str = "strict", **_) -> RewardOutput:
-    """1.0 when the extracted answer (``extract_answer``) equals the reference by value, 0.0 when wrong;
-    unparsable apart."""
+    """1.0 when the extracted answer equals the reference by value, 0.0 when wrong; unparsable apart."""
     if extract not in ("strict", "last_number"):
         raise RewardError(f"exact_answer: extract must be 'strict' or 'last_number', got {extract!r}")
     scores, parsed = [], []

@@ -15,9 +15,8 @@ _NONCE_FILE = ".posttrain_nonce"
 _SOLUTION_FILE = "solution.py"
 _TESTS_FILE = "tests.py"
 
-# The harness's source holds no secret. It reads the nonce, the solution and the tests into
-# memory and deletes their files before any solution code runs, so the solution can read
-# neither the nonce nor the tests' expected values from disk.
+# The harness's source holds no secret: it reads the nonce, the solution and the tests into memory and deletes
+# their files before any solution code runs, so the solution cannot read the nonce or expected values from disk.
 _HARNESS = f"""\
 import os as _os
 import sys as _sys
@@ -47,8 +46,7 @@ _main()
 
 
 def extract_code(text: str) -> str | None:
-    """The code in a reply: its last python-tagged fenced block, else its last fenced
-    block, else (no fence at all) the whole text. None when that is empty."""
+    """A reply's last python-tagged fenced block, else its last fenced block, else all of it; None when empty."""
     blocks = _FENCE.findall(text)
     if blocks:
         tagged = [body for tag, body in blocks if tag.lower() in _PYTHON_TAGS]
@@ -76,10 +74,8 @@ def code_tests(
     sandbox: str = "bubblewrap",
     **_,
 ) -> RewardOutput:
-    """1.0 when the completion's code passes its tests in the sandbox, else 0.0.
-
-    ``tests``: python asserts, a column or one kwarg for all (else the ``answer`` column). ``sandbox``:
-    ``bubblewrap`` (without it the reward raises) or ``rlimits-only``, the explicit, weaker opt-out."""
+    """1.0 when the completion's code passes its ``tests`` (python asserts; else the ``answer`` column) in the
+    sandbox, else 0.0. ``sandbox``: ``bubblewrap`` (else the reward raises) or ``rlimits-only``, the weaker opt-out."""
     require_sandbox(sandbox)
     per_completion_tests = _tests_per_completion(len(completions), tests, answer)
     codes = [extract_code(text) for text in completions]
@@ -97,8 +93,7 @@ def code_tests(
 
 
 def require_sandbox(sandbox: str) -> None:
-    """Refuse (RewardError: the stage stops, never a silent zero) when the sandbox cannot run, before any
-    completion is looked at (so not only when the model wrote code that compiles)."""
+    """Raise RewardError (the stage stops, never a silent zero) if the sandbox cannot run, before any completion."""
     if sandbox not in ISOLATION_MODES:
         raise RewardError(f"code_tests: sandbox must be one of {', '.join(ISOLATION_MODES)}, got {sandbox!r}")
     try:

@@ -1,5 +1,4 @@
-"""LLM-as-judge (``fn: judge``) and the audit of a judge against a verifier or a reward model.
-Design: docs/algorithms.md."""
+"""LLM-as-judge (``fn: judge``) and the audit of a judge against a verifier or a reward model (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ class ReplyCache:
 
 
 class JudgeReward:
-    """The reward function of a ``fn: judge`` reward: ``(completions, prompts, answer) -> RewardOutput``;
-    ``last`` holds the verdicts of its last call (for the audit)."""
+    """A ``fn: judge`` reward: ``(completions, prompts, answer) -> RewardOutput``; ``last``: its last verdicts."""
 
     def __init__(self, spec: RewardSpec, ask: Callable[[list[list[dict]]], list[str]], cache: ReplyCache):
         self.spec, self.ask, self.cache = spec, ask, cache
@@ -108,8 +106,7 @@ def model_identity(checkpoint: Path) -> str:
 
 def bind_judges(rewards: dict[str, RewardSpec], inputs: StageInputs,
                 open_model_judge: Callable | None = None) -> dict[str, JudgeReward]:
-    """The reward function of every ``fn: judge`` reward; ``open_model_judge(spec, checkpoint,
-    trust_remote_code) -> (ask, backend)`` opens a model judge (handed in by stages/scorers.py)."""
+    """Every ``fn: judge`` reward bound; ``open_model_judge(spec, checkpoint, trust_remote_code) -> (ask, backend)``."""
     cache_dir = inputs.judge_cache
     bound = {}
     for name, spec in rewards.items():
@@ -202,8 +199,7 @@ def log_audits(ctx, audits: list[Audit], suffix: str = "") -> dict[str, float]:
 
 
 class BatchAuditor:
-    """Audits every ``audit_every``-th reward batch of an rl stage: ``record`` gathers a batch reward by
-    reward (TRL's GRPO), ``record_batch`` takes one scored whole (posttrain's PPO)."""
+    """Audits every ``audit_every``-th reward batch of an rl stage (``record``: GRPO's; ``record_batch``: PPO's)."""
 
     def __init__(self, rewards: dict[str, RewardSpec], judges: dict[str, JudgeReward], ctx):
         self.rewards, self.judges, self.ctx = rewards, judges, ctx

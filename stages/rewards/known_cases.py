@@ -1,5 +1,4 @@
-"""Known cases of a reward (``reward_checks:``, ``posttrain check-reward``): completions whose score is known
-before training, scored and checked against the range each must get."""
+"""A reward's known cases (``reward_checks:``, ``posttrain check-reward``), checked against their ranges."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ class CaseResult:
 
 def check_reward_cases(name: str, spec: RewardSpec, cases: list[RewardCase],
                        fn: Callable[..., Any] | None = None) -> list[CaseResult]:
-    """Score every known case of one reward; a result with violations means do not train on it.
-    ``fn``: the bound scorer of a judge."""
+    """Score every known case of one reward (``fn``: a judge's bound scorer); a violation: do not train on it."""
     completions = [c.completion for c in cases]
     columns = reward_columns([{"answer": c.answer, "task": c.task} for c in cases],
                              [[{"role": "user", "content": c.prompt or ""}] for c in cases], 1)

@@ -1,5 +1,4 @@
-"""``math_answer``: is the completion's final answer mathematically equal to the reference?
-Design: docs/algorithms.md."""
+"""``math_answer``: is the completion's final answer mathematically equal to the reference? (docs/algorithms.md)"""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def is_bare_expression(text: str) -> bool:
 
 
 def parse_answer(text: str | None, timeout: int | None) -> list:
-    """A reply or a reference as math-verify objects (an empty list when nothing parses): a bare
-    expression as ``$text$``, anything else through math-verify's own extraction."""
+    """Math-verify objects of a reply or reference ([] if none): a bare expression as ``$text$``, else extracted."""
     if text is None or not str(text).strip():
         return []
     text = str(text).strip()

@@ -13,8 +13,7 @@ from stages.rewards.spec import ENVIRONMENT_FN, JUDGE_FN, REASONING_GYM_FN, REWA
 
 
 def _lazy(path: str) -> Callable[..., Any]:
-    """A built-in kept in its own module, imported on first use (math-verify and SymPy import
-    slowly)."""
+    """A built-in kept in its own module, imported on first use (math-verify and SymPy import slowly)."""
 
     def call(completions, **columns):
         return load_reward_fn(path)(completions, **columns)

@@ -101,8 +101,7 @@ def is_step_scorer(path: Path) -> bool:
 
 
 def step_model_inputs(tokenizer, prompt: list[dict], completion: str) -> tuple[list[int], list[int]]:
-    """(prompt ids through the chat template, the completion's own ids): how a step reward model reads a
-    completion, in training and as a reward alike."""
+    """(prompt ids through the chat template, the completion's own ids): a step reward model's input, always."""
     prompt_ids = tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True,
                                                return_dict=True)["input_ids"]
     return list(prompt_ids), tokenizer(completion, add_special_tokens=False)["input_ids"]
@@ -154,8 +153,7 @@ class StepRewardModel:
         return found
 
     def _surprise_probabilities(self, input_ids, attention, batch) -> list[list[float]]:
-        """P(right) of each step from the surprise head, a step running from the token after the previous
-        step's last to its own."""
+        """P(right) of each step from the surprise head (a step: from after the previous step's last token)."""
         import torch
 
         from stages.rewards.step_surprise import step_features
@@ -190,8 +188,7 @@ class StepRewardModel:
 
 def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, where: str = "policy",
                        open_model_judge=None) -> dict:
-    """The reward functions of every ``fn: reward_model`` reward (each model loaded once, placed per ``where``)
-    and every ``fn: judge`` reward."""
+    """Every ``fn: reward_model`` reward (each model loaded once, placed per ``where``) and ``fn: judge`` bound."""
     from stages.rewards.judge import bind_judges
 
     loaded: dict[str, RewardModelScorer] = {}
@@ -210,8 +207,7 @@ def bind_reward_models(rewards: dict[str, RewardSpec], inputs: StageInputs, wher
 
 
 def reward_model_correlations(scored: ScoredBatch, rewards: dict[str, RewardSpec]) -> dict[str, float]:
-    """``reward/<rm>/corr/<other>``: Pearson correlation of each reward model's scores with each
-    other reward's on one batch (skipped where either side has no variance)."""
+    """``reward/<rm>/corr/<other>``: each reward model's Pearson correlation with each other reward (if both vary)."""
     from stages.preference_math import pearson
 
     learned = [c for c in scored.components if rewards[c.name].fn == REWARD_MODEL_FN]

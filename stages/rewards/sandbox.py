@@ -23,8 +23,7 @@ SANDBOX_DIR = "/sandbox"
 ISOLATION_MODES = ("bubblewrap", "rlimits-only")
 MAIN_FILE = "main.py"
 NOBODY = 65534
-# Fresh per-run uids (root parent only): far above normal users and subuid ranges, so a
-# fork bomb in one run cannot use up the process budget of another.
+# Fresh per-run uids (as root), above normal users and subuid ranges: one run's fork bomb cannot drain another's
 _UID_BASE = 1_900_000_000
 _UID_POOL = 1_000_000
 _SANDBOX_ENV = {
@@ -62,10 +61,8 @@ def run_sandboxed(
     max_output_bytes: int = 1_000_000,
     isolation: str = "bubblewrap",
 ) -> SandboxResult:
-    """Run ``code`` as /sandbox/main.py in the sandbox, ``files`` beside it. ``isolation="rlimits-only"``
-    is the explicit opt-out for hosts without bubblewrap (weaker: docs/algorithms.md), never chosen silently.
-
-    Raises ``SandboxUnavailable`` when the sandbox cannot run here; whatever the code does is in the result."""
+    """Run ``code`` as /sandbox/main.py, ``files`` beside it; ``SandboxUnavailable`` if the sandbox cannot run
+    here. ``isolation="rlimits-only"``: the explicit, weaker opt-out for hosts without bubblewrap."""
     if timeout_s <= 0 or memory_mb <= 0 or max_processes <= 0:
         raise ValueError(
             f"run_sandboxed: timeout_s ({timeout_s}), memory_mb ({memory_mb}) and "
@@ -93,7 +90,7 @@ def run_sandboxed(
         with open(streams / "stdin", "rb") as stdin_file, open(streams / "stdout", "wb") as stdout_file, \
                 open(streams / "stderr", "wb") as stderr_file:
             std_files = (stdin_file, stdout_file, stderr_file)
-            if tools.bwrap is None:  # rlimits-only, the pipeline's explicit opt-out
+            if tools.bwrap is None:
                 argv = [*limits, *_drop_to_uid(tools, sandbox_uid), tools.python, "-S", "-s", "-B", "-E", MAIN_FILE]
                 returncode, timed_out = _execute_unisolated(argv, work, std_files, timeout_s, sandbox_uid)
             else:
@@ -275,10 +272,8 @@ def _drop_to_uid(tools: _Tools, uid: int | None) -> list[str]:
 
 
 def _execute(command: Callable[[int], list[str]], std_files: tuple, timeout_s: float) -> tuple[int, bool]:
-    """Run the sandbox until it exits or ``timeout_s`` passes; return (status, timed_out).
-
-    Returns only once the sandbox's pid 1 has exited (held by a pidfd): bwrap returns when the program
-    exits, but the namespace's other processes die only with pid 1."""
+    """(status, timed_out) of the sandbox, run until it exits or ``timeout_s`` passes, once its pid 1 (held by a
+    pidfd) has exited: bwrap returns when the program exits, the namespace's other processes die with pid 1."""
     stdin_file, stdout_file, stderr_file = std_files
     info_read, info_write = os.pipe()  # bwrap writes {"child-pid": <host pid of pid 1>} here
     try:

@@ -1,5 +1,4 @@
-"""What each reward function accepts and reads, so a pipeline is checked before anything runs.
-Design: docs/algorithms.md."""
+"""What each reward function accepts and reads, so a pipeline is checked before anything runs (docs/algorithms.md)."""
 
 from __future__ import annotations
 

@@ -53,8 +53,7 @@ def _normalise_output(name: str, result: Any, expected: int) -> RewardOutput:
 
 
 def _checked_steps(name: str, steps, expected: int) -> list[list] | None:
-    """A process reward's steps, one list of StepScores per completion (spans in order, not overlapping,
-    finite scores), else a RewardError saying what is wrong."""
+    """A process reward's steps (StepScores in order, not overlapping, finite), else a RewardError saying why."""
     if steps is None:
         return None
     steps = list(steps)
@@ -97,8 +96,7 @@ def score_component(name: str, spec: RewardSpec, completions: list[str], columns
 
 
 def _bounded_call(spec: RewardSpec) -> Callable[[list[str], dict[str, list]], Any]:
-    """``spec.fn`` on a chunk in the reward worker, bounded by ``spec.max_seconds``; a ``RewardError``
-    there raises one here, anything else (a time-out included) an exception naming what happened."""
+    """``spec.fn`` on a chunk in the reward worker within ``spec.max_seconds``; a RewardError there is one here."""
     from stages.rewards.worker import RewardRaised, RewardTimeout, worker
 
     def call(texts, cols):
@@ -234,8 +232,7 @@ SHOWN_ERRORS = 20
 
 
 class Scorer:
-    """A stage's rewards over batches of completions, under its ``reward_errors`` policy; ``fns``: bound
-    scorers by reward name; ``auditor``: a judge's ``BatchAuditor``, fed every scored batch."""
+    """A stage's rewards over batches, under its ``reward_errors`` policy (``auditor``: a judge's, fed each batch)."""
 
     def __init__(self, specs: dict[str, RewardSpec], policy: RewardErrorPolicy,
                  fns: dict[str, Callable[..., Any]] | None = None, auditor=None):
@@ -247,8 +244,7 @@ class Scorer:
 
     def score(self, completions: list[str], columns: dict[str, list],
               fns: dict[str, Callable[..., Any]] | None = None) -> ScoredBatch:
-        """Every reward on one batch (the weighted total beside each component); ``fns`` override the bound
-        scorers for this batch."""
+        """Every reward on one batch (the weighted total beside each component); ``fns`` override bound scorers."""
         scored = score_completions(self.specs, completions, columns, {**self.fns, **(fns or {})})
         self.policy.count_reward_errors(scored.components, completions)
         if self.auditor is not None:

@@ -1,5 +1,4 @@
-"""What a pipeline declares of a reward (``RewardSpec``) and what a reward function returns.
-Design: docs/algorithms.md."""
+"""What a pipeline declares of a reward (``RewardSpec``) and what a reward function returns (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -17,14 +16,12 @@ from stages.spec_model import SpecModel, applies_when
 REWARD_MODEL_FN = "reward_model"  # the built-in that scores with a trained reward_model stage
 REASONING_GYM_FN = "reasoning_gym"  # the built-in that scores reasoning_gym data with the task's score_answer
 JUDGE_FN = "judge"  # the built-in that asks a generative model (or a judge function) to score against a rubric
-ENVIRONMENT_FN = "environment"  # the built-in that is an environment's own score of an episode (stages/rollout/environments.py)
+ENVIRONMENT_FN = "environment"  # the built-in that is an environment's own score of an episode
 BOUND_ONLY_FNS = (REWARD_MODEL_FN, JUDGE_FN, ENVIRONMENT_FN)  # scorers a stage binds in its own process
-# built-ins that bound every completion themselves, in a sandboxed process with its own time limit: run in
-# the stage's process (where its sandbox is checked), not in the reward worker
+# built-ins bounding each completion themselves (a sandbox, its own time limit): run in the stage's process
 SELF_BOUNDED_FNS = ("code_tests",)
 RUBRIC_PLACEHOLDERS = ("{prompt}", "{completion}", "{answer}")  # what stages/rewards/judge.py render_rubric fills
-# a placeholder: a name in braces, with whatever attribute, index, conversion or format spec follows it
-# (`{prompt.__class__}`, `{x[0]}`, `{answer!r}`); JSON such as {"score": 1} does not start with a name
+# a placeholder: a name in braces and what follows (`{prompt.__class__}`, `{x[0]}`, `{answer!r}`); JSON is none
 _PLACEHOLDER = re.compile(r"\{[A-Za-z_][^{}]*\}")
 JUDGE_SCALE = re.compile(r"(-?\d+)-(-?\d+)")  # a judge's numeric scale, e.g. 1-10
 
@@ -136,8 +133,7 @@ class RewardOutput:
     scores: list[float]
     parsed: list[bool]
     errors: list[tuple[int, str]] = field(default_factory=list)  # (index, why): counted, the score is not one
-    # a process reward's StepScores, per completion
-    steps: list[list] | None = None
+    steps: list[list] | None = None  # a process reward's StepScores, per completion
 
 
 class RewardError(ValueError):

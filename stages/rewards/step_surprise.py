@@ -1,6 +1,5 @@
-"""The surprise head of a process reward model (``step_head: surprise``): a step judged by how much it
-surprised the frozen language model, beside its hidden states. The checkpoint is the LM as it was, the
-head beside it in ``HEAD_FILE`` and ``HEAD_CONFIG``. Why: docs/algorithms.md."""
+"""A PRM's surprise head (``step_head: surprise``): a step judged by how much it surprised the frozen LM, beside
+its hidden states; the head sits in ``HEAD_FILE`` and ``HEAD_CONFIG`` beside the LM (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ def has_surprise_head(path: Path) -> bool:
 
 
 def surprise_head(features: int, seed: int):
-    """A new head over ``features`` inputs: standardisation (set from the training steps), then Linear, ReLU,
-    Linear to (wrong, right) logits; initialised from ``seed``."""
+    """A new seeded head: standardisation (set from the training steps), Linear, ReLU, Linear to (wrong, right)."""
     import torch
 
     class SurpriseHead(torch.nn.Module):
@@ -39,8 +37,7 @@ def surprise_head(features: int, seed: int):
 
 
 def step_features(lm, input_ids_B_T, attention_B_T, steps: list[list[tuple[int, int]]]):
-    """The features of every step, rows in order (batch row, then step); ``steps``: each row's (first, last)
-    token index of each step. No gradients (the LM stays frozen)."""
+    """Every step's features, by batch row then step (``steps``: each row's (first, last) tokens); no gradients."""
     import torch
 
     with torch.no_grad():

@@ -50,8 +50,7 @@ def split_steps(text: str, split: SplitRule = "delimiter", delimiter: str = ",")
 
 
 def chain_terms(prompt_text: str) -> list[tuple[str, int]] | None:
-    """The chain a prompt asks for as (op, operand) pairs, the first with op "" ("12+5-3" ->
-    [("", 12), ("+", 5), ("-", 3)]), or None where the prompt holds none."""
+    """The chain a prompt asks for as (op, operand) pairs ("12+5-3" -> [("", 12), ("+", 5), ("-", 3)]), or None."""
     found = CHAIN.search(prompt_text)
     if not found:
         return None
@@ -82,8 +81,7 @@ def check_chain(text: str, terms: list[tuple[str, int]], split: SplitRule = "del
 
 def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delimiter", delimiter: str = ",",
                 **_):
-    """Chain arithmetic's verifiable process reward: the share of the chain's steps done right (missing and
-    extra ones wrong); a completion with no "a op b = c" is unparsed."""
+    """Chain arithmetic's process reward: the share of the chain's steps done right; none "a op b = c": unparsed."""
     from stages.rewards.spec import RewardError, RewardOutput
 
     scores, parsed, steps = [], [], []
@@ -101,16 +99,14 @@ def chain_steps(completions: list[str], prompts: list, split: SplitRule = "delim
 
 
 def step_token_indices(tokenizer, token_ids: list[int], ends: list[int]) -> list[int]:
-    """For each step end (a character offset into the decoded ``token_ids``), the first token whose decoded
-    prefix reaches it (the last token when none does)."""
+    """For each step end (a character offset), the first token whose decoded prefix reaches it (else the last)."""
     decoded = [len(tokenizer.decode(token_ids[:i + 1], skip_special_tokens=True)) for i in range(len(token_ids))]
     last = max(len(token_ids) - 1, 0)
     return [next((i for i, length in enumerate(decoded) if length >= end), last) for end in ends]
 
 
 def process_metrics(components, correct: list[bool]) -> dict[str, float]:
-    """For each process reward among ``components``: the share of attempts with every step right, and the
-    share of ``correct`` attempts that are not (right answers through a wrong, missing or extra step)."""
+    """Per process reward: the share of attempts with every step right, and of ``correct`` attempts with one wrong."""
     metrics = {}
     for component in components:
         if component.steps is None:

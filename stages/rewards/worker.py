@@ -1,5 +1,4 @@
-"""Reward functions under a wall-clock bound that holds in any thread: a worker process.
-Design: docs/algorithms.md."""
+"""Reward functions under a wall-clock bound that holds in any thread: a worker process (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ class RewardWorker:
             process.wait()
 
     def call(self, fn: str, completions: list[str], columns: dict[str, list], kwargs: dict, seconds: float):
-        """``fn(completions, **columns, **kwargs)`` in the worker: its result, or raises ``RewardRaised``
-        (the reward raised) or ``RewardTimeout`` (it ran past ``seconds``; the worker is replaced)."""
+        """``fn(completions, **columns, **kwargs)`` in the worker, else ``RewardRaised`` or ``RewardTimeout``."""
         with self.lock:
             process = self.process if self.process is not None and self.process.poll() is None else self._start()
             try:

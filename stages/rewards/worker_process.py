@@ -1,5 +1,4 @@
-"""The reward worker's own process (``python -m stages.rewards.worker_process``): the loop that runs rewards
-for a stage process, which starts, bounds and stops it (stages/rewards/worker.py)."""
+"""The reward worker's process (``python -m stages.rewards.worker_process``), run for a stage by worker.py."""
 
 from __future__ import annotations
 

@@ -157,9 +157,8 @@ class CalculatorEnvironment(Environment):
         return {"calculator": calculator}
 
     def score(self, episode, answer: str | None, task: dict | None) -> float | None:
-        """1 when the final answer's integer (``exact_answer`` strict) equals the reference and the result of a
-        successful calculator call, else 0 (a right answer not computed with the tool scores 0); None without
-        an integer answer."""
+        """1 when the answer's integer (``exact_answer`` strict) equals the reference and a successful calculator
+        call's result, else 0 (right but not computed with the tool: 0); None without an integer answer."""
         from stages.rewards.builtin_rewards import extract_integer
 
         if answer is None:

@@ -1,5 +1,4 @@
-"""Known episodes of an environment, scored before training (``check-reward`` for agents).
-Design: docs/algorithms.md."""
+"""Known episodes of an environment, scored before training (``check-reward`` for agents) (docs/algorithms.md)."""
 
 from __future__ import annotations
 

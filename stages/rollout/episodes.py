@@ -1,5 +1,4 @@
-"""The agent loop: multi-turn episodes of model turns and environment observations, as token ids.
-Design: docs/algorithms.md."""
+"""The agent loop: episodes of model turns and environment observations, as token ids (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -103,9 +102,8 @@ class EpisodeRunner:
 
     def run(self, engine, starts: list[list[dict]], settings: SamplingSettings,
             seed_offset: int = 0) -> list[list[Episode]]:
-        """``settings.attempts`` episodes per start conversation, grouped by start; ``settings.max_tokens`` is
-        the per-turn budget. Start i is seeded ``settings.seed + seed_offset + i`` (its first turn one request
-        for all attempts); each later turn is one request per episode still running."""
+        """``settings.attempts`` episodes per start, grouped by start, ``max_tokens`` a turn; start i seeded
+        ``settings.seed + seed_offset + i`` (first turn: one request for all attempts; later: one per episode)."""
         groups = []
         for messages in starts:
             first = self.start(messages)
@@ -191,8 +189,7 @@ def advance(episode: Episode, text: str, truncated: bool, last_turn: bool, tools
 
 
 def replay(environment: Environment, spec: EnvironmentSpec, messages: list[dict], turns: list[str]) -> Episode:
-    """An episode from scripted model turns (text, no tokenizer): the tools run for real; a script that runs
-    past ``max_turns`` or still calls a tool at its end ends on the turn budget."""
+    """An episode from scripted turns (text): the tools run for real; a script unanswered at its end hits max_turns."""
     episode = Episode([], [dict(m) for m in messages])
     tools = environment.tools()
     for i, text in enumerate(turns[: spec.max_turns]):

@@ -1,3 +1,2 @@
-"""What every training stage shares: trainer metrics (``callbacks``), resumable checkpoints
-(``resume``), several processes (``data_parallel``) and silent-failure alerts (``alerts``).
+"""What every training stage shares: metrics, resumable checkpoints, several processes, alerts.
 It may import ``stages.context`` and ``stages.spec_model`` only."""

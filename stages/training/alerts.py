@@ -1,5 +1,4 @@
-"""Silent failures named: an RL or online DPO stage that learns nothing says why, while it runs.
-Design: docs/algorithms.md."""
+"""Silent failures named: an RL or online DPO stage that learns nothing says why, while it runs (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def hacking_pairs(rewards: dict[str, tuple[str, float]]) -> list[tuple[str, str]
 
 
 class RewardHackingWatch:
-    """Window means of each learned reward and its check; a message when the learned one rose while the check
-    fell ``hacking_windows`` windows in a row."""
+    """Window means of each learned reward and its check: did the learned one rise as the check fell, in a row?"""
 
     def __init__(self, settings: AlertSettings, pairs: list[tuple[str, str]]):
         self.settings, self.pairs = settings, pairs
@@ -95,8 +93,7 @@ class RewardHackingWatch:
 
 
 class SilentFailureWatch:
-    """Per step, the conditions that make a step teach nothing, and reward hacking where a learned reward is
-    watched by a check (``hacking_pairs``); an alert when one persists."""
+    """Each step's conditions that teach nothing, and reward hacking (``hacking_pairs``); an alert when one persists."""
 
     def __init__(self, settings: AlertSettings, max_tokens: int, hacking: list[tuple[str, str]] = ()):
         self.settings, self.max_tokens = settings, max_tokens

@@ -1,5 +1,4 @@
-"""What every Hugging Face-style trainer in a stage reports: metrics to the run under our names, and
-one progress bar in place of the trainer's console printing."""
+"""What every Hugging Face-style trainer in a stage reports: metrics under our names, one progress bar."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ from typing import Callable
 
 
 class StepMetrics:
-    """Metrics posttrain's code measures inside a trainer's step, logged with the trainer's own at its next
-    log (the mean of each since the last), not kept in the trainer's private state."""
+    """Metrics measured inside a trainer's step, logged (each one's mean) with the trainer's own at its next log."""
 
     def __init__(self):
         self._values: dict[str, list[float]] = {}
@@ -28,8 +26,7 @@ class StepMetrics:
 
 def tracking_callback(ctx, rename: Callable[[dict], dict[str, float]], description: str, on_metrics=None,
                       step_metrics: StepMetrics | None = None):
-    """Logs a trainer's logs (renamed by ``rename``) to the stage's run, with ``step_metrics`` measured
-    since the last log, and drives the stage's progress line."""
+    """Logs a trainer's logs (``rename``d) and ``step_metrics`` to the stage's run; drives its progress line."""
     from transformers import TrainerCallback
 
     class TrackingCallback(TrainerCallback):
@@ -103,8 +100,7 @@ def pooling_pair_metrics(trainer_class, keys: tuple[str, ...]):
 
 
 def schedule_arguments(config) -> dict:
-    """Trainer arguments the reward-model and preference stage configs spell the same way; ``batch_size``
-    is the global batch, each of the ``world_size()`` processes takes an equal share (validated to divide)."""
+    """Trainer arguments the reward-model and preference configs share; ``batch_size`` global, split over processes."""
     from stages.training.data_parallel import world_size
 
     world = world_size()
@@ -121,8 +117,7 @@ def schedule_arguments(config) -> dict:
 
 
 def device_arguments() -> dict:
-    """Trainer arguments for the machine: fp32 on a CPU (TRL's bf16 default refuses to start there), bf16
-    on a GPU that has it."""
+    """fp32 on a CPU (TRL's bf16 default refuses to start there), bf16 on a GPU that has it."""
     import torch
 
     cuda = torch.cuda.is_available()

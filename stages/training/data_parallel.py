@@ -1,5 +1,4 @@
-"""A stage trained by several processes at once (``resources: {processes: N}``, flows/execution/distributed.py).
-Design: docs/algorithms.md."""
+"""A stage trained by several processes at once (``resources: {processes: N}``; docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ def all_max(values: torch.Tensor) -> torch.Tensor:
 
 
 def agreed_flags(*flags: bool) -> tuple[bool, ...]:
-    """Each flag, raised if any process raised it: every rank stops after the same step (a rank that
-    stopped alone would leave the others waiting in a collective)."""
+    """Each flag, raised if any process raised it: every rank stops after the same step, none left waiting."""
     import torch.distributed as dist
 
     if not _group_ready():

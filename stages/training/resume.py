@@ -1,5 +1,4 @@
-"""A training stage that stops (Ctrl-C, kill -9, its time limit) continues where it stopped.
-Design: docs/algorithms.md."""
+"""A training stage that stops (Ctrl-C, kill -9, its time limit) continues where it stopped (docs/algorithms.md)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def resumable_arguments(resume_dir: Path, save_steps: int | None) -> dict:
 
 
 def last_checkpoint(resume_dir: Path) -> str | None:
-    """The newest complete trainer checkpoint in ``resume_dir``, or None. One cut short by a kill has no
-    readable ``trainer_state.json`` (written last) and is passed over for the one before it."""
+    """The newest trainer checkpoint in ``resume_dir`` with a readable ``trainer_state.json`` (written last)."""
     if not resume_dir.is_dir():
         return None
     found = sorted((int(p.name.rsplit("-", 1)[1]), p) for p in resume_dir.glob("checkpoint-*")
@@ -61,10 +59,8 @@ def last_checkpoint(resume_dir: Path) -> str | None:
 
 
 class StageState:
-    """What posttrain's code keeps across a trainer's steps: ``save()`` as JSON-able values, ``restore(saved)``
-    on resume; ``save_files`` / ``restore_files`` for what it keeps as files in the checkpoint's folder.
-    ``every``: checkpoint only at multiples of this step (where GRPO draws a fresh batch of rollouts, which
-    no checkpoint holds)."""
+    """What posttrain's code keeps across a trainer's steps: ``save()``/``restore(saved)`` as JSON, ``save_files``/
+    ``restore_files`` as files in the checkpoint; ``every``: checkpoint only at multiples of this step."""
 
     def __init__(self, save: Callable[[], dict[str, Any]] = dict, restore: Callable[[dict], None] = lambda saved: None,
                  every: int = 1, save_files: Callable[[Path], None] | None = None,
@@ -74,9 +70,8 @@ class StageState:
 
 
 def train_resumably(trainer, ctx, state: StageState | None = None) -> tuple[Any, int]:
-    """``trainer.train()``, resumed from the newest checkpoint in ``ctx.resume_dir`` (its ``output_dir``) and
-    stopped gracefully on Ctrl-C or at the time limit. Returns (the train output, its ``training_loss`` the
-    mean since the stage began; the step it resumed from, 0 from the start)."""
+    """``trainer.train()`` resumed from ``ctx.resume_dir``, stopped gracefully on Ctrl-C or at the time limit:
+    (its output, ``training_loss`` the mean since the stage began; the step it resumed from, 0 afresh)."""
     state = state or StageState()
     resume_from = last_checkpoint(ctx.resume_dir)
     saved = _read_state(resume_from) if resume_from else {}
@@ -99,8 +94,7 @@ def train_resumably(trainer, ctx, state: StageState | None = None) -> tuple[Any,
 
 
 def train_measured(trainer, ctx, state: StageState | None = None) -> dict[str, float]:
-    """``train_resumably``, then the summary every trainer stage logs: its wall time, the mean loss since the
-    stage began, the first and last logged loss, the steps and the step it resumed from."""
+    """``train_resumably``, then the summary every trainer stage logs (time, losses, steps, resumed step)."""
     started = time.perf_counter()
     result, resumed_step = train_resumably(trainer, ctx, state)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -120,8 +114,7 @@ def _read_state(checkpoint: str) -> dict:
 
 
 def _state_writer(trainer, state: StageState, loss_sum_before: float, run_id: str | None):
-    """A callback writing the stage's state into each checkpoint's folder before the trainer's own files,
-    and none at the final step (a finished stage is published, not resumed)."""
+    """A callback writing the stage's state into each checkpoint before the trainer's files (none at the end)."""
     from transformers import TrainerCallback
 
     class StateWriter(TrainerCallback):
@@ -147,8 +140,7 @@ def _state_writer(trainer, state: StageState, loss_sum_before: float, run_id: st
 
 
 class StopRequest:
-    """Ctrl-C or the time limit as a request to stop after the current step: ``due()`` (agreed by every
-    process), then ``stop(done, total)`` raises KeyboardInterrupt or StageTimeLimit."""
+    """Ctrl-C or the time limit, a stop after this step: ``due()`` (agreed by all processes), then ``stop()`` raises."""
 
     def __init__(self, ctx):
         self.deadline = getattr(ctx, "deadline", None)
@@ -215,9 +207,7 @@ def stop_gracefully(trainer, ctx):
 
 
 class LoopCheckpoints:
-    """Checkpoints of a loop posttrain runs itself: ``checkpoint-N/`` holding ``tensors.pt`` and
-    ``stage_state.json``, written by rank 0 to a temporary folder and renamed into place whole, so a kill
-    at any moment leaves the last complete one."""
+    """Checkpoints of posttrain's own loops: ``checkpoint-N/`` (``tensors.pt``, ``stage_state.json``), whole."""
 
     def __init__(self, ctx, save_steps: int | None):
         self.dir, self.save_steps, self.run_id = Path(ctx.resume_dir), save_steps, getattr(ctx, "run_id", None)
@@ -280,9 +270,8 @@ class LoopState:
 
 def train_loop(ctx, name: str, config, step: Callable[[int], tuple[dict[str, float], list[dict]]],
                state: LoopState, watch) -> tuple[list[dict], int]:
-    """Steps 1..``config.max_steps`` of a stage's own loop, resumed from the newest checkpoint: metrics
-    logged and told to ``watch``, samples every ``sample_every`` steps, checkpoints as ``LoopCheckpoints``.
-    Returns (every step's record, the step it resumed from, 0 when afresh)."""
+    """Steps 1..``config.max_steps`` of a stage's own loop, resumed, logged, watched and checkpointed:
+    (every step's record, the step it resumed from, 0 when afresh)."""
     checkpoints, history, done = LoopCheckpoints(ctx, config.save_steps), [], 0
     found = checkpoints.latest()
     if found is not None:
