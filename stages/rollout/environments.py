@@ -17,19 +17,16 @@ from typing import Any, Callable
 
 from pydantic import ConfigDict, Field
 
+from stages.rewards.known_cases import KnownCase
 from stages.spec_model import SpecModel
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
 
 
-class EpisodeCase(SpecModel):
+class EpisodeCase(KnownCase):
     """A scripted episode whose score is known before training."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    case: str = Field(description="What the case is: success, failure, malformed or shortcut.",
-                      pattern="^(success|failure|malformed|shortcut)$")
     prompt: str = Field(description="The user message the episode starts from.")
     answer: str | None = Field(None, description="Reference answer handed to the rewards.")
     turns: list[str] = Field(min_length=1, description="The model's turns, in order (tool calls as "
