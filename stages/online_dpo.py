@@ -13,18 +13,19 @@ from pydantic import ConfigDict, Field, model_validator
 
 from stages.engines.settings import BackendName, EngineSettings, GenerationSettings, generation_rules
 from stages.training.alerts import AlertSettings
-from stages.context import ExecutionLimits, StageInputs, StageKind, references_to
+from stages.context import ExecutionLimits, StageInputs, StageKind
 from stages.training.resume import Resumable
 from stages.data.prompt_order import prompt_batches
 from stages.data.sources import prompt_messages, read_materialized
 from stages.sampling import ROLLOUT_DEFAULTS, ROLLOUT_SAMPLING, SamplingSettings
 from stages.models.lora import LORA_DESCRIPTION, LoraSpec
+from stages.preference_training import PolicyAgainstReference  # shared with dpo and kto
 
 MAX_GRAD_NORM = 1.0
 SAMPLE_TABLE_ROWS = 16
 
 
-class OnlineDPOStageConfig(ExecutionLimits, Resumable):
+class OnlineDPOStageConfig(PolicyAgainstReference, ExecutionLimits, Resumable):
     """Online DPO: pairs sampled from the current policy each step, ranked by rewards, trained with DPO."""
 
     model_config = ConfigDict(extra="forbid")
@@ -77,16 +78,8 @@ class OnlineDPOStageConfig(ExecutionLimits, Resumable):
         if self.sampling.attempts < 2:
             raise ValueError(f"online_dpo needs sampling.attempts >= 2 to make a pair of each prompt's samples "
                              f"(got {self.sampling.attempts})")
-        if self.lora is not None and self.reference not in (None, self.model):
-            raise ValueError(f"with lora the reference is the policy's own starting weights (adapters off); "
-                             f"reference {self.reference!r} must be left out or equal model {self.model!r}")
+        self.lora_reference_rule()
         return self
-
-    def references(self) -> dict[str, str]:
-        return references_to(model=self.model, reference=self.reference)
-
-    def dataset_names(self) -> list[str]:
-        return [self.data]
 
     def reward_names(self) -> list[str]:
         return list(self.rewards)

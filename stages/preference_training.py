@@ -1,6 +1,7 @@
 """What the preference-optimisation stage kinds (``dpo``, ``kto``) share: their config fields,
 metric names, and the training run around a TRL preference trainer (data, policy, frozen
-reference or adapters-off policy, held-out pairs, publication)."""
+reference or adapters-off policy, held-out pairs, publication); with ``online_dpo`` too, what
+a policy trained against a frozen reference declares (``PolicyAgainstReference``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,23 @@ from stages.models.placement import ReferencePlacement, check_devices, place, pl
 from stages.training.callbacks import metric_renamer
 
 
-class PreferenceOptimisationConfig(ExecutionLimits, Resumable):
+class PolicyAgainstReference:
+    """A preference stage's config (dpo, kto, online_dpo) with fields ``model``, ``reference``, ``data`` and
+    ``lora``: the policy starts from ``model`` and is held to the frozen ``reference``."""
+
+    def lora_reference_rule(self) -> None:
+        if self.lora is not None and self.reference not in (None, self.model):
+            raise ValueError(f"with lora the reference is the policy's own starting weights (adapters off); "
+                             f"reference {self.reference!r} must be left out or equal model {self.model!r}")
+
+    def references(self) -> dict[str, str]:
+        return references_to(model=self.model, reference=self.reference)
+
+    def dataset_names(self) -> list[str]:
+        return [self.data]
+
+
+class PreferenceOptimisationConfig(PolicyAgainstReference, ExecutionLimits, Resumable):
     """What DPO and KTO stages share: a policy, a frozen reference, preference pairs."""
 
     model_config = ConfigDict(extra="forbid")
@@ -48,19 +65,11 @@ class PreferenceOptimisationConfig(ExecutionLimits, Resumable):
 
     @model_validator(mode="after")
     def _lora_reference(self):
-        if self.lora is not None and self.reference not in (None, self.model):
-            raise ValueError(f"with lora the reference is the policy's own starting weights (adapters off); "
-                             f"reference {self.reference!r} must be left out or equal model {self.model!r}")
+        self.lora_reference_rule()
         if self.lora is not None and self.placement.reference != "policy":
             raise ValueError("with lora the reference is the policy itself with its adapters off: "
                              "placement.reference must be left at `policy`")
         return self
-
-    def references(self) -> dict[str, str]:
-        return references_to(model=self.model, reference=self.reference)
-
-    def dataset_names(self) -> list[str]:
-        return [self.data]
 
     def reward_names(self) -> list[str]:
         return []

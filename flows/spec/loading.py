@@ -72,6 +72,16 @@ def _key_text(key) -> str:
     return key.value if isinstance(key, yaml.ScalarNode) else "?"
 
 
+def _children(node, path: tuple):
+    """(key node, or None for a list item; child node; child's path) of a composed mapping or list."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            yield key, value, path + (_key_text(key),)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield None, item, path + (i,)
+
+
 def _structure_issues(root) -> list[SpecIssue]:
     """What makes a composed document unfit to build: keys that are not strings, an alias that contains
     itself, nesting deeper than MAX_DEPTH, more than MAX_VALUES values once aliases are expanded.
@@ -96,15 +106,11 @@ def _structure_issues(root) -> list[SpecIssue]:
             raise _Refused
         on_path.add(id(node))
         total = 1
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                problem = _key_problem(key)
-                if problem:
-                    issues.append(SpecIssue(dotted(path + (_key_text(key),)), problem, _line(key)))
-                total += size(value, path + (_key_text(key),))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                total += size(item, path + (i,))
+        for key, child, child_path in _children(node, path):
+            problem = None if key is None else _key_problem(key)
+            if problem:
+                issues.append(SpecIssue(dotted(child_path), problem, _line(key)))
+            total += size(child, child_path)
         on_path.discard(id(node))
         sizes[id(node)] = total
         if total > MAX_VALUES:
@@ -178,14 +184,10 @@ def _line_index(root) -> dict[tuple, int]:
 
     def walk(node, path):
         lines.setdefault(path, _line(node))
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                child = path + (key.value,)
-                lines[child] = _line(key)
-                walk(value, child)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                walk(item, path + (i,))
+        for key, child, child_path in _children(node, path):
+            if key is not None:
+                lines[child_path] = _line(key)
+            walk(child, child_path)
 
     if root is not None:
         walk(root, ())
@@ -201,19 +203,15 @@ def duplicate_key_issues(root) -> list[SpecIssue]:
         if id(node) in seen_nodes:  # an alias of a node already checked
             return
         seen_nodes.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            first: dict[str, int] = {}
-            for key, value in node.value:
+        first: dict[str, int] = {}
+        for key, child, child_path in _children(node, path):
+            if isinstance(key, yaml.ScalarNode) and key.value != "<<":
                 line = _line(key)
-                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
-                    if key.value in first:
-                        issues.append(SpecIssue(dotted(path + (key.value,)), f"duplicate key (first given at line "
-                                                f"{first[key.value]}); YAML would keep only this one", line))
-                    first.setdefault(key.value, line)
-                walk(value, path + (key.value,))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                walk(item, path + (i,))
+                if key.value in first:
+                    issues.append(SpecIssue(dotted(child_path), f"duplicate key (first given at line "
+                                            f"{first[key.value]}); YAML would keep only this one", line))
+                first.setdefault(key.value, line)
+            walk(child, child_path)
 
     if root is not None:
         walk(root, ())

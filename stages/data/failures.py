@@ -8,6 +8,8 @@ import random
 import tempfile
 from pathlib import Path
 
+from stages.data.sources import json_line
+
 FROM_FAILURES = "failure_set"  # the ``origin`` of a record drawn from the failure set
 
 
@@ -21,10 +23,7 @@ def read_failures(path: Path) -> list[dict]:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            try:
-                case = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise FailureSetError(f"{path}:{line_no}: not valid JSON ({error.msg})") from None
+            case = json_line(line, f"{path}:{line_no}", FailureSetError)
             if not isinstance(case, dict) or not isinstance(case.get("messages"), list) or not case["messages"]:
                 raise FailureSetError(f"{path}:{line_no}: a failure case needs its prompt `messages`")
             cases.append(case)

@@ -103,6 +103,14 @@ def read_jsonl(path: Path, limit: int | None = None, normalise=normalise_record)
     return [record for _, record in located_jsonl(path, limit, normalise)]
 
 
+def json_line(line: str, where: str, error: type[ValueError] = DataError):
+    """The JSON value of one line of a JSONL file; ``error`` names ``where`` (``file:line``) when it is not JSON."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as caught:
+        raise error(f"{where}: not valid JSON ({caught.msg})") from None
+
+
 def located_jsonl(path: Path, limit: int | None = None, normalise=normalise_record) -> list[tuple[str, dict]]:
     """(``file:line``, record) for every record of a JSONL file; DataError names the line that is wrong."""
     records = []
@@ -120,9 +128,7 @@ def located_jsonl(path: Path, limit: int | None = None, normalise=normalise_reco
             if not line.strip():
                 continue
             try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({error.msg})") from None
+                raw = json_line(line, f"{path}:{line_no}")
             except RecursionError:
                 raise DataError(f"{path}:{line_no}: JSON nested too deeply to be a record") from None
             records.append((f"{path}:{line_no}", normalise(raw, f"{path}:{line_no}")))

@@ -23,6 +23,12 @@ ROLE_HELP = (
 )
 
 
+def _operand_range_rule(spec: ArithmeticData | ArithmeticPreferenceData) -> None:
+    """What both arithmetic generators refuse: an empty operand range."""
+    if spec.min_operand > spec.max_operand:
+        raise ValueError(f"min_operand ({spec.min_operand}) must be <= max_operand ({spec.max_operand})")
+
+
 class ArithmeticData(SpecModel):
     """Generated arithmetic questions: 'What is a+b?' with the exact answer."""
 
@@ -53,10 +59,7 @@ class ArithmeticData(SpecModel):
 
     @model_validator(mode="after")
     def _operand_range(self):
-        if self.min_operand > self.max_operand:
-            raise ValueError(
-                f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})"
-            )
+        _operand_range_rule(self)
         return self
 
 
@@ -102,8 +105,7 @@ class ArithmeticPreferenceData(SpecModel):
 
     @model_validator(mode="after")
     def _rates_and_range(self):
-        if self.min_operand > self.max_operand:
-            raise ValueError(f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})")
+        _operand_range_rule(self)
         if self.near_miss_rate + self.malformed_rate > 1.0:
             raise ValueError(f"near_miss_rate ({self.near_miss_rate}) + malformed_rate ({self.malformed_rate}) "
                              "must be <= 1")

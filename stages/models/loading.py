@@ -148,6 +148,7 @@ def build_tiny_model(spec: TinyModelSpec, seed: int, out_dir: Path) -> Path:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tiny_tokenizer()
+    special_ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -157,15 +158,12 @@ def build_tiny_model(spec: TinyModelSpec, seed: int, out_dir: Path) -> Path:
         num_key_value_heads=spec.num_heads,
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **special_ids,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(**special_ids)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -12,13 +12,18 @@ from stages.rewards.spec import RewardSpec
 from stages.spec_model import SpecModel
 
 
-class RewardCase(SpecModel):
-    """A completion whose reward is known before training: the score range it must get."""
+class KnownCase(SpecModel):
+    """What every known case (a reward's ``RewardCase``, an environment's ``EpisodeCase``) says first."""
 
     model_config = ConfigDict(extra="forbid")
 
     case: str = Field(description="What the case is: success, failure, malformed or shortcut.",
                       pattern="^(success|failure|malformed|shortcut)$")
+
+
+class RewardCase(KnownCase):
+    """A completion whose reward is known before training: the score range it must get."""
+
     completion: str = Field(description="The model's reply to score.")
     answer: str | None = Field(None, description="Reference answer handed to the reward.")
     prompt: str | None = Field(None, description="User message the completion answers (optional).")

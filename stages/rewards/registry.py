@@ -69,17 +69,24 @@ def import_dotted(name: str, what: str) -> Callable[..., Any]:
             f"unknown {what} {name!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
             "and not a dotted path like `my_pkg.rewards:score`"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:
-        raise RewardError(f"{what} {name!r}: cannot import module {module_name!r} "
-                          f"({type(error).__name__}: {error})") from None
-    fn = getattr(module, attr, None)
+    fn = imported_attribute(name, what, module_name, attr)
     if fn is None:
         raise RewardError(f"{what} {name!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise RewardError(f"{what} {name!r} is not callable")
     return fn
+
+
+def imported_attribute(name: str, what: str, module_name: str, attr: str,
+                       error: type[ValueError] = RewardError) -> Any:
+    """Attribute ``attr`` of module ``module_name`` (None where it has none), for the dotted path ``name`` of a
+    ``what`` (a reward, an environment); ``error`` says why the module cannot be imported."""
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as caught:
+        raise error(f"{what} {name!r}: cannot import module {module_name!r} "
+                    f"({type(caught).__name__}: {caught})") from None
+    return getattr(module, attr, None)
 
 
 def check_signature(name: str, fn: Any) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib
 import inspect
 import json
 import operator
@@ -17,19 +16,17 @@ from typing import Any, Callable
 
 from pydantic import ConfigDict, Field
 
+from stages.rewards.known_cases import KnownCase
+from stages.rewards.registry import imported_attribute
 from stages.spec_model import SpecModel
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_CALL_OPEN = "<tool_call>"
 
 
-class EpisodeCase(SpecModel):
+class EpisodeCase(KnownCase):
     """A scripted episode whose score is known before training."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    case: str = Field(description="What the case is: success, failure, malformed or shortcut.",
-                      pattern="^(success|failure|malformed|shortcut)$")
     prompt: str = Field(description="The user message the episode starts from.")
     answer: str | None = Field(None, description="Reference answer handed to the rewards.")
     turns: list[str] = Field(min_length=1, description="The model's turns, in order (tool calls as "
@@ -225,12 +222,7 @@ def load_environment_class(name: str) -> type[Environment]:
         raise EnvironmentLoadError(f"unknown environment {name!r}: not a built-in ({', '.join(sorted(BUILTIN_ENVIRONMENTS))}) "
                                 "and not a dotted path like `my_pkg.envs:MyEnvironment`")
     module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:
-        raise EnvironmentLoadError(f"environment {name!r}: cannot import module {module_name!r} "
-                                f"({type(error).__name__}: {error})") from None
-    cls = getattr(module, attr, None)
+    cls = imported_attribute(name, "environment", module_name, attr, EnvironmentLoadError)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise EnvironmentLoadError(f"environment {name!r} is not a subclass of stages.rollout.environments.Environment")
     return cls
