@@ -161,14 +161,16 @@ def test_unruly_tools_are_contained_and_the_episode_goes_on():
 
 @pytest.mark.needs_bwrap
 def test_python_tool_runs_in_the_sandbox_with_its_limits():
-    spec = EnvironmentSpec(fn="python", kwargs={"timeout_s": 1.0}, max_turns=4)
-    environment = build_environment(spec)
-    environment.check()
-    tools = environment.tools()
+    # the loop meets a 1 s limit; the other calls one that start-up on a loaded machine cannot reach
+    environments = [build_environment(EnvironmentSpec(fn="python", kwargs={"timeout_s": limit}, max_turns=4))
+                    for limit in (30.0, 1.0, 30.0)]
+    for environment in environments:
+        environment.check()
     calls = parse_tool_calls('<tool_call>python("print(47*86)")</tool_call>'
                              '<tool_call>python("while True: pass")</tool_call>'
                              '<tool_call>python("import os; print(os.listdir(\'/work\'))")</tool_call>')
-    ok, looping, escaping = [execute_tool_call(c, tools, timeout_s=10, max_chars=500) for c in calls]
+    ok, looping, escaping = [execute_tool_call(call, environment.tools(), timeout_s=60, max_chars=500)
+                             for call, environment in zip(calls, environments)]
     assert (ok.content, ok.error) == ("4042", False)
     assert looping.error and "time" in looping.content.lower()  # killed by the sandbox's wall clock
     assert escaping.error and "FileNotFoundError" in escaping.content  # the host's files are not there

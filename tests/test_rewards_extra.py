@@ -90,7 +90,8 @@ def test_code_tests_times_out_slow_solutions():
 
 @pytest.mark.needs_bwrap
 def test_code_tests_through_the_reward_registry():
-    specs = {"tests_pass": RewardSpec(fn="stages.rewards.code_tests:code_tests", kwargs={"timeout_s": 3})}
+    # a limit the right answer cannot reach on a loaded machine: this test is about scoring, not time
+    specs = {"tests_pass": RewardSpec(fn="stages.rewards.code_tests:code_tests", kwargs={"timeout_s": 30})}
     columns = {"answer": [ADD_TESTS, ADD_TESTS, ADD_TESTS], "prompts": [[], [], []]}
     batch = score_completions(specs, [fenced("def add(a, b): return a + b"), fenced("def add(a, b): return 0"),
                                       "```python\ndef add(\n```"], columns)

@@ -264,7 +264,7 @@ def test_explicit_opt_out_runs_with_limits_a_throwaway_dir_and_a_scrubbed_enviro
         import os
         print(sorted(os.environ.items()))
         print("cwd", os.getcwd(), "uid", os.getuid())
-    """), isolation="rlimits-only")
+    """), isolation="rlimits-only", timeout_s=60.0)  # not about time: start-up under load must not time out
     assert result.returncode == 0, result.stderr
     assert "s3cret-value" not in result.stdout and "POSTTRAIN_TEST_SECRET" not in result.stdout
     cwd = Path(result.stdout.split("cwd ")[1].split()[0])
@@ -272,14 +272,15 @@ def test_explicit_opt_out_runs_with_limits_a_throwaway_dir_and_a_scrubbed_enviro
     if os.geteuid() == 0:  # as root it runs as an unprivileged uid
         assert int(result.stdout.split("uid ")[1]) != 0
 
-    bomb = run_sandboxed("blob = bytearray(4 * 2**30)\nprint('allocated')", memory_mb=256, isolation="rlimits-only")
+    bomb = run_sandboxed("blob = bytearray(4 * 2**30)\nprint('allocated')", memory_mb=256, isolation="rlimits-only",
+                         timeout_s=60.0)
     assert "allocated" not in bomb.stdout and bomb.killed_reason == "memory limit (MemoryError)"
     loop = run_sandboxed("while True:\n    pass", timeout_s=1.0, isolation="rlimits-only")
     assert loop.timed_out and loop.killed_reason == "wall-clock timeout (1s)"
     if os.geteuid() == 0:  # its fresh uid's processes die with it, even one that left the session
         marker = str(1_000_000 + secrets.randbelow(1_000_000))
         daemon = run_sandboxed(f"import subprocess\nsubprocess.Popen(['sleep', '{marker}'], start_new_session=True)",
-                               isolation="rlimits-only")
+                               isolation="rlimits-only", timeout_s=60.0)
         assert daemon.returncode == 0, daemon.stderr
         assert processes_with_marker(f"sleep\0{marker}") == []
 
