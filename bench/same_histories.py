@@ -38,7 +38,10 @@ def finished_runs(home: str, pipeline: str, seed: str) -> dict:
 
 
 def history(client, run, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+    """The metric's distinct (step, value) points: a value logged twice at one step is one point, since MLflow's
+    store keeps both only when they were logged in different milliseconds (the trainer's last step and its
+    closing summary both carry ``epoch``)."""
+    return sorted({(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)})
 
 
 def main(argv: list[str] | None = None) -> int:
