@@ -59,6 +59,11 @@ def gains_of(claims: list[dict], study: str) -> set[tuple[str, str, str]]:
             for c in claims if c["study"] == study and "gain" in c}
 
 
+def table_gains(study: dict) -> set[tuple[str, str, str]]:
+    """The (of, over, metric) gains a study's README table shows, claimed or not."""
+    return {(*key.split(" - ", 1), "pass_at_1") for key in study.get("table", {}).get("gains", [])}
+
+
 def read_home(home: Path, gains: set[tuple[str, str, str]]) -> dict:
     """A home's figures (label -> metric -> seed -> value, the newest finished stage run of each) and the
     asked-for gains (label -> metric -> seed -> paired difference over prompts, with its 95% interval)."""
@@ -305,7 +310,7 @@ def gather(args, claims: list[dict], studies: dict) -> dict:
             results.setdefault("seconds", {})[name] = round(run_sweep(name, studies[name], home))
         else:
             home = Path(homes[name])
-        results["studies"][name] = read_home(home, gains_of(claims, name))
+        results["studies"][name] = read_home(home, gains_of(claims, name) | table_gains(studies[name]))
     return results
 
 
