@@ -288,8 +288,8 @@ def build_grpo_config(config, output_dir: Path, seed: int):
     )
 
 
-def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, seed: int, backend: Backend, step_metrics=None,
-                  work_dir: Path | None = None, ordered: GenerationPrompts | None = None):
+def grpo_rollouts(config, inputs: StageInputs, tokenizer, dataset, ordered: GenerationPrompts, seed: int,
+                  backend: Backend, step_metrics=None, work_dir: Path | None = None):
     """posttrain's rollouts for TRL, drawn by the engine of ``backend``, opened on first use; from a server they
     draw ahead the prompts of ``ordered``."""
     import os
@@ -343,7 +343,8 @@ def train_grpo(config, inputs: StageInputs, ctx) -> dict:
     rewards: dict[str, RewardSpec] = inputs.rewards
     step_metrics = StepMetrics()
     backend = stage_backend(config, inputs.policy, ctx)
-    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, seed, backend, step_metrics, ctx.work_dir, ordered)
+    rollouts = grpo_rollouts(config, inputs, tokenizer, dataset, ordered, seed, backend, step_metrics,
+                             ctx.work_dir)
     scorer, reward_funcs = _reward_funcs(config, inputs, ctx, rollouts, step_metrics)
 
     args = build_grpo_config(config, ctx.resume_dir, seed)

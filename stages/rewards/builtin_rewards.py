@@ -1,4 +1,5 @@
-"""The built-in rewards with no machinery of their own, and placeholders of the scorers a stage binds."""
+"""The built-in rewards with no machinery of their own, and the names a stage binds to a scorer (``reward_model``,
+``judge``, ``environment``), which refuse to score unbound."""
 
 from __future__ import annotations
 

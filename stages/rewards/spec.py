@@ -21,7 +21,7 @@ BOUND_ONLY_FNS = (REWARD_MODEL_FN, JUDGE_FN, ENVIRONMENT_FN)  # scorers a stage 
 # built-ins bounding each completion themselves (a sandbox, its own time limit): run in the stage's process
 SELF_BOUNDED_FNS = ("code_tests",)
 RUBRIC_PLACEHOLDERS = ("{prompt}", "{completion}", "{answer}")  # what stages/rewards/judge.py render_rubric fills
-# a placeholder: a name in braces and what follows (`{prompt.__class__}`, `{x[0]}`, `{answer!r}`); JSON is none
+# a rubric field to fill: a name in braces and what follows (`{prompt.__class__}`, `{x[0]}`, `{answer!r}`); JSON is none
 _PLACEHOLDER = re.compile(r"\{[A-Za-z_][^{}]*\}")
 JUDGE_SCALE = re.compile(r"(-?\d+)-(-?\d+)")  # a judge's numeric scale, e.g. 1-10
 
